@@ -1,0 +1,140 @@
+"""Pure forward of the decoder-only families we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over a flat ragged
+token batch and the paged KV cache; no state outside the arguments. Variant behaviour comes from `ModelConfig`.
+
+Parameter pytree (weights stored [in, out] so activations multiply on the left; norms in float32):
+    embed [vocab, hidden], lm_head [hidden, vocab], final_norm [hidden],
+    layers: list of dicts with
+        attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,
+        hidden], optional bq/bk/bv/bo biases, optional q_norm/k_norm [head_dim], mlp_norm [hidden],
+        w_gate_up [hidden, 2, intermediate], w_down [intermediate, hidden],
+        Gemma 3 only: post_attn_norm, post_mlp_norm [hidden].
+Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from netra_jax.config import ModelConfig, RopeConfig
+from netra_jax.ops.attention import AttentionMetadata, attention, write_kv
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Paged KV cache: one K and one V array per layer, [num_pages, page_size, kv_heads, head_dim]."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None) -> KVCache:
+    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def zeros():
+        return jnp.zeros(shape, dtype, device=sharding)
+
+    return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    return 2 * cfg.num_layers * page_size * cfg.kv_size * np.dtype(dtype).itemsize
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, result in x's dtype. x: [..., dim]; w: [dim]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, rc: RopeConfig, head_dim: int) -> jax.Array:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: [T]."""
+    inv_freq = jnp.asarray(np.asarray(rc.inv_freq(head_dim), np.float32))  # [head_dim // 2]
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : head_dim // 2], xf[..., head_dim // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.dot(x, w.astype(x.dtype))
+    return y if b is None else y + b.astype(y.dtype)
+
+
+def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    gu = jnp.einsum("th,hki->tki", x, lp["w_gate_up"].astype(x.dtype))  # [T, 2, intermediate]
+    gate, up = gu[:, 0], gu[:, 1]
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return _linear(act * up, lp["w_down"])
+
+
+def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md, backend: str):
+    T = x.shape[0]
+    q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(x, lp["wv"], lp.get("bv")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    rc = cfg.layer_rope(i)
+    q, k = rope(q, positions, rc, cfg.head_dim), rope(k, positions, rc, cfg.head_dim)
+    kp, vp = write_kv(kv.k[i], kv.v[i], k, v, md.slot_mapping)
+    o = attention(
+        q, kp, vp, md, scale=cfg.attn_scale, sliding_window=cfg.layer_window(i),
+        soft_cap=cfg.attn_logit_softcap, backend=backend,
+    )  # [T, q_heads, head_dim]
+    return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv: KVCache,
+    md: AttentionMetadata,
+    logits_indices: jax.Array | None = None,
+    *,
+    backend: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Run the model on a flat batch of new tokens, writing their K/V into the pages.
+
+    token_ids, positions: [T] int32. logits_indices: [S] int32 rows whose logits are wanted (all rows if None).
+    Returns (logits [S or T, vocab] float32, updated kv cache).
+    """
+    embed = params["embed"]
+    x = embed[token_ids]  # [T, hidden]
+    if cfg.gemma_norms:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    new_k, new_v = [], []
+    for i, lp in enumerate(params["layers"]):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        h, kp, vp = _attention_block(h, lp, cfg, i, positions, kv, md, backend)
+        new_k.append(kp)
+        new_v.append(vp)
+        if cfg.gemma_norms:
+            h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
+        x = x + h
+        h = _mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg)
+        if cfg.gemma_norms:
+            h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
+        x = x + h
+    if logits_indices is not None:
+        x = x[logits_indices]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.dot(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)  # [S, vocab]
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits, KVCache(k=new_k, v=new_v)

@@ -1,0 +1,254 @@
+"""Frozen configuration dataclasses: the model's shape (from a Hugging Face config.json or GGUF metadata),
+RoPE settings, and the cache / scheduler / engine knobs. Everything here is hashable so it can be a jit static arg."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF `architectures` entry -> (our model family, variant flags)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration cannot be served (unsupported architecture, rope type, missing field)."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
+        d = dict(d or {})
+        rope_type = d.get("rope_type", d.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        th = d.get("rope_theta", theta if theta is not None else 10000.0)
+        return RopeConfig(
+            theta=float(th),
+            rope_type=rope_type,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+    def inv_freq(self, head_dim: int) -> list[float]:
+        """Inverse frequencies (length head_dim // 2) following the rope type's scaling rule."""
+        base = [1.0 / (self.theta ** (i / head_dim)) for i in range(0, head_dim, 2)]
+        if self.rope_type == "default":
+            return base
+        if self.rope_type == "linear":
+            return [f / self.factor for f in base]
+        # llama3: scale low frequencies, keep high ones, interpolate between
+        old = self.original_max_position_embeddings
+        low_wl, high_wl = old / self.low_freq_factor, old / self.high_freq_factor
+        out = []
+        for f in base:
+            wl = 2 * math.pi / f
+            if wl < high_wl:
+                out.append(f)
+            elif wl > low_wl:
+                out.append(f / self.factor)
+            else:
+                s = (old / wl - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+                out.append((1 - s) * f / self.factor + s * f)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of one decoder-only transformer. `family` selects the forward's variant flags."""
+
+    architecture: str  # HF architecture name, e.g. "LlamaForCausalLM"
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"  # silu | gelu_tanh
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None = None
+    rope_full: RopeConfig = field(default_factory=RopeConfig)
+    rope_sliding: RopeConfig = field(default_factory=RopeConfig)
+    attn_scale: float = 1.0  # softmax scale applied to q.k
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    qk_norm: bool = False  # Qwen3 / Gemma 3: RMSNorm over head_dim of q and k before rope
+    gemma_norms: bool = False  # (1 + w) RMSNorm, sandwich norms, sqrt(hidden) embedding scale
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, i: int) -> int | None:
+        """Sliding window of layer i (keys with q_pos - k_pos < window are visible), None for full attention."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_rope(self, i: int) -> RopeConfig:
+        return self.rope_sliding if self.layer_types[i] == "sliding_attention" else self.rope_full
+
+    def replace(self, **kw: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    # ---------------------------------------------------------------- constructors
+    @staticmethod
+    def from_hf_dir(path: str | Path) -> ModelConfig:
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        return ModelConfig.from_hf_dict(d)
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or d.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        for key in ("auto_map",):
+            if key in d:
+                raise ConfigError("checkpoints that need remote code (auto_map) are not loaded")
+        try:
+            hidden = int(d["hidden_size"])
+            n_heads = int(d["num_attention_heads"])
+            n_layers = int(d["num_hidden_layers"])
+            vocab = int(d["vocab_size"])
+            inter = int(d["intermediate_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from e
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError("partial_rotary_factor != 1 is not supported")
+        head_dim = int(d.get("head_dim") or hidden // n_heads)
+        n_kv = int(d.get("num_key_value_heads") or n_heads)
+        gemma = family == "gemma3"
+
+        # layer types / sliding window
+        window = d.get("sliding_window")
+        layer_types = d.get("layer_types")
+        if gemma:
+            if not layer_types:
+                pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+                layer_types = [
+                    "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
+                ]
+        elif family == "qwen2" or family == "qwen3":
+            if not d.get("use_sliding_window", False):
+                window = None
+            if not layer_types:
+                mwl = int(d.get("max_window_layers", n_layers))
+                layer_types = [
+                    "sliding_attention" if window and i >= mwl else "full_attention" for i in range(n_layers)
+                ]
+            if window is None:
+                layer_types = ["full_attention"] * n_layers
+        else:  # llama / mistral: one window for every layer when set
+            if not layer_types:
+                layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+        if any(t == "sliding_attention" for t in layer_types) and not window:
+            raise ConfigError("sliding_attention layers need a sliding_window")
+
+        # rope: legacy top-level rope_theta/rope_scaling, or rope_parameters (flat or per layer type)
+        rp = d.get("rope_parameters")
+        if rp and ("full_attention" in rp or "sliding_attention" in rp):
+            rope_full = RopeConfig.from_dict(rp.get("full_attention"))
+            rope_sliding = RopeConfig.from_dict(rp.get("sliding_attention", rp.get("full_attention")))
+        elif rp:
+            rope_full = rope_sliding = RopeConfig.from_dict(rp)
+        else:
+            rope_full = RopeConfig.from_dict(d.get("rope_scaling"), theta=d.get("rope_theta", 10000.0))
+            rope_sliding = rope_full
+            if gemma:
+                rope_sliding = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+
+        if gemma:
+            scale = float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5
+        else:
+            scale = head_dim**-0.5
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+        if act is None:
+            raise ConfigError(f"unsupported activation {d.get('hidden_act') or d.get('hidden_activation')!r}")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        return ModelConfig(
+            architecture=arch,
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            hidden_act=act,
+            layer_types=tuple(layer_types),
+            sliding_window=int(window) if window else None,
+            rope_full=rope_full,
+            rope_sliding=rope_sliding,
+            attn_scale=scale,
+            attn_logit_softcap=d.get("attn_logit_softcapping"),
+            final_logit_softcap=d.get("final_logit_softcapping"),
+            qk_norm=family in ("qwen3", "gemma3"),
+            gemma_norms=gemma,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # explicit page count; else derived from the memory budget
+    kv_cache_bytes: int | None = None  # byte budget for the KV array (CPU default: 1 GiB)
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory for weights + KV
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill above it)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_waiting: int | None = None  # queue cap; None = unbounded

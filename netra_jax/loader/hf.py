@@ -1,0 +1,90 @@
+"""Hugging Face checkpoint directories: one or many `*.safetensors` shards (with an index json), read through
+memory maps so a tensor is only paged in when converted. Pickled checkpoints (`*.bin`, `*.pt`) are refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupt or of a refused kind."""
+
+
+class SafetensorsShard:
+    """Zero-copy numpy views of the tensors of one safetensors file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:  # the library validates the header and that the data section covers every tensor
+            with safe_open(str(path), framework="numpy") as f:
+                names = list(f.keys())
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: invalid or truncated safetensors file ({e})") from e
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        self._base = 8 + n
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self._meta = {k: header[k] for k in names}
+
+    def keys(self):
+        return self._meta.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        m = self._meta[name]
+        if m["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {m['dtype']}")
+        a, b = m["data_offsets"]
+        raw = self._mm[self._base + a : self._base + b]
+        return raw.view(_DTYPES[m["dtype"]]).reshape(m["shape"])
+
+
+class HFCheckpoint:
+    """All tensors of a HF model directory, by name."""
+
+    def __init__(self, model_dir: str | Path):
+        d = Path(model_dir)
+        if not d.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt")]
+            if pickles:
+                raise CheckpointError(
+                    f"{d} holds only pickled weights ({', '.join(pickles)}); pickles are never loaded — "
+                    "convert the checkpoint to safetensors"
+                )
+            raise CheckpointError(f"{d} has no *.safetensors weights")
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (d / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{d}: shards named in the index are missing: {', '.join(missing)}")
+            files = [d / n for n in names]
+        self.shards = [SafetensorsShard(f) for f in files]
+        self._where = {k: s for s in self.shards for k in s.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        try:
+            return self._where[name].get(name)
+        except KeyError:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}") from None
+
+    def keys(self):
+        return self._where.keys()
