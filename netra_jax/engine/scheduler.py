@@ -1,0 +1,336 @@
+"""Continuous-batching scheduler: each step gives requests new tokens so num_computed_tokens catches up to
+num_tokens (prefill, chunked prefill, decode and prefix hits are one rule); preempts by recompute when KV runs out."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from netra_jax.config import SchedulerConfig
+from netra_jax.engine.block_pool import BlockPool, chain_hashes
+from netra_jax.engine.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `SchedulerConfig.max_waiting`; the caller should retry later."""
+
+
+@dataclass
+class ScheduledRequest:
+    """Compute `request.all_token_ids[start:start + num_new_tokens]` at positions start.. into `block_ids` (the
+    whole block table); `sample` is True when this reaches the end of the sequence, so a next token is drawn."""
+
+    request: Request
+    num_new_tokens: int
+    start: int
+    block_ids: list[int]
+    sample: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous schedule()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Running requests are served first (in admission order), then waiting ones FCFS while the token budget,
+    `max_num_seqs` and the pool allow. When a running request cannot get a block, the most recently admitted
+    running request is preempted (blocks freed, recomputed later from prompt + output)."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if config.max_waiting is not None and config.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {config.max_waiting}")
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.config = config
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.block_size = pool.block_size
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def stats(self) -> dict[str, float]:
+        p = self.pool
+        return {
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "num_preemptions": self.num_preemptions,
+            "kv_usage": p.usage,
+            "prefix_hits_tokens": p.prefix_hits_tokens,
+            "prefix_queries_tokens": p.prefix_queries_tokens,
+            "prefix_hit_rate": p.prefix_hit_rate,
+        }
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises ValueError when it can never fit (max_model_len or the whole KV pool),
+        QueueFullError when the waiting queue is at its cap."""
+        if not isinstance(req, Request):
+            raise ValueError(f"expected a Request, got {type(req).__name__}")
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
+            raise ValueError(f"request {req.request_id!r} was already scheduled (status {req.status.name})")
+        cap = self.config.max_waiting
+        if cap is not None and len(self._waiting) >= cap:
+            raise QueueFullError(f"waiting queue is full ({cap} requests)")
+        req.max_total_tokens = self._token_limit(req)
+        self._requests[req.request_id] = req
+        self._waiting.append(req)
+
+    def _token_limit(self, req: Request) -> int:
+        p, mt, bs = req.num_tokens, req.sampling_params.max_tokens, self.block_size
+        kv_tokens = self.pool.num_total * bs  # the last generated token never needs a KV slot
+        if mt is None:
+            limit = min(self.max_model_len, kv_tokens + 1)
+            if p >= limit:
+                raise ValueError(
+                    f"request {req.request_id!r}: prompt of {p} tokens leaves no room to generate (limit {limit} "
+                    f"tokens: max_model_len {self.max_model_len}, KV cache {kv_tokens} tokens)"
+                )
+            return limit
+        if not isinstance(mt, int) or mt < 1:
+            raise ValueError(f"request {req.request_id!r}: max_tokens must be a positive integer, got {mt!r}")
+        total = p + mt
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt ({p} tokens) + max_tokens ({mt}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if total - 1 > kv_tokens:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt ({p} tokens) + max_tokens ({mt}) needs "
+                f"{self.pool.blocks_needed(total - 1)} KV blocks of {bs} tokens, the cache has {self.pool.num_total}"
+            )
+        return total
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.pool.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > self.pool.num_free_blocks:
+                victim = self._running.pop()  # most recently admitted; never one already scheduled this step
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            if need > 0:
+                req.block_ids.extend(self.pool.allocate(need))
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+            i += 1
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        pool, bs = self.pool, self.block_size
+        caching = pool.enable_prefix_caching
+        pending: set[bytes] | None = None  # hashes of full blocks that running requests are still computing
+        deferred: list[Request] = []
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            hits: list[int] = []
+            if caching:
+                hits = pool.get_computed_blocks(req.all_token_ids, req.cache_key, req.block_hashes, record=False)
+                k = len(hits)
+                if k < (req.num_tokens - 1) // bs:  # the next block missed; defer if a running request computes it
+                    if pending is None:
+                        pending = self._pending_hashes()
+                    if req.block_hashes[k] in pending:
+                        deferred.append(self._waiting.popleft())
+                        continue
+            num_computed = len(hits) * bs
+            n = min(req.num_tokens - num_computed, budget)
+            need = pool.blocks_needed(num_computed + n) - len(hits)
+            if need + pool.num_revived(hits) > pool.num_free_blocks:
+                break
+            self._waiting.popleft()
+            pool.take(hits)
+            req.block_ids = hits + pool.allocate(need)
+            req.num_computed_tokens = num_computed
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_computed
+                req.first_scheduled_time = time.time()
+                pool.record_prefix_query(req.num_tokens, num_computed)
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+            if pending is not None:
+                self._add_pending(pending, req)
+        self._waiting.extendleft(reversed(deferred))
+
+    def _pending_hashes(self) -> set[bytes]:
+        pending: set[bytes] = set()
+        for r in self._running:
+            self._add_pending(pending, r)
+        return pending
+
+    def _add_pending(self, pending: set[bytes], r: Request) -> None:
+        # only requests catching up on several tokens (prefill, resumed) are worth waiting for
+        if r.num_tokens - r.num_computed_tokens > 1:
+            lo, hi = r.num_computed_tokens // self.block_size, r.num_tokens // self.block_size
+            if hi > lo:
+                hashes = chain_hashes(r.all_token_ids, self.block_size, hi, r.cache_key, r.block_hashes)
+                pending.update(hashes[lo:hi])
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, n, start, list(req.block_ids), start + n == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance the requests of `out` by what was computed, append sampled tokens to those that sampled, apply
+        token-level stop conditions and free finished requests. Returns the requests finished by this update."""
+        live = [
+            s
+            for s in out.scheduled
+            if s.request.status is RequestStatus.RUNNING and s.request.num_computed_tokens == s.start
+        ]
+        for s in live:
+            if s.sample and s.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {s.request_id!r}, which sampled this step")
+        finished = []
+        pool = self.pool
+        for s in live:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if pool.enable_prefix_caching:
+                pool.cache_full_blocks(
+                    req.all_token_ids, req.block_ids, req.num_computed_tokens, req.cache_key, req.block_hashes
+                )
+            if not s.sample:
+                continue
+            tokens = sampled[req.request_id]
+            for t in [tokens] if isinstance(tokens, int) else tokens:
+                req.append_output(t)
+                if req.first_token_time is None:
+                    req.first_token_time = time.time()
+                stop = self._check_stop(req, req.output_token_ids[-1])
+                if stop is not None:
+                    self._finish(req, *stop)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus, int | None] | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in req.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if req.num_tokens >= min(req.max_total_tokens or self.max_model_len, self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, reason: str | int | None = None) -> Request | None:
+        """Finish a waiting or running request early (a stop string matched, the client left, an error).
+        Frees its blocks at once. Returns the request, or None when it is unknown or already finished."""
+        if not isinstance(status, RequestStatus) or not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, status, reason)
+        return req
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str | int | None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        req.status = status
+        req.finish_reason = status.finish_reason
+        req.stop_reason = reason
+        req.finish_time = time.time()
+        del self._requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariant(self) -> None:
+        """Raise AssertionError unless the pool is consistent and its references are exactly the running
+        requests' block tables (waiting and preempted requests hold nothing)."""
+        self.pool.check_invariant()
+        refs: dict[int, int] = {}
+        for r in self._running:
+            if r.status is not RequestStatus.RUNNING:
+                raise AssertionError(f"{r} is in the running list")
+            if len(r.block_ids) < self.pool.blocks_needed(r.num_computed_tokens):
+                raise AssertionError(f"{r} has fewer blocks than its computed tokens need")
+            for b in r.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        for r in self._waiting:
+            if r.block_ids or r.num_computed_tokens or r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"waiting {r} holds KV state")
+        for b in range(self.pool.num_total):
+            if self.pool.ref_count(b) != refs.get(b, 0):
+                raise AssertionError(f"block {b} has {self.pool.ref_count(b)} refs, requests hold {refs.get(b, 0)}")
+        if len(self._requests) != len(self._running) + len(self._waiting):
+            raise AssertionError("request table out of sync with the queues")
