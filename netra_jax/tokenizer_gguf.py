@@ -1,0 +1,173 @@
+"""GGUF tokenizers: read a GGUF file's key/value metadata and rebuild its byte-level BPE tokenizer.
+Produces a `tokenizers.Tokenizer` and the special tokens / chat templates stored beside it."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+
+# ---------------------------------------------------------------------------------------------- GGUF metadata
+
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Key/value metadata of a GGUF file (v2/v3, either byte order); tensor data is not touched."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+        version, _, n_kv = struct.unpack_from(order + "IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        pos = 24
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            if pos + size > len(buf):
+                raise ValueError(f"{path}: GGUF metadata is truncated")
+            (value,) = struct.unpack_from(order + fmt, buf, pos)
+            pos += size
+            return value
+
+        def take_str() -> str:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > len(buf):
+                raise ValueError(f"{path}: GGUF metadata is truncated")
+            pos += n
+            return buf[pos - n : pos].decode("utf-8")
+
+        def take_value(vtype: int) -> Any:
+            nonlocal pos
+            if vtype in _GGUF_SCALAR:
+                return take(_GGUF_SCALAR[vtype])
+            if vtype == 8:
+                return take_str()
+            if vtype != 9:
+                raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+            etype, count = take("I"), take("Q")
+            if etype in _GGUF_SCALAR and etype != 7:  # numeric arrays in one read
+                dtype = np.dtype(_GGUF_SCALAR[etype]).newbyteorder(order)
+                if pos + count * dtype.itemsize > len(buf):
+                    raise ValueError(f"{path}: GGUF metadata is truncated")
+                values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).tolist()
+                pos += count * dtype.itemsize
+                return values
+            return [take_value(etype) for _ in range(count)]
+
+        meta = {}
+        for _ in range(n_kv):
+            key = take_str()
+            meta[key] = take_value(take("I"))
+        return meta
+
+
+# Pre-tokenization per `tokenizer.ggml.pre`, as llama.cpp applies it (its names; regexes from the HF files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_STYLES = {
+    **dict.fromkeys(["gpt2", "gpt-2", "default", "mpt", "olmo", "jais", "exaone4"], "gpt2"),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"], "digits"),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"], "llama3"),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], "qwen2"),
+}
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+
+def _gguf_pre_tokenizer(pre: str) -> tuple[Any, Any]:
+    style = _PRE_STYLES.get(pre)
+    if style is None:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_STYLES)}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=style != "llama3")
+    if style == "gpt2":
+        return None, byte_level
+    if style == "digits":
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = pre_tokenizers.Split(
+        tokenizers.Regex(_LLAMA3_SPLIT if style == "llama3" else _QWEN2_SPLIT), behavior="isolated", invert=False
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return (normalizers.NFC() if style == "qwen2" else None), pre_tokenizers.Sequence([split, byte_level])
+
+
+def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    """The tokenizer and the `SpecialTokens` fields (tokens, ids, chat templates by name) of GGUF metadata."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{source}: GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (byte-level BPE) is. "
+            "Load the model's Hugging Face directory (tokenizer.json) instead."
+        )
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"{source}: malformed BPE merge in tokenizer.ggml.merges")
+    tok = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    normalizer, pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tokens[i], special=t != _TOKEN_USER_DEFINED, normalized=False)
+        for i, t in enumerate(types)
+        if t in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
+    tok.add_tokens(added)  # matched whole in text; `special` ones are dropped by skip_special_tokens
+
+    def token_at(key: str) -> tuple[str | None, int | None]:
+        i = meta.get(key)
+        if i is None or not 0 <= i < len(tokens):
+            return None, None
+        return tokens[i], int(i)
+
+    (bos, bos_id), (eos, eos_id), (pad, pad_id) = (
+        token_at(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")
+    )
+    ends = [token_at(f"tokenizer.ggml.{k}_token_id")[1] for k in ("eos", "eot", "eom")]
+    edges = [(bos, bos_id)] if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None else []
+    tail = [(eos, eos_id)] if meta.get("tokenizer.ggml.add_eos_token") and eos_id is not None else []
+    if edges or tail:
+        single = " ".join([*(t for t, _ in edges), "$A", *(t for t, _ in tail)])
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list({*edges, *tail}))
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    templates = {}
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        templates["default"] = meta["tokenizer.chat_template"]
+    for key, value in meta.items():
+        if key.startswith("tokenizer.chat_template.") and isinstance(value, str):
+            templates[key.removeprefix("tokenizer.chat_template.")] = value
+    special = dict(
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        unk_token=token_at("tokenizer.ggml.unknown_token_id")[0],
+        bos_token_id=bos_id,
+        eos_token_ids=tuple(dict.fromkeys(i for i in ends if i is not None)),
+        pad_token_id=pad_id,
+        chat_templates=templates,
+    )
+    return tok, special
