@@ -1,1 +1,114 @@
-"""Package."""
+"""Checkpoint loading: `load_model` turns a Hugging Face directory or a GGUF file into (ModelConfig, params) through
+the orbax parameter cache; `read_gguf_metadata` exposes a GGUF file's tokenizer and chat-template fields.
+
+dtype="auto" rule: a HF directory keeps its config's `torch_dtype`/`dtype` when that is float32 or bfloat16
+(float16 becomes bfloat16, none given means float32); a GGUF file, de-quantized to float32 first, is float32 on the
+CPU backend (exact against float32 references, and XLA's CPU bf16 matmuls are slow) and bfloat16 on accelerators.
+Norm weights are always float32."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.loader import cache as param_cache
+from netra_jax.loader import gguf_loader
+from netra_jax.loader.gguf_config import config_from_gguf_metadata
+from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
+from netra_jax.loader.hf import CheckpointError, HFCheckpoint
+from netra_jax.models import weights as weight_map
+
+__all__ = ["CheckpointError", "ConfigError", "load_model", "load_config", "read_gguf_metadata", "DTYPES"]
+
+DTYPES = ("auto", "float32", "bfloat16")
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+log = logging.getLogger(__name__)
+
+
+def _is_gguf(p: Path) -> bool:
+    if p.suffix.lower() == ".gguf":
+        return True
+    with open(p, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def _resolve_dtype(dtype: str, source_dtype: str | None, is_gguf: bool) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if is_gguf:
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(source_dtype or "", "float32")
+
+
+def _open_source(path: str | Path) -> tuple[ModelConfig, GGUFFile | dict[str, Any], list[Path]]:
+    """(config, source, source files): the source is a GGUFFile (header parsed, tensors not read) or the HF
+    config dict. Raises FileNotFoundError, CheckpointError or ConfigError."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if p.is_dir():
+        cfg = ModelConfig.from_hf_dir(p)
+        d = json.loads((p / "config.json").read_text())
+        files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
+        if (p / "model.safetensors.index.json").is_file():
+            files.append(p / "model.safetensors.index.json")
+        return cfg, d, files
+    if not p.is_file() or not _is_gguf(p):
+        raise CheckpointError(f"{p} is neither a Hugging Face model directory nor a GGUF (.gguf) file")
+    gf = GGUFFile(p)
+    rope_freqs = gf.tensor("rope_freqs.weight") if "rope_freqs.weight" in gf.tensors else None
+    shapes = {n: t.shape for n, t in gf.tensors.items()}
+    return config_from_gguf_metadata(gf.metadata, shapes, rope_freqs), gf, [p]
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """ModelConfig of a HF directory or GGUF file, without reading any weights."""
+    return _open_source(path)[0]
+
+
+def load_model(
+    path: str | Path, dtype: str = "auto", cache: bool | str | Path = True
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
+
+    path: a HF directory (config.json + *.safetensors) or a .gguf file. dtype: "auto" | "float32" | "bfloat16"
+    (see the module docstring for "auto"). cache: True for the default cache directory
+    (`assets.cache_dir() / "params"`), a directory to use instead, or False to always convert from the source."""
+    t0 = time.perf_counter()
+    cfg, source, files = _open_source(path)
+    is_gguf = isinstance(source, GGUFFile)
+    src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype"))
+    dt = _resolve_dtype(dtype, src_dtype, is_gguf)
+    root = key = None
+    if cache:
+        try:
+            root = param_cache.default_root() if cache is True else Path(cache)
+            key = param_cache.cache_key(files, dt, code_files=[weight_map.__file__, gguf_loader.__file__])
+        except OSError as e:  # e.g. an unwritable cache directory: load without the cache
+            log.warning("parameter cache unavailable (%s); converting %s", e, path)
+            root = None
+        params = param_cache.load_params(root, key) if root is not None else None
+        if params is not None:
+            log.info("loaded %s (%s) from the parameter cache in %.2fs", path, dt, time.perf_counter() - t0)
+            return cfg, params
+    if is_gguf:
+        get, has = gguf_loader.hf_view(source, cfg)
+    else:
+        ck = HFCheckpoint(path)
+        get, has = ck.get, ck.has
+    params_np = weight_map.hf_to_params(cfg, get, has, _NP_DTYPES[dt])
+    if root is not None:
+        param_cache.save_params(root, key, params_np, tied_lm_head=cfg.tie_word_embeddings)
+    params = jax.tree.map(jax.numpy.asarray, params_np)
+    log.info("converted %s (%s) in %.2fs", path, dt, time.perf_counter() - t0)
+    return cfg, params

@@ -1,0 +1,155 @@
+"""ModelConfig from GGUF metadata: the llama.cpp keys are rewritten into an equivalent Hugging Face config dict
+and built by `ModelConfig.from_hf_dict`, so one code path validates both formats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from netra_jax.config import ConfigError, ModelConfig, RopeConfig
+
+# GGUF general.architecture -> HF architecture name. Mistral checkpoints are converted by llama.cpp as "llama".
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed Gemma 3 pattern when the file does not store one
+_GEMMA3_SWA_THETA = 10000.0  # llama.cpp's fixed local rope base when the file does not store one
+
+
+def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, meta_orig: int | None) -> dict:
+    """Recover llama3 rope-scaling parameters from llama.cpp's `rope_freqs` tensor (per-frequency divisors)."""
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise ConfigError(f"rope_freqs has {factors.shape[0]} entries, expected head_dim / 2 = {head_dim // 2}")
+    if np.allclose(factors, 1.0):
+        return {}
+    factor = float(factors.max())
+    for orig in dict.fromkeys([meta_orig or 8192, 8192]):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            rc = RopeConfig(theta, "llama3", factor, low, high, orig)
+            base, scaled = np.array(RopeConfig(theta).inv_freq(head_dim)), np.array(rc.inv_freq(head_dim))
+            if np.allclose(base / scaled, factors, rtol=1e-3):
+                return {
+                    "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": orig,
+                }  # fmt: skip
+    raise ConfigError("the file's rope_freqs tensor does not match any llama3 rope scaling this runtime supports")
+
+
+def gguf_to_hf_config(
+    meta: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """An HF-style config dict equivalent to the GGUF metadata.
+
+    tensor_shapes: numpy shapes of the file's tensors (vocab from token_embd, tying from output.weight);
+    rope_freqs: the de-quantized `rope_freqs.weight` tensor when the file has one (llama3 rope scaling)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    def key(name: str, default: Any = KeyError) -> Any:
+        full = f"{arch}.{name}"
+        if full in meta:
+            return meta[full]
+        if default is KeyError:
+            raise ConfigError(f"GGUF metadata lacks required key {full!r}")
+        return default
+
+    hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    n_layers = int(key("block_count"))
+    n_kv = key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer head counts
+        if len(set(n_kv)) != 1:
+            raise ConfigError("GGUF files with per-layer KV head counts are not supported")
+        n_kv = n_kv[0]
+    head_dim = int(key("attention.key_length", hidden // n_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ConfigError("attention.value_length differs from attention.key_length, which is not supported")
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ConfigError(f"partial rotary embedding (rope.dimension_count != head dim {head_dim}) is not supported")
+    if "token_embd.weight" in tensor_shapes:
+        vocab = int(tensor_shapes["token_embd.weight"][0])
+    elif "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    else:
+        vocab = int(key("vocab_size"))
+    theta = float(key("rope.freq_base", 10000.0))
+    scaling = str(key("rope.scaling.type", "none"))
+    rope: dict[str, Any] = {}
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling not in ("none", ""):
+        rope = {"rope_type": scaling}  # from_hf_dict rejects it with the list of supported types
+    elif rope_freqs is not None:
+        orig = key("rope.scaling.original_context_length", None)
+        rope = _llama3_rope_from_factors(rope_freqs, theta, head_dim, orig)
+
+    eos_ids = []
+    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if k in meta and int(meta[k]) not in eos_ids:
+            eos_ids.append(int(meta[k]))
+    d: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids,
+    }
+    if arch != "gemma3":
+        d["rope_theta"] = theta
+        d["rope_scaling"] = rope or None
+        return d
+
+    window = key("attention.sliding_window", None)
+    pattern = key("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # per layer: true = sliding window
+        if len(pattern) != n_layers:
+            raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
+    if window is None:
+        sliding = [False] * n_layers
+    scale = key("attention.scale", None)
+    if scale is not None:
+        pre_attn = float(scale) ** -2
+    else:  # llama.cpp: 27B (62 layers) scales by hidden / heads, the others by head_dim
+        pre_attn = hidden // n_heads if n_layers == 62 else head_dim
+    d.update(
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_parameters={
+            "full_attention": {"rope_theta": theta, "rope_type": "default", **rope},
+            "sliding_attention": {"rope_theta": float(key("rope.freq_base_swa", _GEMMA3_SWA_THETA))},
+        },
+        query_pre_attn_scalar=pre_attn,
+        attn_logit_softcapping=key("attn_logit_softcapping", None),
+        final_logit_softcapping=key("final_logit_softcapping", None),
+    )
+    return d
+
+
+def config_from_gguf_metadata(
+    meta: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None = None,
+) -> ModelConfig:
+    """ModelConfig of a GGUF file (see `gguf_to_hf_config`)."""
+    return ModelConfig.from_hf_dict(gguf_to_hf_config(meta, tensor_shapes, rope_freqs))

@@ -1,0 +1,252 @@
+"""GGUF files: a fast header parser (metadata + tensor table, bounds-checked), de-quantization through
+`gguf.quants`, and the map from llama.cpp tensor names back to the Hugging Face names `hf_to_params` reads.
+
+The header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy view per metadata element and
+takes about 5 s on a 49k-token vocabulary; this parser takes a fraction of a second. Tensor data stays memory-mapped
+until a tensor is de-quantized. De-quantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q2_K..Q6_K and the other types that library implements)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from netra_jax.config import ModelConfig
+from netra_jax.loader.hf import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+_SCALARS = {  # GGUF value type -> struct format (little endian)
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_NP_SCALARS = {  # GGUF value type -> numpy dtype, for whole arrays at once
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8",
+}  # fmt: skip
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+
+
+class _Cursor:
+    """Sequential little-endian reads over the file's bytes; running past the end is a truncation error."""
+
+    def __init__(self, buf: mmap.mmap, path: Path):
+        self.buf, self.path, self.off, self.size = buf, path, 0, len(buf)
+
+    def take(self, n: int) -> int:
+        start = self.off
+        if n < 0 or start + n > self.size:
+            raise CheckpointError(
+                f"{self.path}: truncated or corrupt GGUF header (needs byte {start + n}, file has {self.size})"
+            )
+        self.off = start + n
+        return start
+
+    def scalar(self, vtype: int):
+        fmt = _SCALARS[vtype]
+        (v,) = struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))
+        if vtype == _FLOAT32:  # the shortest decimal that round-trips in float32 (1e-05, not 9.99999974e-06)
+            v = float(str(np.float32(v)))
+        return v
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        start = self.take(n)
+        try:
+            return self.buf[start : start + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: corrupt GGUF header (string at byte {start} is not UTF-8)") from e
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.scalar(4), self.scalar(10)
+            if etype in _NP_SCALARS:
+                dt = np.dtype(_NP_SCALARS[etype])
+                start = self.take(count * dt.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=start)
+                return [float(str(x)) for x in arr] if etype == _FLOAT32 else arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise CheckpointError(f"{self.path}: corrupt GGUF header (unknown value type {vtype} at byte {self.off})")
+        return self.scalar(vtype)
+
+
+class GGUFTensorInfo:
+    """Where one tensor's bytes are and how to read them. shape: numpy order (GGUF's ne reversed)."""
+
+    __slots__ = ("name", "qtype", "shape", "offset", "nbytes")
+
+    def __init__(self, name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int, nbytes: int):
+        self.name, self.qtype, self.shape, self.offset, self.nbytes = name, qtype, shape, offset, nbytes
+
+
+class GGUFFile:
+    """Metadata and memory-mapped tensors of one GGUF (v2/v3, little-endian) file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(4)
+            if head != GGUF_MAGIC:
+                raise CheckpointError(f"{self.path} is not a GGUF file (magic {head!r}, expected {GGUF_MAGIC!r})")
+            if size < 24:
+                raise CheckpointError(f"{self.path}: truncated GGUF file ({size} bytes)")
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        cur = _Cursor(self._mm, self.path)
+        cur.take(4)
+        self.version = cur.scalar(4)
+        if self.version not in (2, 3):
+            raise CheckpointError(f"{self.path}: unsupported GGUF version {self.version} (supported: 2, 3)")
+        n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.scalar(4))
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar(4)
+            if n_dims > 8:
+                raise CheckpointError(f"{self.path}: corrupt GGUF tensor table ({name!r} has {n_dims} dims)")
+            ne = [cur.scalar(10) for _ in range(n_dims)]
+            raw_type, offset = cur.scalar(4), cur.scalar(10)
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unknown GGML type {raw_type}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if ne and ne[0] % block:
+                raise CheckpointError(f"{self.path}: tensor {name!r} row of {ne[0]} is not a multiple of {block}")
+            nbytes = int(np.prod(ne, dtype=np.int64)) // block * type_size
+            infos.append((name, qtype, tuple(reversed(ne)), offset, nbytes))
+        align = int(self.metadata.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise CheckpointError(f"{self.path}: invalid general.alignment {align}")
+        data_start = -(-cur.off // align) * align
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, qtype, shape, offset, nbytes in infos:
+            end = data_start + offset + nbytes
+            if end > size:
+                raise CheckpointError(
+                    f"{self.path}: truncated GGUF file: tensor {name!r} ends at byte {end}, the file has {size} bytes"
+                )
+            if name in self.tensors:
+                raise CheckpointError(f"{self.path}: duplicate tensor {name!r}")
+            self.tensors[name] = GGUFTensorInfo(name, qtype, shape, data_start + offset, nbytes)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view, shaped [..., bytes per row]."""
+        info = self.tensors[name]
+        flat = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return flat.reshape(gguf.quant_shape_to_byte_shape(info.shape, info.qtype) if info.shape else (info.nbytes,))
+
+    def tensor(self, name: str) -> np.ndarray:
+        """De-quantized float32 copy-or-view of a tensor, numpy shape (GGUF dims reversed)."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+        info = self.tensors[name]
+        return dequantize(self.raw(name), info.qtype, info.shape, f"{self.path}: tensor {name!r}")
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], what: str = "tensor"):
+    """Bytes [..., row bytes] of GGML type `qtype` -> float32 array of `shape`."""
+    try:
+        out = gguf.quants.dequantize(raw, qtype)
+    except NotImplementedError:
+        raise CheckpointError(f"{what} has GGML type {qtype.name}, which cannot be de-quantized") from None
+    return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, lists), e.g.
+    `tokenizer.ggml.tokens`, `tokenizer.ggml.merges`, `tokenizer.ggml.token_type`, `tokenizer.chat_template`."""
+    return dict(GGUFFile(path).metadata)
+
+
+# ------------------------------------------------------------------ llama.cpp names -> Hugging Face names
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",  # the pre-MLP norm (Gemma 3: pre_feedforward_layernorm)
+    "post_attention_norm": "post_attention_layernorm",  # Gemma 3 sandwich norms
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str, arch: str) -> str | None:
+    """HF name of a llama.cpp tensor name, None for tensors the forward does not read (e.g. rope_freqs)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if not m or m.group(2) not in _BLOCK_NAMES:
+        return None
+    hf = _BLOCK_NAMES[m.group(2)]
+    if arch == "gemma3" and m.group(2) == "ffn_norm":
+        hf = "pre_feedforward_layernorm"
+    return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Llama Q/K row permutation (interleaved-pair rope) back to HF's rotate-half layout.
+
+    w: [n_heads * head_dim, ...] in llama.cpp order, where row h*hd + 2*j + s holds HF row h*hd + s*hd/2 + j."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise CheckpointError(f"cannot un-permute {rows} rope rows over {n_heads} heads")
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_view(gf: GGUFFile, cfg: ModelConfig):
+    """(get, has) over HF tensor names for `hf_to_params`, de-quantizing each GGUF tensor when asked for.
+
+    Llama-architecture Q/K rows are un-permuted; Gemma 3 norms, stored by llama.cpp as (1 + w), get 1 subtracted so
+    `hf_to_params`' own (1 + w) folding restores them."""
+    arch = gf.architecture or ""
+    where = {}
+    for name in gf.tensors:
+        hf = gguf_to_hf_name(name, arch)
+        if hf is not None:
+            where[hf] = name
+    q_heads = {".self_attn.q_proj.": cfg.num_heads, ".self_attn.k_proj.": cfg.num_kv_heads}
+
+    def get(hf: str) -> np.ndarray:
+        if hf not in where:
+            raise CheckpointError(f"{gf.path}: GGUF file lacks the tensor for {hf!r}")
+        a = gf.tensor(where[hf])
+        if arch == "llama":
+            for part, n in q_heads.items():
+                if part in hf:
+                    a = unpermute_rope_rows(a, n)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            a = a - np.float32(1.0)
+        return a
+
+    return get, where.__contains__

@@ -1,0 +1,465 @@
+"""Checkpoint loading: GGUF parsing and de-quantization against block layouts encoded here from ggml's spec, GGUF
+configs and weights against the HF fixtures and SmolLM2's transformers reference, the orbax cache, and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as VT
+
+import netra_jax.loader as loader
+from netra_jax.assets import default_model_path
+from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.loader import CheckpointError, gguf_loader, load_model, read_gguf_metadata
+from netra_jax.loader import cache as param_cache
+from netra_jax.loader.gguf_config import config_from_gguf_metadata
+from netra_jax.loader.gguf_loader import GGUFFile
+from netra_jax.models.transformer import forward, init_kv_cache
+from netra_jax.ops.attention import AttentionMetadata
+
+FIXTURES = Path("/work/shared/fixtures")
+RNG = np.random.default_rng(0)
+
+
+def write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> Path:
+    """meta: key -> python value (int: uint32, float: float32, str, bool, list) or (value, GGUFValueType[, subtype]).
+    tensors: name -> float32/float16 array, or (uint8 bytes [rows, row bytes], GGML type)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in meta.items():
+        if isinstance(v, tuple):
+            w.add_key_value(k, *v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        else:
+            w.add_array(k, v)
+    for name, t in tensors.items():
+        if isinstance(t, tuple):
+            w.add_tensor(name, t[0], raw_dtype=t[1])
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ------------------------------------------------------- block encoders written from ggml-common.h's layouts
+def f16_bytes(x: np.ndarray) -> np.ndarray:  # [n] float -> [n, 2] uint8
+    return np.asarray(x, np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def enc_q8_0(rows: int, cols: int):
+    nb = rows * cols // 32
+    d, q = RNG.uniform(-0.1, 0.1, nb).astype(np.float16), RNG.integers(-128, 128, (nb, 32)).astype(np.int8)
+    blocks = np.concatenate([f16_bytes(d), q.view(np.uint8)], axis=1)  # 34 bytes: d, qs[32]
+    return blocks, d.astype(np.float32)[:, None] * q
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:  # [nb, 32] in 0..15 -> [nb, 16]: element j low nibble, j + 16 high
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def enc_q4_0(rows: int, cols: int):
+    nb = rows * cols // 32
+    d, q = RNG.uniform(-0.1, 0.1, nb).astype(np.float16), RNG.integers(0, 16, (nb, 32))
+    return np.concatenate([f16_bytes(d), _nibbles(q)], axis=1), d.astype(np.float32)[:, None] * (q - 8)
+
+
+def enc_q4_1(rows: int, cols: int):
+    nb = rows * cols // 32
+    d, m = RNG.uniform(0, 0.1, nb).astype(np.float16), RNG.uniform(-1, 1, nb).astype(np.float16)
+    q = RNG.integers(0, 16, (nb, 32))
+    blocks = np.concatenate([f16_bytes(d), f16_bytes(m), _nibbles(q)], axis=1)  # 20 bytes: d, m, qs[16]
+    return blocks, d.astype(np.float32)[:, None] * q + m.astype(np.float32)[:, None]
+
+
+def enc_q4_k(rows: int, cols: int):
+    nb = rows * cols // 256
+    d, dmin = RNG.uniform(0, 0.01, nb).astype(np.float16), RNG.uniform(0, 0.01, nb).astype(np.float16)
+    sc, mn, q = RNG.integers(0, 64, (nb, 8)), RNG.integers(0, 64, (nb, 8)), RNG.integers(0, 16, (nb, 256))
+    scales = np.zeros((nb, 12), np.int64)  # 6-bit scales/mins: j < 4 direct (+2 high bits of j + 4), j >= 4 nibbles
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    qs = np.concatenate([q[:, 64 * p : 64 * p + 32] | (q[:, 64 * p + 32 : 64 * p + 64] << 4) for p in range(4)], 1)
+    blocks = np.concatenate([f16_bytes(d), f16_bytes(dmin), scales.astype(np.uint8), qs.astype(np.uint8)], axis=1)
+    sub = np.arange(256) // 32
+    ref = d.astype(np.float32)[:, None] * sc[:, sub] * q - dmin.astype(np.float32)[:, None] * mn[:, sub]
+    return blocks, ref
+
+
+def enc_q6_k(rows: int, cols: int):
+    nb = rows * cols // 256
+    d, sc = RNG.uniform(0, 0.01, nb).astype(np.float16), RNG.integers(-128, 128, (nb, 16)).astype(np.int8)
+    q = RNG.integers(0, 64, (nb, 256))
+    ql, qh = np.zeros((nb, 128), np.int64), np.zeros((nb, 64), np.int64)
+    for h in range(2):
+        for lane in range(32):
+            q1, q2, q3, q4 = (q[:, 128 * h + 32 * k + lane] for k in range(4))
+            ql[:, 64 * h + lane] = (q1 & 15) | ((q3 & 15) << 4)
+            ql[:, 64 * h + 32 + lane] = (q2 & 15) | ((q4 & 15) << 4)
+            qh[:, 32 * h + lane] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+    blocks = np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8), sc.view(np.uint8), f16_bytes(d)], axis=1)
+    ref = d.astype(np.float32)[:, None] * sc[:, np.arange(256) // 16].astype(np.float32) * (q - 32)
+    return blocks, ref
+
+
+ENCODERS = {Q.Q8_0: enc_q8_0, Q.Q4_0: enc_q4_0, Q.Q4_1: enc_q4_1, Q.Q4_K: enc_q4_k, Q.Q6_K: enc_q6_k}
+
+
+def test_dequantize_each_type_through_a_gguf_file(tmp_path):
+    rows, cols = 3, 512
+    tensors, expect = {}, {}
+    for qt, enc in ENCODERS.items():
+        blocks, ref = enc(rows, cols)
+        tensors[f"w_{qt.name}"] = (blocks.reshape(rows, -1), qt)
+        expect[f"w_{qt.name}"] = ref.reshape(rows, cols)
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    tensors["w_F32"], expect["w_F32"] = x, x
+    tensors["w_F16"], expect["w_F16"] = x.astype(np.float16), x.astype(np.float16).astype(np.float32)
+    bf = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated bfloat16 bits
+    tensors["w_BF16"] = (bf.view(np.uint8).reshape(rows, -1), Q.BF16)
+    expect["w_BF16"] = (bf.astype(np.uint32) << 16).view(np.float32)
+    gf = GGUFFile(write_gguf(tmp_path / "q.gguf", "llama", {}, tensors))
+    for name, ref in expect.items():
+        assert gf.tensors[name].shape == (rows, cols)
+        got = gf.tensor(name)
+        assert got.dtype == np.float32 and got.shape == (rows, cols)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.BF16])
+def test_quantize_round_trip_error_bound(qt):
+    x = RNG.standard_normal((8, 256)).astype(np.float32)
+    got = gguf_loader.dequantize(gguf.quants.quantize(x, qt), qt, x.shape)
+    blocks, err = x.reshape(-1, 32), np.abs(got - x).reshape(-1, 32)
+    amax, span = np.abs(blocks).max(1), blocks.max(1) - blocks.min(1)
+    bound = {  # half a quantization step (+ float16 scale rounding); Q4_0 loses one step at the clipped extreme
+        Q.Q8_0: 0.55 * amax / 127, Q.Q4_0: 1.01 * amax / 8, Q.Q4_1: 0.55 * span / 15 + 1e-3 * amax,
+        Q.BF16: amax * 2.0**-8,
+    }[qt]  # fmt: skip
+    assert np.all(err <= bound[:, None] + 1e-7), float((err - bound[:, None]).max())
+
+
+def test_metadata_parser_matches_gguf_reader(tmp_path):
+    meta = {
+        "t.u8": (200, VT.UINT8), "t.i8": (-5, VT.INT8), "t.u16": (60000, VT.UINT16), "t.i16": (-300, VT.INT16),
+        "t.u32": (4_000_000_000, VT.UINT32), "t.i32": (-7, VT.INT32), "t.f32": (1e-5, VT.FLOAT32),
+        "t.bool": (True, VT.BOOL), "t.str": ("héllo {{ x }}", VT.STRING), "t.u64": (2**40, VT.UINT64),
+        "t.i64": (-(2**40), VT.INT64), "t.f64": (0.1, VT.FLOAT64),
+        "t.ints": ([3, 1, 2], VT.ARRAY, VT.INT32), "t.strs": (["a", "", "Ġb c"], VT.ARRAY, VT.STRING),
+        "t.floats": ([0.5, -1.25], VT.ARRAY, VT.FLOAT32), "t.bools": ([True, False], VT.ARRAY, VT.BOOL),
+    }  # fmt: skip
+    path = write_gguf(tmp_path / "m.gguf", "llama", meta, {"a": np.ones((2, 32), np.float32)})
+    mine = read_gguf_metadata(path)
+    ref = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
+    assert set(mine) == set(ref)
+    for k, v in ref.items():
+        assert mine[k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), k
+    assert mine["t.f32"] == 1e-5 and mine["t.str"] == "héllo {{ x }}" and mine["t.strs"] == ["a", "", "Ġb c"]
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+SMOL_REF = json.loads((FIXTURES / "smollm2/reference.json").read_text())
+T_PAD = 40  # one compiled shape for every prompt (37, 26, 38 tokens) and for the decode steps
+PAGE, N_PAGES = 16, 8
+
+
+@pytest.fixture(scope="module")
+def smol_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("param_cache")
+
+
+@pytest.fixture(scope="module")
+def smol(smol_cache):
+    path = default_model_path(quiet=True)
+    cfg, params = load_model(path, "float32", cache=smol_cache)
+    return path, cfg, params
+
+
+def test_smollm2_gguf_config(smol):
+    path, cfg, params = smol
+    shape = (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads)
+    assert shape == ("LlamaForCausalLM", 30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.head_dim, cfg.intermediate_size, cfg.tie_word_embeddings) == (49152, 64, 1536, True)
+    assert cfg.rope_full.theta == 100000.0 and cfg.rms_norm_eps == 1e-5 and cfg.eos_token_ids == (2,)
+    assert loader.load_config(path) == cfg
+    assert params["layers"][0]["wq"].dtype == jnp.float32 and params["lm_head"].shape == (576, 49152)
+    types = {t.qtype.name for t in GGUFFile(path).tensors.values()}
+    assert types == {"Q4_1", "Q8_0", "F32"}  # what the shipped file actually contains
+
+
+def test_smollm2_metadata_for_the_tokenizer(smol):
+    meta = read_gguf_metadata(smol[0])
+    assert len(meta["tokenizer.ggml.tokens"]) == 49152 and meta["tokenizer.ggml.tokens"][2] == "<|im_end|>"
+    assert len(meta["tokenizer.ggml.merges"]) == 48900 and meta["tokenizer.ggml.merges"][0] == "Ġ t"
+    assert len(meta["tokenizer.ggml.token_type"]) == 49152 and meta["tokenizer.ggml.model"] == "gpt2"
+    assert "<|im_start|>" in meta["tokenizer.chat_template"] and meta["tokenizer.ggml.eos_token_id"] == 2
+
+
+def _step(cfg, params, kv, ids: list[int], start: int, fwd):
+    """Run `ids` (positions start..) as one padded batch of T_PAD tokens; logits of the last real token."""
+    n = len(ids)
+    tok = np.zeros(T_PAD, np.int32)
+    tok[:n] = ids
+    pos = np.zeros(T_PAD, np.int32)
+    pos[:n] = np.arange(start, start + n)
+    slots = np.full(T_PAD, N_PAGES * PAGE, np.int32)  # out of range: padding writes are dropped
+    slots[:n] = np.arange(start, start + n)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots), query_start_loc=jnp.array([0, n], jnp.int32),
+        seq_lens=jnp.array([start + n], jnp.int32), block_tables=jnp.arange(N_PAGES, dtype=jnp.int32)[None],
+    )  # fmt: skip
+    logits, kv = fwd(params, cfg, jnp.asarray(tok), jnp.asarray(pos), kv, md, jnp.array([n - 1], jnp.int32))
+    return np.asarray(logits[0]), kv
+
+
+@pytest.fixture(scope="module")
+def smol_fwd():
+    return jax.jit(forward, static_argnums=(1,))
+
+
+def test_smollm2_logits_and_greedy_match_transformers(smol, smol_fwd):
+    _, cfg, params = smol
+    max_err = 0.0
+    for i, case in enumerate(SMOL_REF["cases"]):
+        ids = case["prompt_ids"]
+        kv = init_kv_cache(cfg, N_PAGES, PAGE)
+        logits, kv = _step(cfg, params, kv, ids, 0, smol_fwd)
+        ref = case["last_logits_top10"]
+        assert np.argsort(-logits)[:10].tolist() == ref["ids"]
+        err = float(np.abs(logits[ref["ids"]] - np.asarray(ref["values"])).max())
+        assert err < 1e-3
+        max_err = max(max_err, err)
+        if i == 0:  # greedy decode through the KV cache, one token per step
+            out = [int(np.argmax(logits))]
+            for _ in range(7):
+                logits, kv = _step(cfg, params, kv, [out[-1]], len(ids) + len(out) - 1, smol_fwd)
+                out.append(int(np.argmax(logits)))
+            assert out == case["greedy_ids"][:8]
+    logging.getLogger(__name__).info("SmolLM2 max top-10 logit error %.2e", max_err)
+
+
+def test_second_load_restores_from_cache_without_dequantizing(smol, smol_cache, monkeypatch):
+    path, cfg, params = smol
+    assert len([p for p in smol_cache.iterdir() if not p.name.startswith(".")]) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("de-quantized although the cache holds this model")
+
+    monkeypatch.setattr(gguf_loader, "dequantize", refuse)
+    cfg2, params2 = load_model(path, "float32", cache=smol_cache)
+    assert cfg2 == cfg
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------- tiny fixtures converted the llama.cpp way
+TO_GGUF = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+
+
+def to_gguf(model_dir: Path, out: Path) -> Path:
+    """Write a HF fixture as llama.cpp's converter would: its names, Llama Q/K rows permuted, Gemma norms + 1."""
+    from netra_jax.loader.hf import HFCheckpoint
+
+    d = json.loads((model_dir / "config.json").read_text())
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[
+        d["model_type"]
+    ]
+    nh, nkv = d["num_attention_heads"], d["num_key_value_heads"]
+    hd = d.get("head_dim") or d["hidden_size"] // nh
+    rp = d.get("rope_parameters") or {}
+    meta = {
+        f"{arch}.context_length": d["max_position_embeddings"], f"{arch}.embedding_length": d["hidden_size"],
+        f"{arch}.block_count": d["num_hidden_layers"], f"{arch}.feed_forward_length": d["intermediate_size"],
+        f"{arch}.attention.head_count": nh, f"{arch}.attention.head_count_kv": nkv,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(d["rms_norm_eps"]),
+        f"{arch}.attention.key_length": hd, f"{arch}.attention.value_length": hd,
+        f"{arch}.rope.freq_base": float(rp.get("full_attention", rp).get("rope_theta", d.get("rope_theta", 1e4))),
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(d["vocab_size"])], "tokenizer.ggml.eos_token_id": 2,
+    }  # fmt: skip
+    if arch == "gemma3":
+        meta[f"{arch}.attention.sliding_window"] = d["sliding_window"]
+        meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in d["layer_types"]]
+        meta[f"{arch}.rope.freq_base_swa"] = float(rp["sliding_attention"]["rope_theta"])
+    ck = HFCheckpoint(model_dir)
+    tensors = {}
+    for name in ck.keys():
+        a = np.array(ck.get(name), np.float32)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            mod, kind = rest.rsplit(".", 1)
+            short = TO_GGUF.get(mod) or ("post_attention_norm" if arch == "gemma3" else "ffn_norm")
+            gname = f"blk.{i}.{short}.{kind}"
+            if arch == "llama" and short in ("attn_q", "attn_k"):  # llama.cpp LlamaModel.permute
+                n = nh if short == "attn_q" else nkv
+                a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        if arch == "gemma3" and gname.endswith("norm.weight"):
+            a = a + 1.0
+        tensors[gname] = a
+    return write_gguf(out, arch, meta, tensors)
+
+
+CFG_FIELDS = (
+    "family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim", "rms_norm_eps", "tie_word_embeddings", "hidden_act", "layer_types", "sliding_window", "rope_full",
+    "rope_sliding", "attn_scale", "qk_norm", "gemma_norms", "eos_token_ids",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
+def test_gguf_of_hf_fixture_gives_same_config_and_params(name, tmp_path):
+    path = to_gguf(FIXTURES / name, tmp_path / f"{name}.gguf")
+    cfg_g, p_g = load_model(path, "float32", cache=False)
+    cfg_h, p_h = load_model(FIXTURES / name, "float32", cache=False)
+    assert {f: getattr(cfg_g, f) for f in CFG_FIELDS} == {f: getattr(cfg_h, f) for f in CFG_FIELDS}
+    assert jax.tree.structure(p_g) == jax.tree.structure(p_h)
+    for a, b in zip(jax.tree.leaves(p_g), jax.tree.leaves(p_h), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+    if name == "tiny-gemma3":  # sliding-window layers, local rope base and norms reach the reference logits
+        case = json.loads((FIXTURES / name / "reference.json").read_text())["cases"][0]
+        ids = case["prompt_ids"]
+        T, n_pages = len(ids), len(ids) // 16 + 1
+        md = AttentionMetadata(
+            slot_mapping=jnp.arange(T, dtype=jnp.int32), query_start_loc=jnp.array([0, T], jnp.int32),
+            seq_lens=jnp.array([T], jnp.int32), block_tables=jnp.arange(n_pages, dtype=jnp.int32)[None],
+        )  # fmt: skip
+        kv = init_kv_cache(cfg_g, n_pages, 16)
+        fwd = jax.jit(forward, static_argnums=(1,))
+        logits, _ = fwd(p_g, cfg_g, jnp.array(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, md)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(case["logits"]), atol=1e-4)
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs():
+    theta, hd, factor, low, high, orig = 500000.0, 64, 32.0, 1.0, 4.0, 8192
+    factors = []  # llama.cpp's converter: per-frequency divisor of the base inverse frequency
+    for i in range(0, hd, 2):
+        wavelen = 2 * np.pi * theta ** (i / hd)
+        if wavelen < orig / high:
+            factors.append(1.0)
+        elif wavelen > orig / low:
+            factors.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    meta = {
+        "general.architecture": "llama", "llama.embedding_length": 128, "llama.attention.head_count": 2,
+        "llama.block_count": 1, "llama.feed_forward_length": 256, "llama.rope.freq_base": theta,
+    }  # fmt: skip
+    cfg = config_from_gguf_metadata(meta, {"token_embd.weight": (100, 128)}, np.asarray(factors, np.float32))
+    rc = cfg.rope_full
+    assert (rc.rope_type, rc.factor, rc.low_freq_factor, rc.high_freq_factor) == ("llama3", 32.0, 1.0, 4.0)
+    assert rc.original_max_position_embeddings == 8192
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 100
+    with pytest.raises(ConfigError, match="rope_freqs"):
+        config_from_gguf_metadata(meta, {"token_embd.weight": (100, 128)}, np.linspace(1, 3, 32, dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------- cache behaviour, dtypes
+def test_hf_cache_round_trip_bfloat16_and_damaged_entry(tmp_path, monkeypatch, caplog):
+    src = tmp_path / "tiny-qwen3"
+    shutil.copytree(FIXTURES / "tiny-qwen3", src)
+    root = tmp_path / "cache"
+    cfg, p1 = load_model(src, "bfloat16", cache=root)
+    assert p1["layers"][0]["wq"].dtype == jnp.bfloat16 and p1["layers"][0]["q_norm"].dtype == jnp.float32
+    (entry,) = [p for p in root.iterdir()]
+    monkeypatch.setattr(loader, "HFCheckpoint", None)  # a conversion would now fail
+    _, p2 = load_model(src, "bfloat16", cache=root)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    monkeypatch.undo()
+    # the key follows dtype and the source files' identity
+    assert load_model(src, "auto", cache=root)[1]["embed"].dtype == jnp.float32  # config says float32
+    st = os.stat(src / "model.safetensors")
+    os.utime(src / "model.safetensors", ns=(1, 1))
+    load_model(src, "bfloat16", cache=root)
+    assert len(list(root.iterdir())) == 3
+    # a damaged entry is discarded with a warning and rebuilt; a writer's left-over temp dir is ignored
+    os.utime(src / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    (entry / "manifest.json").write_text("{not json")
+    (root / ".tmp-left-over").mkdir()
+    with caplog.at_level(logging.WARNING):
+        _ = load_model(src, "bfloat16", cache=root)
+    assert "discarding unreadable parameter cache entry" in caplog.text
+    assert json.loads((entry / "manifest.json").read_text())["format"] == param_cache.FORMAT_VERSION
+    assert param_cache.save_params(root, entry.name, {"layers": []}) == entry  # an existing entry wins
+    monkeypatch.setattr(param_cache, "MAX_ENTRIES", 2)  # least recently used entries are pruned
+    os.utime(src / "model.safetensors", ns=(1, 1))
+    load_model(src, "bfloat16", cache=root)  # touches the entry for mtime 1
+    load_model(src, "auto", cache=root)  # a new entry (the source's mtime changed since the float32 load)
+    assert len([p for p in root.iterdir() if not p.name.startswith(".")]) == 2 and not entry.exists()
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_missing_path_and_non_model_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_model(tmp_path / "nope", cache=False)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="notes.txt"):
+        load_model(tmp_path / "notes.txt", cache=False)
+    (tmp_path / "fake.gguf").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        load_model(tmp_path / "fake.gguf", cache=False)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(FIXTURES / "tiny-llama", dtype="float16", cache=False)
+
+
+def test_truncated_safetensors(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "tiny-llama", d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(d, cache=False)
+
+
+def test_truncated_gguf(tmp_path):
+    path = to_gguf(FIXTURES / "tiny-qwen2", tmp_path / "full.gguf")
+    data = path.read_bytes()
+    for cut, what in ((len(data) - 100, "truncated GGUF file"), (200, "truncated or corrupt GGUF header")):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=what) as e:
+            load_model(bad, cache=False)
+        assert str(bad) in str(e.value)
+
+
+def test_unsupported_architectures(tmp_path):
+    path = write_gguf(tmp_path / "g.gguf", "gpt2", {"gpt2.block_count": 1}, {"a": np.ones((2, 32), np.float32)})
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'.*llama, qwen2, qwen3, gemma3"):
+        load_model(path, cache=False)
+    d = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "tiny-llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_model(d, cache=False)
+    assert isinstance(ModelConfig.from_hf_dir(FIXTURES / "tiny-llama"), ModelConfig)
