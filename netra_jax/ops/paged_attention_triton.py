@@ -1,0 +1,311 @@
+"""Pallas (Triton lowering) ragged paged attention for GPUs: one kernel for decode, prefill, chunked prefill and
+mixed batches over the flat token batch, with GQA packing, sliding windows, soft-capping and split-K for decode."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Programs wanted in flight before split-K stops paying: about two waves on a 132-SM H200 / H100.
+_TARGET_PROGRAMS = 264
+_MAX_SPLITS = 64
+_SMEM_BUDGET = 160 * 1024
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1) if n >= 1 else 1
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static launch configuration. Every size is a power of two (a Triton lowering requirement)."""
+
+    block_m: int  # rows per program: (query tokens per block) x (query heads per KV head, padded); >= 16
+    tile: int  # keys per inner-loop step; >= 16
+    num_splits: int = 1  # split-K partitions of each sequence's context, merged by their log-sum-exp
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def validate(self, group_padded: int) -> None:
+        for name in ("block_m", "tile", "num_splits", "num_warps"):
+            if not _is_pow2(getattr(self, name)):
+                raise ValueError(f"KernelConfig.{name}={getattr(self, name)} must be a power of two")
+        if self.block_m < 16 or self.tile < 16:
+            raise ValueError("block_m and tile must be >= 16 (smallest Triton dot)")
+        if self.block_m < group_padded:
+            raise ValueError(f"block_m={self.block_m} is smaller than the padded GQA group {group_padded}")
+
+
+def choose_config(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_context: int,
+    itemsize: int = 2,
+) -> KernelConfig:
+    """Pick a launch configuration from the static shapes of one step.
+
+    Decode-like batches (about one query token per sequence) use 16-row blocks and split the context when there are
+    too few (sequence, KV head) programs to fill the GPU; prefill-heavy batches use 64-row blocks and no split."""
+    gp, dp = _next_pow2(group), _next_pow2(max(head_dim, 16))
+    tile = max(16, min(64, 8192 // dp))
+    if num_tokens <= 2 * num_seqs:
+        block_m = max(16, gp)
+        programs = max(1, num_seqs * kv_heads)
+        splits = _next_pow2(-(-_TARGET_PROGRAMS // programs))
+        splits = min(splits, _MAX_SPLITS, _prev_pow2(max_context // (2 * tile)))  # >= two tiles per split
+    else:
+        block_m, splits = max(64, gp), 1
+    # software-pipelined K/V tiles live in shared memory (227 KiB per SM on H100/H200); keep a margin
+    stages = 3
+    while stages > 1 and (stages * 2 * tile + block_m) * dp * itemsize > _SMEM_BUDGET:
+        stages -= 1
+    warps = 8 if block_m * dp >= 64 * 256 else 4  # keep the f32 accumulator of wide heads out of local memory
+    return KernelConfig(block_m=block_m, tile=tile, num_splits=splits, num_warps=warps, num_stages=stages)
+
+
+def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int):
+    """Map a static number of query blocks onto the ragged batch; each block holds tokens of one sequence only.
+
+    Sequence s owns blocks [qsl[s] // block_q + s, ...): at least cdiv(q_len, block_q) of them, so
+    num_blocks = T // block_q + S covers every batch. Returns int32 arrays [num_blocks] of (sequence index,
+    first flat token, number of valid tokens (0 = idle block), absolute position of the first token)."""
+    S = seq_lens.shape[0]
+    num_blocks = num_tokens // block_q + S
+    qsl = query_start_loc.astype(jnp.int32)  # [S + 1]
+    q_len = qsl[1:] - qsl[:-1]  # [S]
+    first_block = qsl[:-1] // block_q + jnp.arange(S, dtype=jnp.int32)  # [S] strictly increasing
+    b = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
+    method = "compare_all" if num_blocks * S <= (1 << 22) else "sort"  # one fusion instead of a loop on GPU
+    seq = jnp.searchsorted(first_block, b, side="right", method=method).astype(jnp.int32)  # [NB]
+    seq = jnp.clip(seq - 1, 0, S - 1)
+    local = b - first_block[seq]  # [NB] block index within its sequence
+    n_q = jnp.clip(q_len[seq] - local * block_q, 0, block_q)  # [NB]
+    q_start = qsl[seq] + local * block_q  # [NB]
+    pos0 = seq_lens[seq].astype(jnp.int32) - q_len[seq] + local * block_q  # [NB]
+    return seq, q_start, n_q, pos0
+
+
+def _kernel(
+    seq_ref,  # [NB] int32
+    qstart_ref,  # [NB] int32
+    nq_ref,  # [NB] int32
+    pos0_ref,  # [NB] int32
+    bt_ref,  # [S, max_pages] int32
+    q_ref,  # [T, H, D]
+    k_ref,  # [num_pages, page_size, KH, D]
+    v_ref,  # [num_pages, page_size, KH, D]
+    *out_refs,  # split == 1: o [T, H, D]; else acc [NS, T, H, Dp], m [NS, T, H], den [NS, T, H] (f32)
+    group: int,
+    group_padded: int,
+    head_dim_padded: int,
+    cfg: KernelConfig,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    b, kh = pl.program_id(0), pl.program_id(1)
+    split = pl.program_id(2) if cfg.num_splits > 1 else 0
+    BM, TILE, Dp, GP = cfg.block_m, cfg.tile, head_dim_padded, group_padded
+    D = q_ref.shape[2]
+    P = k_ref.shape[1]
+    max_pages = bt_ref.shape[1]
+    n_q = nq_ref[b]
+
+    @pl.when(n_q > 0)
+    def _():
+        seq, q_start, pos0 = seq_ref[b], qstart_ref[b], pos0_ref[b]
+        r = jnp.arange(BM, dtype=jnp.int32)  # [BM] row = token-in-block * GP + head-in-group
+        t_in, g = r // GP, r % GP
+        row_ok = (t_in < n_q) & (g < group)  # [BM]
+        tok = q_start + jnp.where(row_ok, t_in, 0)  # [BM] flat token index (clamped for masked rows' loads)
+        head = kh * group + jnp.minimum(g, group - 1)  # [BM]
+        d = jnp.arange(Dp, dtype=jnp.int32)  # [Dp]
+        d_ok = d < D
+        d_idx = jnp.minimum(d, D - 1) if Dp != D else d
+        q = plgpu.load(
+            q_ref.at[tok[:, None], head[:, None], d_idx[None, :]], mask=row_ok[:, None] & d_ok[None, :], other=0
+        )  # [BM, Dp]
+        cdt = q.dtype
+        prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
+        q_pos = pos0 + t_in  # [BM] absolute position of each row's token
+        kv_hi = pos0 + n_q  # keys [kv_lo, kv_hi) can be visible to this block
+        kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+        t_lo, t_hi = kv_lo // TILE, (kv_hi + TILE - 1) // TILE
+        if cfg.num_splits > 1:
+            per = (t_hi - t_lo + cfg.num_splits - 1) // cfg.num_splits
+            t_lo = t_lo + split * per
+            t_hi = jnp.minimum(t_lo + per, t_hi)
+
+        def body(j, carry):
+            acc, m, den = carry  # [BM, Dp] f32, [BM] f32, [BM] f32
+            kpos = j * TILE + jnp.arange(TILE, dtype=jnp.int32)  # [TILE]
+            k_ok = kpos < kv_hi
+            page = bt_ref[seq, jnp.minimum(kpos // P, max_pages - 1)]  # [TILE] physical page of each key
+            off = kpos % P
+            kv_idx = (page[:, None], off[:, None], kh, d_idx[None, :])
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(cdt)  # [TILE, Dp]
+            s = plgpu.dot(q, k, trans_b=True, precision=prec)  # [BM, TILE] f32
+            if soft_cap is None:
+                s = s * (scale * _LOG2E)  # base-2 logits: exp2 is the cheaper instruction
+            else:
+                s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+            vis = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]  # [BM, TILE]
+            if sliding_window is not None:
+                vis &= kpos[None, :] > q_pos[:, None] - sliding_window
+            s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [BM]
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2(s - m_safe[:, None])  # [BM, TILE]
+            alpha = jnp.exp2(m - m_safe)  # [BM]
+            v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0).astype(cdt)  # [TILE, Dp]
+            acc = acc * alpha[:, None] + plgpu.dot(p.astype(cdt), v, precision=prec)
+            return acc, m_new, den * alpha + jnp.sum(p, axis=1)
+
+        init = (
+            jnp.zeros((BM, Dp), jnp.float32),
+            jnp.full((BM,), -jnp.inf, jnp.float32),
+            jnp.zeros((BM,), jnp.float32),
+        )
+        acc, m, den = lax.fori_loop(t_lo, t_hi, body, init)
+        # Outputs are padded to [T + block_q, KH, GP, Dp] so every row of a block has its own in-bounds address:
+        # only the token mask is needed (the interpreter turns masked stores into read-modify-write scatters, which
+        # would race on duplicate addresses).
+        o_idx = (q_start + t_in[:, None], kh, g[:, None], d[None, :])
+        t_ok = (t_in < n_q)[:, None]  # [BM, 1]
+        if cfg.num_splits == 1:
+            (o_ref,) = out_refs
+            out = jnp.where(den[:, None] > 0, acc / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+            plgpu.store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=t_ok)
+        else:
+            acc_ref, m_ref, den_ref = out_refs
+            plgpu.store(acc_ref.at[(split, *o_idx)], acc, mask=t_ok)
+            plgpu.store(m_ref.at[split, q_start + t_in, kh, g], m, mask=t_in < n_q)
+            plgpu.store(den_ref.at[split, q_start + t_in, kh, g], den, mask=t_in < n_q)
+
+
+def _merge_splits(acc: jax.Array, m: jax.Array, den: jax.Array) -> jax.Array:
+    """Combine split-K partials. acc: [NS, ...rows, Dp] unnormalised; m, den: [NS, ...rows]. Returns [...rows, Dp]."""
+    m_max = jnp.max(m, axis=0)  # [...rows]
+    w = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0)[None])  # [NS, ...rows] (m is base 2)
+    w = jnp.where(jnp.isfinite(m), w, 0.0)
+    l_tot = jnp.sum(w * den, axis=0)  # [...rows]
+    o = jnp.sum(w[..., None] * acc, axis=0)  # [..., Dp]
+    return jnp.where(l_tot[..., None] > 0, o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+
+
+def paged_attention_triton(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged paged attention in one Pallas kernel; same contract as `attention.paged_attention_reference`.
+
+    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]; md: AttentionMetadata.
+    Returns [T, q_heads, head_dim] in q's dtype, zeros for padding tokens. Softmax statistics in float32; f32 inputs
+    use full-precision (non-TF32) dots."""
+    T, H, D = q.shape
+    _, P, KH, Dk = k_pages.shape
+    if k_pages.shape != v_pages.shape or Dk != D:
+        raise ValueError(f"shape mismatch: q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
+    if H % KH:
+        raise ValueError(f"q_heads={H} is not a multiple of kv_heads={KH}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    G = H // KH
+    S, max_pages = md.block_tables.shape
+    if config is None:
+        config = choose_config(T, S, G, KH, D, P, max_pages * P, jnp.dtype(q.dtype).itemsize)
+    gp = _next_pow2(G)
+    config.validate(gp)
+    Dp = _next_pow2(max(D, 16))
+    seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, config.block_m // gp)
+    NB, NS = seq.shape[0], config.num_splits
+
+    kernel = functools.partial(
+        _kernel,
+        group=G,
+        group_padded=gp,
+        head_dim_padded=Dp,
+        cfg=config,
+        scale=float(scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+    )
+    rows = (T + config.block_m // gp, KH, gp)  # padded output rows, see the kernel's store
+    if NS == 1:
+        out_shape = jax.ShapeDtypeStruct((*rows, Dp), q.dtype)
+        grid = (NB, KH)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((NS, *rows, Dp), jnp.float32),
+            jax.ShapeDtypeStruct((NS, *rows), jnp.float32),
+            jax.ShapeDtypeStruct((NS, *rows), jnp.float32),
+        )
+        grid = (NB, KH, NS)
+    res = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name=f"ragged_paged_attention_m{config.block_m}_t{config.tile}_s{NS}",
+    )(seq, q_start, n_q, pos0, md.block_tables.astype(jnp.int32), q, k_pages, v_pages)
+    out = res if NS == 1 else _merge_splits(*res)
+    out = out[:T, :, :G, :D].reshape(T, H, D)
+    valid = jnp.arange(T, dtype=jnp.int32) < md.query_start_loc[-1]  # [T] rows past the batch were never written
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def paged_attention_triton_interpret(q, k_pages, v_pages, md, **kw) -> jax.Array:
+    """The same kernel run by the Pallas interpreter (CPU tests)."""
+    return paged_attention_triton(q, k_pages, v_pages, md, interpret=True, **kw)
+
+
+def attention_flops_bytes(q_lens, seq_lens, q_heads: int, kv_heads: int, head_dim: int, itemsize: int):
+    """Useful work of one call for roofline numbers: (FLOPs of QK^T and PV over visible pairs, bytes of K/V read
+    once per sequence plus q and output). q_lens, seq_lens: host sequences of ints."""
+    pairs = 0
+    kv_tokens = 0
+    for ql, sl in zip(q_lens, seq_lens, strict=True):
+        ctx = sl - ql
+        pairs += ql * ctx + ql * (ql + 1) // 2
+        kv_tokens += sl
+    flops = 4 * pairs * q_heads * head_dim
+    nbytes = (2 * kv_tokens * kv_heads + 2 * sum(q_lens) * q_heads) * head_dim * itemsize
+    return flops, nbytes
+
+
+__all__ = [
+    "KernelConfig",
+    "attention_flops_bytes",
+    "choose_config",
+    "paged_attention_triton",
+    "paged_attention_triton_interpret",
+]
