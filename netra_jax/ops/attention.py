@@ -7,6 +7,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
+
 # Maximum elements of the per-token gathered K (tokens x context x kv_heads x head_dim) materialised at once by the
 # reference; longer batches are processed in chunks of query tokens.
 _REF_GATHER_ELEMS = 1 << 26
@@ -99,7 +101,18 @@ def paged_attention_reference(
     return out.reshape(n_chunks * tc, H, D)[:T]
 
 
-BACKENDS = {"reference": paged_attention_reference}
+def _auto(q, k_pages, v_pages, md, **kw):
+    """The Pallas kernel on GPU, the jnp reference elsewhere."""
+    fn = paged_attention_triton if jax.default_backend() == "gpu" else paged_attention_reference
+    return fn(q, k_pages, v_pages, md, **kw)
+
+
+BACKENDS = {
+    "reference": paged_attention_reference,
+    "triton": paged_attention_triton,
+    "triton_interpret": paged_attention_triton_interpret,
+    "auto": _auto,
+}
 
 
 def attention(
