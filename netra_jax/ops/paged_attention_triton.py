@@ -113,7 +113,7 @@ def _kernel(
     q_ref,  # [T, H, D]
     k_ref,  # [num_pages, page_size, KH, D]
     v_ref,  # [num_pages, page_size, KH, D]
-    *out_refs,  # split == 1: o [T, H, D]; else acc [NS, T, H, Dp], m [NS, T, H], den [NS, T, H] (f32)
+    *out_refs,  # rows R = [T + block_q, KH, GP]: o [*R, Dp]; split-K: acc [NS, *R, Dp], m, den [NS, *R] (f32)
     group: int,
     group_padded: int,
     head_dim_padded: int,
@@ -158,7 +158,9 @@ def _kernel(
         def body(j, carry):
             acc, m, den = carry  # [BM, Dp] f32, [BM] f32, [BM] f32
             kpos = j * TILE + jnp.arange(TILE, dtype=jnp.int32)  # [TILE]
-            k_ok = kpos < kv_hi
+            k_ok = kpos < kv_hi  # also never read keys that no row of the block can see (freed window pages)
+            if sliding_window is not None:
+                k_ok &= kpos >= kv_lo
             page = bt_ref[seq, jnp.minimum(kpos // P, max_pages - 1)]  # [TILE] physical page of each key
             off = kpos % P
             kv_idx = (page[:, None], off[:, None], kh, d_idx[None, :])
