@@ -92,8 +92,14 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
     q, k = rope(q, positions, rc, cfg.head_dim), rope(k, positions, rc, cfg.head_dim)
     kp, vp = write_kv(kv.k[i], kv.v[i], k, v, md.slot_mapping)
     o = attention(
-        q, kp, vp, md, scale=cfg.attn_scale, sliding_window=cfg.layer_window(i),
-        soft_cap=cfg.attn_logit_softcap, backend=backend,
+        q,
+        kp,
+        vp,
+        md,
+        scale=cfg.attn_scale,
+        sliding_window=cfg.layer_window(i),
+        soft_cap=cfg.attn_logit_softcap,
+        backend=backend,
     )  # [T, q_heads, head_dim]
     return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
 

@@ -252,3 +252,29 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill above it)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_waiting: int | None = None  # queue cap; None = unbounded
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""  # HF directory or .gguf file; "" = the embedded default model
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    kv_dtype: str = "auto"  # auto = the parameters' dtype
+    max_model_len: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"  # auto | reference | triton | ...
+    seed: int = 0  # seeds requests that give none
+    served_model_name: str | None = None
+    compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
+    warmup: bool = True
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        import jax
+
+        from netra_jax.ops.attention import BACKENDS
+
+        if jax.default_backend() == "gpu" and "triton" in BACKENDS:
+            return "triton"
+        return "reference"

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 
 from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
 
-# Maximum elements of the per-token gathered K (tokens x context x kv_heads x head_dim) materialised at once by the
-# reference; longer batches are processed in chunks of query tokens.
-_REF_GATHER_ELEMS = 1 << 26
+# The reference gathers keys in chunks of _KEY_CHUNK positions per query token, for at most _REF_GATHER_ELEMS
+# gathered elements (tokens x chunk x kv_heads x head_dim) at once; larger batches loop over token blocks.
+_KEY_CHUNK = 128
+_REF_GATHER_ELEMS = 1 << 24
+_NEG = -1e30
 
 
 @flax.struct.dataclass
@@ -59,7 +61,12 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
-    """Plain-jnp ragged paged attention: each query token gathers its sequence's pages and attends causally.
+    """Plain-jnp ragged paged attention with an online softmax over fixed-size key chunks.
+
+    Each query token gathers its own sequence's pages, `_KEY_CHUNK` keys at a time, for as many chunks as the
+    longest context of the step needs (a dynamic trip count, so cost follows the real lengths and no context-length
+    bucket is compiled). Chunk boundaries are absolute positions, so a token's arithmetic does not depend on its
+    batch companions: extra chunks of a longer companion are fully masked for it and leave its sums unchanged.
 
     q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
     step's keys). Returns [T, q_heads, head_dim] in q's dtype; padding tokens give zeros. Math in float32.
@@ -67,38 +74,63 @@ def paged_attention_reference(
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
     G = H // KH
+    ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
+    ck = ppc * P  # keys per chunk
+    bt = md.block_tables
+    pad = (-bt.shape[1]) % ppc
+    if pad:
+        bt = jnp.pad(bt, ((0, 0), (0, pad)))
     seq_idx, q_pos, valid = token_layout(md, T)
-    max_pages = md.block_tables.shape[1]
-    C = max_pages * P  # static context bound of this step
+    n_chunks = (jnp.max(md.seq_lens) + ck - 1) // ck
+    first = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.min(jnp.where(valid, q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1
+        first = jnp.clip(lo // ck, 0, None).astype(jnp.int32)
 
-    def chunk(args):
-        qc, sc, pc, vc = args  # [Tc, H, D], [Tc], [Tc], [Tc]
-        pages = md.block_tables[sc]  # [Tc, max_pages]
-        kc = k_pages[pages].reshape(-1, C, KH, D).astype(jnp.float32)  # [Tc, C, KH, D]
-        vv = v_pages[pages].reshape(-1, C, KH, D).astype(jnp.float32)  # [Tc, C, KH, D]
-        qg = qc.astype(jnp.float32).reshape(-1, KH, G, D)  # [Tc, KH, G, D]
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc) * scale  # [Tc, KH, G, C]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = jnp.arange(C, dtype=jnp.int32)[None, :]  # [1, C]
-        mask = kpos <= pc[:, None]  # causal at the absolute position
-        if sliding_window is not None:
-            mask &= kpos > pc[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("tkgc,tckd->tkgd", p, vv).reshape(-1, H, D)
-        return jnp.where(vc[:, None, None], o, 0.0).astype(q.dtype)
+    def token_block(args):
+        qb, sb, pb, vb = args  # [Tb, H, D], [Tb], [Tb], [Tb]
+        tb = qb.shape[0]
+        qg = qb.astype(jnp.float32).reshape(tb, KH, G, D) * scale  # [Tb, KH, G, D]
+        rows = bt[sb]  # [Tb, pages]
 
-    per_token = C * KH * D
-    tc = max(1, min(T, _REF_GATHER_ELEMS // max(per_token, 1)))
-    if tc >= T:
-        return chunk((q, seq_idx, q_pos, valid))
-    n_chunks = -(-T // tc)
-    pad = n_chunks * tc - T
-    padded = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, seq_idx, q_pos, valid)]
-    stacked = [a.reshape((n_chunks, tc) + a.shape[1:]) for a in padded]
-    out = jax.lax.map(chunk, tuple(stacked))
-    return out.reshape(n_chunks * tc, H, D)[:T]
+        def body(c, carry):
+            m, l, acc = carry  # [Tb, KH, G], [Tb, KH, G], [Tb, KH, G, D]
+            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [Tb, ppc]
+            k = k_pages[pages].reshape(tb, ck, KH, D).astype(jnp.float32)  # [Tb, ck, KH, D]
+            v = v_pages[pages].reshape(tb, ck, KH, D).astype(jnp.float32)
+            s = jnp.einsum("tkgd,tckd->tkgc", qg, k)  # [Tb, KH, G, ck]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kpos = c * ck + jnp.arange(ck, dtype=jnp.int32)[None, :]  # [1, ck]
+            mask = kpos <= pb[:, None]
+            if sliding_window is not None:
+                mask &= kpos > pb[:, None] - sliding_window
+            s = jnp.where(mask[:, None, None, :], s, _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+            acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v)
+            return m_new, l * alpha + p.sum(-1), acc
+
+        init = (
+            jnp.full((tb, KH, G), _NEG, jnp.float32),
+            jnp.zeros((tb, KH, G), jnp.float32),
+            jnp.zeros((tb, KH, G, D), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return jnp.where(vb[:, None, None], o.reshape(tb, H, D), 0.0).astype(q.dtype)
+
+    tb = max(1, min(T, _REF_GATHER_ELEMS // (ck * KH * D)))
+    if tb >= T:
+        return token_block((q, seq_idx, q_pos, valid))
+    nb = -(-T // tb)
+    padn = nb * tb - T
+    blocks = [
+        jnp.pad(a, [(0, padn)] + [(0, 0)] * (a.ndim - 1)).reshape((nb, tb) + a.shape[1:])
+        for a in (q, seq_idx, q_pos, valid)
+    ]
+    return jax.lax.map(token_block, tuple(blocks)).reshape(nb * tb, H, D)[:T]
 
 
 def _auto(q, k_pages, v_pages, md, **kw):

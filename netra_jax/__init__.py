@@ -1,0 +1,21 @@
+"""netra_jax: a JAX/XLA-compiled LLM inference runtime with a paged KV cache, continuous batching, Pallas attention
+kernels and vLLM-compatible Python and OpenAI-compatible HTTP APIs."""
+
+from netra_jax.api import LLM, build_engine
+from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from netra_jax.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "EngineConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+    "ModelConfig",
+    "build_engine",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,237 @@
+"""The Python API: `LLM` (vLLM-compatible generate / chat / stream, plus the per-position `logits` research hook)
+and `build_engine`, which loads a checkpoint, sizes the KV cache, compiles the step buckets and returns an engine."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from netra_jax import assets
+from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine.engine import LLMEngine, PromptType
+from netra_jax.engine.outputs import RequestOutput
+from netra_jax.loader import load_model
+from netra_jax.models.transformer import forward, init_kv_cache
+from netra_jax.ops.attention import AttentionMetadata
+from netra_jax.sampling_params import SamplingParams
+from netra_jax.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_CACHE_SET = False
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persistent XLA compilation cache so a restart reuses the compiled step buckets."""
+    global _CACHE_SET
+    if _CACHE_SET or path == "":
+        return
+    path = path or str(assets.cache_dir() / "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _CACHE_SET = True
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    return str(assets.default_model_path()) if not model else str(model)
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Load the model and tokenizer, allocate the KV pages and (unless config.warmup is False) compile every bucket."""
+    enable_compilation_cache(config.compilation_cache_dir)
+    path = resolve_model_path(config.model)
+    t0 = time.perf_counter()
+    cfg, params = load_model(path, config.dtype)
+    tokenizer = Tokenizer.load(path)
+    engine = LLMEngine(config, cfg, params, tokenizer)
+    log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
+    if config.warmup:
+        engine.warmup()
+    return engine
+
+
+@partial(jax.jit, static_argnames=("cfg", "page_size"))
+def _all_logits(params, token_ids, *, cfg, page_size: int):
+    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T] (T a multiple of page)."""
+    T = token_ids.shape[0]
+    pages = T // page_size
+    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype)
+    md = AttentionMetadata(
+        slot_mapping=jnp.arange(T, dtype=jnp.int32),
+        query_start_loc=jnp.array([0, T], jnp.int32),
+        seq_lens=jnp.array([T], jnp.int32),
+        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+    )
+    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md)
+    return logits  # [T, vocab] float32
+
+
+class LLM:
+    """Offline inference, vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    model: a Hugging Face directory or a .gguf file (None = the embedded default, SmolLM2-135M-Instruct).
+    dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
+    max_num_batched_tokens, kv_cache_memory (bytes), num_kv_pages, page_size, enable_prefix_caching."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        num_kv_pages: int | None = None,
+        page_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        warmup: bool = True,
+        compilation_cache_dir: str | None = None,
+    ):
+        if model is not None and not Path(model).exists():
+            raise FileNotFoundError(f"model path {model} does not exist")
+        self.config = EngineConfig(
+            model=str(model) if model else "",
+            dtype=dtype,
+            max_model_len=max_model_len,
+            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_cache_bytes=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            attention_backend=attention_backend,
+            seed=seed,
+            compilation_cache_dir=compilation_cache_dir,
+            warmup=warmup,
+        )  # fmt: skip
+        self.engine = build_engine(self.config)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ accessors
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    # ------------------------------------------------------------------ research hooks
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Per-position logits of a prompt: float32 [len(token_ids), vocab] (row i predicts token i + 1)."""
+        ids = self.engine._check_ids(token_ids)
+        if len(ids) > self.engine.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
+        page = self.engine.pool.block_size
+        T = max(page, 1 << (len(ids) - 1).bit_length())
+        padded = np.zeros(T, np.int32)
+        padded[: len(ids)] = ids
+        out = _all_logits(self.engine.runner.params, jnp.asarray(padded), cfg=self.engine.model_config,
+                          page_size=page)  # fmt: skip
+        return np.asarray(out[: len(ids)])
+
+    # ------------------------------------------------------------------ generation
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def _normalize(self, prompts, params) -> tuple[list[PromptType], list[SamplingParams]]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        return prompts, plist
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for all prompts at once through the batching engine; outputs in prompt order."""
+        prompts, plist = self._normalize(prompts, sampling_params)
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self._add(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        n_out, t0 = 0, time.perf_counter()
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            n_out += sum(len(o.token_ids) for o in out.outputs)
+                            bar.set_postfix_str(f"output {n_out / (time.perf_counter() - t0):.1f} tok/s")
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)  # fmt: skip
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield incremental outputs of one request (`.outputs[i].delta_text` holds the new text)."""
+        rid = self._add(prompt, sampling_params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)

@@ -1,0 +1,113 @@
+"""`netra-jax` command line: serve (OpenAI-compatible HTTP), chat / generate (one-off prompts), batch (OpenAI Batch
+JSONL) and bench. Engine flags follow vLLM's names; with no MODEL the embedded default model is used."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (CPU default 1 GiB)")
+    p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV page count")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model or "",
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        cache=CacheConfig(
+            page_size=a.page_size, num_pages=a.num_kv_pages, kv_cache_bytes=a.kv_cache_memory,
+            gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting
+        ),
+        attention_backend=a.attention_backend,
+        seed=a.seed,
+        served_model_name=a.served_model_name,
+        warmup=not a.no_warmup,
+    )  # fmt: skip
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+
+
+def _one_off(a: argparse.Namespace, chat: bool) -> int:
+    from netra_jax.api import build_engine
+    from netra_jax.sampling_params import SamplingParams
+
+    engine = build_engine(dataclasses.replace(engine_config(a), warmup=False))  # compile only what is used
+    tok = engine.tokenizer
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    if chat:
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}
+        ]
+        prompt = {"prompt_token_ids": tok.encode_chat(messages)}
+    else:
+        prompt = a.prompt
+    engine.add_request("cli", prompt, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="netra-jax", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("chat", "answer one chat message"), ("generate", "complete one raw prompt")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("prompt")
+        add_engine_args(p)
+        _sampling_args(p)
+        if name == "chat":
+            p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    try:
+        from netra_jax.serving.cli import add_serve_args
+
+        add_serve_args(p)
+    except ImportError:
+        pass
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.cmd in ("chat", "generate"):
+        return _one_off(a, a.cmd == "chat")
+    if a.cmd == "serve":
+        from netra_jax.serving.cli import serve
+
+        return serve(a)
+    parser.error(f"unknown command {a.cmd}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Model runner: packs a SchedulerOutput into one flat ragged token batch padded to a token bucket, ships its
+metadata as a single host array, runs the jitted forward over the donated paged KV cache, and samples on device."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from netra_jax.config import ModelConfig
+from netra_jax.engine.scheduler import SchedulerOutput
+from netra_jax.models.transformer import forward, init_kv_cache
+from netra_jax.ops.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two from 1 up to the first one covering `max_tokens`, the last capped to `max_tokens`."""
+    out, b = [], 1
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """Static shape of one compiled step variant."""
+
+    num_tokens: int  # T
+    num_seqs: int  # S (logit rows)
+    max_pages: int  # W (block-table width)
+
+    def packed_len(self) -> int:
+        T, S, W = self.num_tokens, self.num_seqs, self.max_pages
+        return 3 * T + (S + 1) + 2 * S + S * W
+
+
+@dataclass
+class PackedBatch:
+    shape: BatchShape
+    host: np.ndarray  # [packed_len] int32: tokens | positions | slots | qsl | seq_lens | logits_idx | block_tables
+    num_seqs: int  # real sequences
+    num_tokens: int  # real tokens
+
+
+def pack_batch(out: SchedulerOutput, shape: BatchShape, page_size: int, pad_slot: int) -> PackedBatch:
+    """Lay the scheduled requests out as one flat token batch in a single int32 array (one host->device copy)."""
+    T, S, W = shape.num_tokens, shape.num_seqs, shape.max_pages
+    buf = np.zeros(shape.packed_len(), np.int32)
+    tok, pos, slot = buf[:T], buf[T : 2 * T], buf[2 * T : 3 * T]
+    o = 3 * T
+    qsl = buf[o : o + S + 1]
+    seq_lens = buf[o + S + 1 : o + 2 * S + 1]
+    lidx = buf[o + 2 * S + 1 : o + 3 * S + 1]
+    bt = buf[o + 3 * S + 1 :].reshape(S, W)
+    slot[:] = pad_slot
+    t = 0
+    for s, sr in enumerate(out.scheduled):
+        n, start = sr.num_new_tokens, sr.start
+        tok[t : t + n] = sr.token_ids
+        p = np.arange(start, start + n, dtype=np.int32)
+        pos[t : t + n] = p
+        blocks = np.asarray(sr.block_ids, np.int32)
+        slot[t : t + n] = blocks[p // page_size] * page_size + p % page_size
+        bt[s, : len(blocks)] = blocks
+        seq_lens[s] = start + n
+        t += n
+        qsl[s + 1] = t
+        lidx[s] = t - 1
+    ns = len(out.scheduled)
+    qsl[ns + 1 :] = t
+    return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t)
+
+
+def _unpack(packed: jax.Array, shape: BatchShape):
+    T, S, W = shape.num_tokens, shape.num_seqs, shape.max_pages
+    o = 3 * T
+    md = AttentionMetadata(
+        slot_mapping=packed[2 * T : o],
+        query_start_loc=packed[o : o + S + 1],
+        seq_lens=packed[o + S + 1 : o + 2 * S + 1],
+        block_tables=packed[o + 3 * S + 1 :].reshape(S, W),
+    )
+    return packed[:T], packed[T : 2 * T], md, packed[o + 2 * S + 1 : o + 3 * S + 1]
+
+
+def _step(params, kv, packed, *, cfg: ModelConfig, shape: BatchShape, backend: str):
+    tokens, positions, md, logits_idx = _unpack(packed, shape)
+    logits, kv = forward(params, cfg, tokens, positions, kv, md, logits_idx, backend=backend)
+    return logits, kv  # [S, vocab] float32
+
+
+class ModelRunner:
+    """Owns the parameters and the paged KV cache on the device; executes one scheduled step at a time."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        kv_dtype=jnp.float32,
+        backend: str = "reference",
+    ):
+        self.cfg, self.params = cfg, params
+        self.page_size, self.num_pages = page_size, num_pages
+        self.max_pages = math.ceil(max_model_len / page_size)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
+        self.backend = backend
+        self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
+        self.pad_slot = num_pages * page_size  # out of range: dropped by the KV write
+        self._jit = jax.jit(_step, static_argnames=("cfg", "shape", "backend"), donate_argnums=(1,))
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ shapes
+    def shape_for(self, num_tokens: int) -> BatchShape:
+        T = next((b for b in self.buckets if b >= num_tokens), None)
+        if T is None:
+            raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+        return BatchShape(T, min(T, self.max_seqs_bucket), self.max_pages)
+
+    def all_shapes(self) -> list[BatchShape]:
+        return sorted({self.shape_for(b) for b in self.buckets}, key=lambda s: s.num_tokens)
+
+    # ------------------------------------------------------------------ execution
+    def run(self, out: SchedulerOutput) -> tuple[jax.Array, PackedBatch]:
+        """Dispatch the forward for a scheduled step; returns device logits [S_bucket, vocab] (async) and the pack."""
+        shape = self.shape_for(out.num_batched_tokens)
+        pb = pack_batch(out, shape, self.page_size, self.pad_slot)
+        logits, self.kv = self._jit(
+            self.params, self.kv, jnp.asarray(pb.host), cfg=self.cfg, shape=shape, backend=self.backend
+        )
+        self.num_steps += 1
+        return logits, pb
+
+    def warmup_shape(self, shape: BatchShape) -> None:
+        """Compile (and run once on an all-padding batch, which writes nothing) one step variant."""
+        buf = np.zeros(shape.packed_len(), np.int32)
+        buf[2 * shape.num_tokens : 3 * shape.num_tokens] = self.pad_slot
+        logits, self.kv = self._jit(
+            self.params, self.kv, jnp.asarray(buf), cfg=self.cfg, shape=shape, backend=self.backend
+        )
+        logits.block_until_ready()

