@@ -56,8 +56,9 @@ class _Group:
     prompt_logprobs: list | None = None
 
 
-def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int) -> int:
-    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory."""
+def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int) -> int:
+    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory;
+    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room)."""
     if cache.num_pages:
         return cache.num_pages
     per_page = kv_bytes_per_page(cfg, page_size, kv_dtype)
@@ -70,7 +71,7 @@ def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int
             budget = int(free * 0.85)  # leave room for activations and the compiled steps
         else:
             budget = 1 << 30
-    return max(2, budget // per_page)
+    return max(2, min(budget // per_page, max_useful))
 
 
 class LLMEngine:
@@ -87,7 +88,8 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduler
         kv_dtype = jax.tree.leaves(params)[0].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
         page = cache.page_size
-        num_pages = num_pages_for(model_cfg, cache, kv_dtype, page)
+        useful = 2 * sched.max_num_seqs * -(-self.max_model_len // page)
+        num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful)
         self.pool = BlockPool(num_pages, page, enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.max_model_len)
         self.runner = ModelRunner(

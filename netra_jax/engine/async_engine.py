@@ -1,0 +1,176 @@
+"""AsyncEngine: runs the LLMEngine step loop in its own thread and hands each request's outputs to an asyncio
+queue, so an HTTP server can `async for` over a generation and abort it when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from netra_jax.engine.engine import LLMEngine, PromptType
+from netra_jax.engine.outputs import RequestOutput
+from netra_jax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an internal error; requests cannot be served."""
+
+
+@dataclass
+class _Cmd:
+    kind: str  # "add" | "abort"
+    request_id: str
+    prompt: PromptType | None = None
+    params: SamplingParams | None = None
+    reply: asyncio.Future | None = None
+    out_q: asyncio.Queue | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+class AsyncEngine:
+    """Thread-safe front of an LLMEngine. `generate()` validates in the engine thread (so errors surface as
+    ValueError to the caller before any output), then yields RequestOutputs; leaving the iterator aborts the request
+    and frees its KV blocks. A step that raises fails every in-flight request and marks the engine dead."""
+
+    def __init__(self, engine: LLMEngine, step_timeout: float | None = None):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # orders commands against the loop's death
+        self._stop = threading.Event()
+        self.dead: BaseException | None = None
+        self.step_timeout = step_timeout
+        self.last_step_start: float | None = None  # set while a step runs (for a watchdog)
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="netra-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive() and not self._step_hung()
+
+    def _step_hung(self) -> bool:
+        start = self.last_step_start
+        return bool(self.step_timeout and start is not None and time.monotonic() - start > self.step_timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        reply, out_q = loop.create_future(), asyncio.Queue()
+        with self._lock:
+            if self.dead is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            self._send(_Cmd("add", request_id, prompt, params, reply, out_q, loop))
+        await reply  # raises the engine's ValueError for bad input
+        finished = False
+        try:
+            while True:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Cmd("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _send(self, cmd: _Cmd) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the client's loop is closed
+            pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd.kind == "abort":
+                if self._queues.pop(cmd.request_id, None) is not None:
+                    self.engine.abort_request(cmd.request_id)
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
+                self._post(cmd.loop, _set_exc, cmd.reply, e)
+                continue
+            self._queues[cmd.request_id] = (cmd.loop, cmd.out_q)
+            self._post(cmd.loop, _set_result, cmd.reply, None)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self.last_step_start = time.monotonic()
+                outputs = self.engine.step()
+                self.last_step_start = None
+                self.num_steps += 1
+                for out in outputs:
+                    target = self._queues.get(out.request_id)
+                    if target is None:
+                        continue
+                    loop, q = target
+                    self._post(loop, q.put_nowait, out)
+                    if out.finished:
+                        self._queues.pop(out.request_id, None)
+        except BaseException as e:  # a failed step: fail everything in flight, never hang a client
+            log.error("engine step failed; failing %d requests:\n%s", len(self._queues), traceback.format_exc())
+            with self._lock:
+                self.dead = e
+            self.last_step_start = None
+            err = EngineDeadError(f"engine step failed: {e!r}")
+            for loop, q in self._queues.values():
+                self._post(loop, q.put_nowait, err)
+            self._queues.clear()
+            while True:  # reject commands that raced with the failure
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd.reply is not None:
+                    self._post(cmd.loop, _set_exc, cmd.reply, err)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exc(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
