@@ -251,6 +251,7 @@ class LLMEngine:
                                                  np.asarray(so.top_logprobs))  # fmt: skip
         sampled = {s.request_id: [int(ids[i])] for i, s in enumerate(sched.scheduled) if s.sample}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        touched: dict[str, _Group] = {}
         for i, s in enumerate(sched.scheduled):
             if not s.sample or s.request_id not in self._seq_of:
                 continue
@@ -261,7 +262,9 @@ class LLMEngine:
             self._append_token(group, seq, int(tok), i, lps, batch)
             if s.request_id in finished:
                 seq.finished = True
-            outputs[group.request_id] = self._output(group)
+            touched[group.request_id] = group
+        for rid, group in touched.items():  # once per group, after all its samples took this step's tokens
+            outputs[rid] = self._output(group)
 
     def _append_token(self, group: _Group, seq: _Seq, tok: int, row: int, lps, batch) -> None:
         req = seq.request
