@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_args(p)
     except ImportError:
         pass
+    p = sub.add_parser("batch", help="run an OpenAI Batch JSONL file offline (resumable)")
+    from netra_jax.serving.batch import add_batch_args
+
+    add_batch_args(p)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.cmd in ("chat", "generate"):
@@ -105,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from netra_jax.serving.cli import serve
 
         return serve(a)
+    if a.cmd == "batch":
+        from netra_jax.serving.batch import main as batch_main
+
+        return batch_main(a)
     parser.error(f"unknown command {a.cmd}")
     return 2
 

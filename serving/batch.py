@@ -1,0 +1,426 @@
+"""OpenAI Batch API jobs offline: run a JSONL file of /v1/chat/completions and /v1/completions requests through one
+engine in a bounded window, appending OpenAI batch output lines as each request finishes (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from netra_jax.serving.batch_openai import ChatJob, RequestError, prepare, response_body
+
+if TYPE_CHECKING:
+    from netra_jax.config import EngineConfig
+    from netra_jax.engine.engine import LLMEngine
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+DUPLICATE = "duplicate_custom_id"  # error code of a repeated custom_id (the first occurrence is the one served)
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The name a request's `model` must carry (the server's rule): config.served_model_name, else the model path's
+    name (a .gguf file's stem: `SmolLM2-135M-Instruct.Q4_1` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`, a
+    directory's name: `tiny-llama`), else the default model's name, `SmolLM2-135M-Instruct`."""
+    if config.served_model_name:
+        return config.served_model_name
+    if not config.model:
+        from netra_jax.assets import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    p = Path(config.model)
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------- output lines
+def error_line(
+    custom_id: str | None, message: str, code: str, *, line: int, status: int | None = 400, param: str | None = None
+) -> dict[str, Any]:
+    """A failed request. `response` is null when no request could be formed (malformed line), else the HTTP error
+    the server would have answered; `error` is set in both cases and names the input line."""
+    response = None
+    if status is not None:
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        err = {"message": message, "type": kind, "param": param, "code": code}
+        response = {"status_code": status, "request_id": _rid("req"), "body": {"error": err}}
+    return {"id": _rid("batch_req"), "custom_id": custom_id, "response": response,
+            "error": {"code": code, "message": message, "line": line}}  # fmt: skip
+
+
+def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": _rid("batch_req"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _rid("req"), "body": body}, "error": None}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- input lines and resume state
+@dataclass
+class Work:
+    """One well-formed request line, ready for an engine."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps({"line": self.line, "custom_id": self.custom_id, "url": self.url, "body": self.body})
+
+    @staticmethod
+    def from_json(text: str) -> Work:
+        d = json.loads(text)
+        return Work(d["line"], d["custom_id"], d["url"], d["body"])
+
+
+@dataclass
+class Progress:
+    """What an existing output file already holds: served custom_ids, malformed input lines (by number) and
+    duplicate-id error lines (counted per id), plus what this pass has met so far."""
+
+    done: set[tuple[str, Any]] = field(default_factory=set)  # ("id", custom_id) | ("line", n)
+    dups_written: Counter = field(default_factory=Counter)
+    seen: set[str] = field(default_factory=set)
+    dups_seen: Counter = field(default_factory=Counter)
+    skipped: int = 0
+
+    def note(self, out: dict[str, Any]) -> None:
+        cid, err = out.get("custom_id"), out.get("error") or {}
+        if cid is None:
+            self.done.add(("line", err.get("line")))
+        elif err.get("code") == DUPLICATE:
+            self.dups_written[cid] += 1
+        else:
+            self.done.add(("id", cid))
+
+
+def load_progress(output_path: str | os.PathLike) -> Progress:
+    """Read an existing output file for resuming. A truncated last line (a kill mid-write) is cut away; a corrupt
+    line before the last one raises ValueError, since resuming past it could duplicate or lose requests."""
+    prog = Progress()
+    if not os.path.exists(output_path):
+        return prog
+    with open(output_path, "rb+") as f:
+        good, bad, newline = 0, None, False
+        for i, raw in enumerate(f, 1):
+            if bad is not None:
+                if raw.strip():
+                    raise ValueError(f"{output_path} line {bad[0]} is corrupt ({bad[1]}); cannot resume from it")
+                continue
+            if raw.strip():
+                try:
+                    out = json.loads(raw)
+                    if not isinstance(out, dict) or "custom_id" not in out:
+                        raise ValueError("not a batch output object")
+                except ValueError as e:
+                    bad = (i, e)
+                    continue
+                prog.note(out)
+                newline = not raw.endswith(b"\n")  # a complete last line that lacks its newline
+            good += len(raw)
+        f.truncate(good)
+        if newline:
+            f.seek(good)
+            f.write(b"\n")
+    return prog
+
+
+def classify(line_no: int, raw: bytes, prog: Progress) -> Work | dict[str, Any] | None:
+    """One input line -> a Work, an error output line, or None (blank, or already in the output)."""
+    if not raw.strip():
+        return None
+    try:
+        req = json.loads(raw)
+    except ValueError as e:  # includes invalid UTF-8
+        key = ("line", line_no)
+        return _skip(prog) if key in prog.done else error_line(
+            None, f"line {line_no}: invalid JSON: {e}", "invalid_json", line=line_no, status=None)  # fmt: skip
+    cid = req.get("custom_id") if isinstance(req, dict) else None
+    if not isinstance(cid, str) or not cid:
+        if ("line", line_no) in prog.done:
+            return _skip(prog)
+        what = "a JSON object" if not isinstance(req, dict) else "a non-empty string custom_id"
+        return error_line(None, f"line {line_no}: a request line needs {what}", "invalid_request", line=line_no,
+                          status=None)  # fmt: skip
+    if cid in prog.seen:
+        prog.dups_seen[cid] += 1
+        if prog.dups_seen[cid] <= prog.dups_written[cid]:
+            return _skip(prog)
+        return error_line(cid, f"line {line_no}: custom_id {cid!r} appeared earlier in the file; only the first "
+                          "occurrence is run", DUPLICATE, line=line_no, status=None)  # fmt: skip
+    prog.seen.add(cid)
+    if ("id", cid) in prog.done:
+        return _skip(prog)
+    method, url, body = req.get("method", "POST"), req.get("url"), req.get("body")
+    if method != "POST":
+        return error_line(cid, f"line {line_no}: method must be POST, got {method!r}", "invalid_method", line=line_no,
+                          status=405)  # fmt: skip
+    if url not in URLS:
+        return error_line(cid, f"line {line_no}: unsupported url {url!r}; supported: {', '.join(URLS)}",
+                          "invalid_url", line=line_no, status=404)  # fmt: skip
+    if not isinstance(body, dict):
+        return error_line(cid, f"line {line_no}: body must be a JSON object", "invalid_request", line=line_no,
+                          param="body")  # fmt: skip
+    return Work(line_no, cid, url, body)
+
+
+def _skip(prog: Progress) -> None:
+    prog.skipped += 1
+    return None
+
+
+def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        yield from enumerate(f, 1)
+
+
+# ---------------------------------------------------------------------- the engine loop
+class _Runner:
+    """Feeds Works to one engine, keeping at most `window` sequences in flight, and emits one output line per Work."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, emit: Callable[[dict], None], window: int):
+        self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
+        self.jobs: dict[str, ChatJob] = {}  # engine request id -> its job
+        self.in_flight = 0
+        self._next = 0
+
+    def submit(self, work: Work) -> None:
+        try:
+            job = prepare(work, self.engine, self.model_name, chat=work.url == CHAT_URL)
+        except RequestError as e:
+            self.emit(error_line(work.custom_id, str(e), e.code, line=work.line, status=e.status, param=e.param))
+            return
+        try:
+            while not self._add(job):  # the engine's waiting queue is at its cap: let requests finish first
+                self.step()
+        except ValueError as e:
+            self.emit(error_line(work.custom_id, str(e), "invalid_request", line=work.line))
+
+    def _add(self, job: ChatJob) -> bool:
+        from netra_jax.engine.scheduler import QueueFullError
+
+        self._next += 1
+        added = []
+        try:
+            for k, (prompt, sp) in enumerate(job.prompts):
+                rid = f"batch-{self._next}.{k}"
+                self.engine.add_request(rid, prompt, sp)
+                added.append(rid)
+        except (QueueFullError, ValueError):
+            for rid in added:
+                self.engine.abort_request(rid)
+            if isinstance(sys.exc_info()[1], QueueFullError) and self.in_flight:
+                return False
+            raise
+        job.rids = added
+        for rid in added:
+            self.jobs[rid] = job
+        self.in_flight += job.num_seqs
+        return True
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine holds none of the {len(self.jobs)} batch requests in flight")
+        for out in self.engine.step():
+            if not out.finished or out.request_id not in self.jobs:
+                continue
+            job = self.jobs.pop(out.request_id)
+            job.outputs[out.request_id] = out
+            if len(job.outputs) < len(job.rids):
+                continue
+            self.in_flight -= job.num_seqs
+            outs = [job.outputs[r] for r in job.rids]
+            bad = [o for o in outs if o.error or any(c.finish_reason in ("error", "abort") for c in o.outputs)]
+            failed = (bad[0].error or "the engine failed this request") if bad else None
+            w = job.work
+            if failed:
+                self.emit(error_line(w.custom_id, failed, "server_error", line=w.line, status=500))
+            else:
+                self.emit(success_line(w.custom_id, response_body(job, outs, self.model_name)))
+
+    def abort_all(self) -> None:
+        for rid in list(self.jobs):
+            self.engine.abort_request(rid)
+        self.jobs.clear()
+
+
+def process(
+    engine: LLMEngine, items: Iterable[Work | dict | None], emit: Callable[[dict], None], model_name: str, window: int
+) -> None:
+    """Run every Work through the engine (error lines pass straight to `emit`). On any exception the requests in
+    flight are aborted so the engine is left idle."""
+    runner = _Runner(engine, model_name, emit, max(1, window))
+    try:
+        for item in items:
+            if item is None:
+                continue
+            if isinstance(item, dict):
+                emit(item)
+                continue
+            while runner.in_flight >= runner.window:
+                runner.step()
+            runner.submit(item)
+        while runner.in_flight:
+            runner.step()
+    except BaseException:
+        runner.abort_all()
+        raise
+
+
+# ---------------------------------------------------------------------- writing and summary
+@dataclass
+class BatchSummary:
+    requests: int = 0  # non-blank input lines, including those already done by an earlier run
+    completed: int = 0  # success lines written by this run
+    errors: int = 0  # error lines written by this run
+    skipped: int = 0  # lines already present in the output (resumed)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"batch: {self.requests} requests ({self.completed} completed, {self.errors} errors, {self.skipped} "
+                f"already done) in {self.seconds:.1f}s; {self.prompt_tokens} prompt + {self.output_tokens} output "
+                f"tokens, {self.output_tokens_per_s:.1f} output tok/s")  # fmt: skip
+
+
+class OutputWriter:
+    """Appends output lines to the output file, flushing each, and keeps the counts and the progress bar."""
+
+    def __init__(self, f, summary: BatchSummary, bar=None):
+        self.f, self.s, self.bar, self.t0 = f, summary, bar, time.perf_counter()
+
+    def emit(self, out: dict[str, Any]) -> None:
+        self.f.write(json.dumps(out, ensure_ascii=False) + "\n")
+        self.f.flush()
+        if out["error"] is None:
+            usage = out["response"]["body"]["usage"]
+            self.s.completed += 1
+            self.s.prompt_tokens += usage["prompt_tokens"]
+            self.s.output_tokens += usage["completion_tokens"]
+        else:
+            self.s.errors += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{self.s.output_tokens / (time.perf_counter() - self.t0):.1f} tok/s")
+
+
+def count_requests(path: str | os.PathLike) -> int:
+    return sum(1 for _, raw in read_lines(path) if raw.strip())
+
+
+def open_job(input_path, output_path, progress: bool):
+    """Shared set-up of a run: the resume state, the summary, and a progress bar over the input's requests."""
+    prog = load_progress(output_path)
+    summary = BatchSummary(requests=count_requests(input_path))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=summary.requests, desc="batch requests", dynamic_ncols=True)
+    return prog, summary, bar
+
+
+def close_job(prog: Progress, summary: BatchSummary, bar, t0: float, progress: bool) -> BatchSummary:
+    summary.skipped = prog.skipped
+    summary.seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    if progress:
+        print(summary, file=sys.stderr, flush=True)
+    return summary
+
+
+def run_batch(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    engine: LLMEngine | None = None,
+    *,
+    engine_config: EngineConfig | None = None,
+    max_in_flight: int | None = None,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> BatchSummary:
+    """Run an OpenAI Batch JSONL file through one engine (built from `engine_config` when `engine` is None) and
+    append the results to `output_path`; custom_ids already there are skipped. `max_in_flight` bounds the
+    sequences queued in the engine (default 4 * max_num_seqs)."""
+    t0 = time.perf_counter()
+    if engine is None:
+        from netra_jax.api import build_engine
+        from netra_jax.config import EngineConfig
+
+        engine = build_engine(engine_config or EngineConfig())
+    name = model_name or served_model_name(engine.config)
+    window = max_in_flight or 4 * engine.config.scheduler.max_num_seqs
+    prog, summary, bar = open_job(input_path, output_path, progress)
+    skip_bar = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+
+    def items() -> Iterator[Work | dict | None]:
+        for n, raw in read_lines(input_path):
+            before = prog.skipped
+            item = classify(n, raw, prog)
+            if prog.skipped > before:
+                skip_bar()
+            yield item
+
+    try:
+        with open(output_path, "a", encoding="utf-8") as f:
+            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window)
+    finally:
+        close_job(prog, summary, bar, t0, progress)
+    return summary
+
+
+# ---------------------------------------------------------------------- command line
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """`netra-jax batch INPUT OUTPUT [--model MODEL] [engine flags] [--ray --replicas N]`."""
+    from netra_jax.cli import add_engine_args
+
+    p.add_argument("input", help="OpenAI Batch JSONL input file")
+    p.add_argument("output", help="JSONL output file (appended to; custom_ids already there are skipped)")
+
+    class _ModelAsFlag:  # add_engine_args' positional MODEL becomes --model here
+        def add_argument(self, *args, **kw):
+            if args == ("model",):
+                return p.add_argument("--model", default=None, help=kw.get("help"))
+            return p.add_argument(*args, **kw)
+
+    add_engine_args(_ModelAsFlag())
+    p.add_argument("--max-in-flight", type=int, default=None, help="sequences queued per engine (4 * max-num-seqs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or summary on stderr")
+    p.add_argument("--ray", action="store_true", help="scale out with Ray Data (needs netra-jax[ray])")
+    p.add_argument("--replicas", type=int, default=1, help="engine actors with --ray")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local or $RAY_ADDRESS)")
+    p.add_argument("--ray-batch-size", type=int, default=None, help="requests per Ray batch (8 * max-num-seqs)")
+
+
+def main(a: argparse.Namespace) -> int:
+    from netra_jax.cli import engine_config
+
+    cfg = engine_config(a)
+    if a.ray:
+        try:
+            from netra_jax.serving.batch_ray import run_batch_ray
+        except ImportError as e:
+            print(f"netra-jax batch --ray needs Ray Data: pip install 'netra-jax[ray]' ({e})", file=sys.stderr)
+            return 2
+
+        run_batch_ray(a.input, a.output, cfg, replicas=a.replicas, batch_size=a.ray_batch_size,
+                      address=a.ray_address, max_in_flight=a.max_in_flight, progress=not a.no_progress)  # fmt: skip
+        return 0
+    run_batch(a.input, a.output, engine_config=cfg, max_in_flight=a.max_in_flight, progress=not a.no_progress)
+    return 0
