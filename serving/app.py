@@ -1,0 +1,273 @@
+"""The FastAPI application: OpenAI-compatible /v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models,
+vLLM's /tokenize and /detokenize, /health, /ready and /metrics; API key, body cap and CORS as ASGI middlewares."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
+from netra_jax.engine.scheduler import QueueFullError
+from netra_jax.serving import preprocess as pre
+from netra_jax.serving.errors import APIError, envelope, install_error_handlers
+from netra_jax.serving.generation import ClientDisconnected, Generation, race_disconnect
+from netra_jax.serving.metrics import ServerMetrics
+from netra_jax.serving.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from netra_jax.serving.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from netra_jax.serving.render import TokenText, chat_logprobs, completion_logprobs, finish, usage
+from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
+
+CLIENT_CLOSED = 499  # nginx's status for "client closed request"; never reaches the (gone) client
+DEFAULT_MAX_BODY = 4 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    tokens: TokenText
+    chat_template: str | None
+    ready: Callable[[], bool]
+    retry_after: int = 1
+    draining: bool = False
+    created: int = 0
+
+    @property
+    def llm(self):
+        return self.engine.engine
+
+
+async def parse_body[M: BaseModel](raw: Request, model: type[M]) -> M:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); errors become 400."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def _doc(model: type[BaseModel]) -> dict:
+    schema = {"application/json": {"schema": model.model_json_schema()}}
+    return {"requestBody": {"required": True, "content": schema}}
+
+
+def _engine_error(e: BaseException, retry_after: int) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"server is busy: {e}; retry later", code="queue_full",
+                        headers={"Retry-After": str(retry_after)})  # fmt: skip
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"engine is not running: {e}", code="engine_dead")
+    if isinstance(e, ValueError):
+        return pre.bad(str(e))
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    cors_origins: list[str] | None = None,
+    ready: Callable[[], bool] | None = None,
+    retry_after: int = 1,
+) -> FastAPI:
+    """An app serving `engine` as the model `served_model_name`. `chat_template`: Jinja source replacing the
+    checkpoint's (requests cannot supply one). `ready`: warm-up finished (default: the engine's `ready` flag)."""
+    metrics = ServerMetrics(engine)
+    st = ServerState(engine, served_model_name, metrics, TokenText(engine.engine.tokenizer), chat_template,
+                     ready or (lambda: engine.engine.ready), retry_after, created=int(time.time()))  # fmt: skip
+    app = FastAPI(title="netra_jax", version="0.1.0")
+    app.state.server = st
+    install_error_handlers(app, metrics.count_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=metrics.count_error)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_error=metrics.count_error)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != st.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    def check_serving() -> None:
+        if not engine.is_alive:
+            raise APIError(503, "engine is not running", code="engine_dead")
+        if st.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down")
+        if not st.ready():
+            raise APIError(503, "model is warming up; retry shortly", code="warming_up",
+                           headers={"Retry-After": str(retry_after)})  # fmt: skip
+
+    # ------------------------------------------------------------------ probes and metadata
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(envelope(503, f"engine is not running: {engine.dead!r}", code="engine_dead"), 503)
+
+    @app.get("/ready")
+    async def ready_probe() -> Response:
+        if engine.is_alive and st.ready() and not st.draining:
+            return JSONResponse({"status": "ready"})
+        why = "engine is not running" if not engine.is_alive else "shutting down" if st.draining else "warming up"
+        return JSONResponse(envelope(503, why, code="not_ready"), 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def card() -> ModelCard:
+        return ModelCard(id=st.model_name, created=st.created, root=str(st.llm.config.model or st.model_name),
+                         max_model_len=st.llm.max_model_len)  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return card()
+
+    @app.post("/tokenize", openapi_extra=_doc(TokenizeRequest))
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        req = await parse_body(raw, TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise pre.bad("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            _, ids = await pre.chat_prompt(st.llm, req.messages, req.add_generation_prompt, st.chat_template)
+        else:
+            ids = st.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = [st.tokens.text(i) for i in ids] if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=st.llm.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", openapi_extra=_doc(DetokenizeRequest))
+    async def detokenize(raw: Request) -> DetokenizeResponse:
+        req = await parse_body(raw, DetokenizeRequest)
+        check_model(req.model)
+        ids = [] if not req.tokens else pre.check_ids(st.llm, req.tokens, "tokens")
+        return DetokenizeResponse(prompt=st.llm.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
+
+    # ------------------------------------------------------------------ generation
+    async def start(raw: Request, gen: Generation, stream: bool):
+        """Non-streaming: every output. Streaming: the first event (so admission errors still get a status)."""
+        try:
+            if stream:
+                it = gen.events()
+                return await race_disconnect(raw, it.__anext__()), it
+            return await race_disconnect(raw, gen.collect())
+        except ClientDisconnected:
+            gen.close()
+            return None
+        except BaseException as e:
+            gen.close()
+            raise _engine_error(e, retry_after) from None
+
+    def sse(body, gen: Generation) -> StreamingResponse:
+        async def close() -> None:  # also when the client left before the body started
+            gen.close()
+
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(close))  # fmt: skip
+
+    @app.post("/v1/completions", response_model=None, openapi_extra=_doc(CompletionRequest))
+    async def completions(raw: Request) -> Response | CompletionResponse:
+        req = await parse_body(raw, CompletionRequest)
+        check_model(req.model)
+        check_serving()
+        pre.completion_checks(req)
+        prompts = pre.completion_prompts(st.llm, req)
+        sp = pre.sampling_params(st.llm, req, req.logprobs, [len(ids) for _, ids in prompts])
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        echo = None
+        if req.echo:
+            echo = [t if t is not None else st.llm.tokenizer.decode(ids, req.skip_special_tokens) for t, ids in prompts]
+        gen = Generation(engine, [{"prompt": t, "prompt_token_ids": ids} if t else ids for t, ids in prompts], sp,
+                         rid, metrics)  # fmt: skip
+        res = await start(raw, gen, req.stream)
+        if res is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if req.stream:
+            ctx = StreamContext(rid, int(time.time()), st.model_name, sp.n, st.tokens, req.logprobs, req.include_usage,
+                                req.continuous_usage, metrics, echo, req.return_token_ids)  # fmt: skip
+            return sse(completion_stream(gen, res[0], res[1], ctx), gen)
+        choices = []
+        for i, out in enumerate(res):
+            for o in out.outputs:
+                head = echo[i] if echo else ""
+                lps = None
+                if req.logprobs is not None and o.logprobs is not None:
+                    lps = completion_logprobs(o.logprobs, st.tokens, req.logprobs, len(head))
+                reason, stop_reason = finish(o)
+                choice = CompletionChoice(index=i * sp.n + o.index, text=head + o.text, logprobs=lps,
+                                          finish_reason=reason, stop_reason=stop_reason)  # fmt: skip
+                if req.return_token_ids:
+                    choice.token_ids, choice.prompt_token_ids = list(o.token_ids), list(out.prompt_token_ids)
+                choices.append(choice)
+        return CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage(res))
+
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_doc(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response | ChatCompletionResponse:
+        req = await parse_body(raw, ChatCompletionRequest)
+        check_model(req.model)
+        check_serving()
+        k = pre.chat_checks(req)
+        text, ids = await pre.chat_prompt(st.llm, req.messages, req.add_generation_prompt, st.chat_template)
+        sp = pre.sampling_params(st.llm, req, k, [len(ids)])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = Generation(engine, [{"prompt": text, "prompt_token_ids": ids}], sp, rid, metrics)
+        res = await start(raw, gen, req.stream)
+        if res is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if req.stream:
+            ctx = StreamContext(rid, int(time.time()), st.model_name, sp.n, st.tokens, k, req.include_usage,
+                                req.continuous_usage, metrics, return_token_ids=req.return_token_ids)  # fmt: skip
+            return sse(chat_stream(gen, res[0], res[1], ctx), gen)
+        choices = []
+        for o in res[0].outputs:
+            lps = None
+            if k is not None and o.logprobs is not None:
+                lps = ChatLogprobs(content=chat_logprobs(o.logprobs, st.tokens, k))
+            reason, stop_reason = finish(o)
+            choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lps,
+                                      finish_reason=reason, stop_reason=stop_reason,
+                                      token_ids=list(o.token_ids) if req.return_token_ids else None))  # fmt: skip
+        resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage(res))
+        if req.return_token_ids:
+            resp.prompt_token_ids = list(res[0].prompt_token_ids)
+        return resp
+
+    return app

@@ -1,0 +1,181 @@
+"""`netra-jax serve`: its flags, and the start-up sequence — load the model, open the port at once (/health answers,
+/ready says 503) while every step bucket compiles, then serve; SIGTERM drains in-flight requests and exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 4 << 20
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the ready line shows it)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("NETRA_JAX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (env NETRA_JAX_API_KEY)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (a file path or the Jinja source) replacing the checkpoint's",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body cap (413 above)")
+    p.add_argument(
+        "--cors-origins", default=None, help="comma-separated origins allowed by CORS, or '*' (default: CORS off)"
+    )
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")  # fmt: skip
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    if not args.model:
+        from netra_jax.assets import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    p = Path(args.model)
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A file's contents, or `value` itself when it looks like a Jinja template."""
+    if value is None:
+        return None
+    p = Path(value)
+    if len(value) < 4096 and p.is_file():
+        return p.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started) -> int:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT: stop accepting, mark the app as draining, let in-flight requests end (up to the
+        graceful timeout), then return normally (uvicorn would re-raise the signal and die with it)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in prev.items():
+                    signal.signal(s, h)
+
+        def _on_signal(self, sig, frame) -> None:
+            on_drain()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                sock = self.servers[0].sockets[0].getsockname()
+                on_started(sock[0], sock[1])
+
+    level = args.log_level.lower() if isinstance(getattr(args, "log_level", None), str) else "warning"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
+                            timeout_graceful_shutdown=max(0.0, args.drain_timeout), lifespan="off")  # fmt: skip
+    server = DrainingServer(config)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind
+        return int(e.code or 0)
+    return 0 if server.started else 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    from netra_jax.api import build_engine, resolve_model_path
+    from netra_jax.cli import engine_config
+    from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.serving.app import create_app
+
+    try:
+        template = load_chat_template(args.chat_template)
+    except (OSError, ValueError) as e:
+        print(f"netra-jax serve: {e}", file=sys.stderr)
+        return 2
+    cfg = engine_config(args)
+    t0 = time.perf_counter()
+    engine = build_engine(dataclasses.replace(cfg, warmup=False))
+    mc = engine.model_config
+    name = served_model_name(args)
+    if template is not None:
+        try:
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
+        except ValueError as e:
+            print(f"netra-jax serve: the chat template does not render: {e}", file=sys.stderr)
+            return 2
+    dtype = str(next(iter(_leaves(engine.runner.params))).dtype)
+    print(f"netra-jax: loaded {resolve_model_path(cfg.model)} as {name!r} ({mc.architecture}, {mc.num_layers} layers, "
+          f"vocab {mc.vocab_size}, {dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
+    print(f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
+          f"{engine.pool.block_size}); max_model_len {engine.max_model_len}", flush=True)  # fmt: skip
+    ae = AsyncEngine(engine)
+    warm = threading.Event()
+    bound: dict[str, tuple[str, int]] = {}
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
+    app = create_app(ae, name, args.api_key, chat_template=template, max_body_bytes=args.max_body_bytes,
+                     cors_origins=origins, ready=warm.is_set)  # fmt: skip
+    lock = threading.Lock()
+
+    def announce() -> None:
+        with lock:
+            if warm.is_set() and "addr" in bound and not bound.get("said"):
+                bound["said"] = ("", 0)
+                host, port = bound["addr"]
+                print(f"netra-jax: ready on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1)", flush=True)
+
+    def on_started(host: str, port: int) -> None:
+        bound["addr"] = (host, port)
+        announce()
+
+    def warm_up() -> None:
+        if cfg.warmup:
+            print("netra-jax: compiling step buckets (/ready answers 503 until done) ...", flush=True)
+            secs = engine.warmup()
+            print(f"netra-jax: warm-up done in {secs:.1f}s", flush=True)
+        warm.set()
+        announce()
+
+    threading.Thread(target=warm_up, name="netra-warmup", daemon=True).start()
+    state = app.state.server
+
+    def on_drain() -> None:
+        if not state.draining:
+            state.draining = True
+            print(f"netra-jax: draining ({ae.num_unfinished} in flight, up to {args.drain_timeout:g}s)", flush=True)
+
+    try:
+        return _run_uvicorn(app, args, on_drain, on_started)
+    finally:
+        ae.shutdown()
+        print("netra-jax: stopped", flush=True)
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)

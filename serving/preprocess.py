@@ -1,0 +1,147 @@
+"""Turning validated API requests into engine inputs: prompts (text, token ids, batches, chat messages through the
+server's chat template) as token ids, and SamplingParams checked against the model, each failure an APIError(400)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from netra_jax.engine.engine import LLMEngine
+from netra_jax.sampling_params import SamplingParams
+from netra_jax.serving.errors import APIError
+from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def check_ids(engine: LLMEngine, ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise bad(f"{param} is empty", param)
+    bad_ids = [i for i in ids if not 0 <= i < engine.vocab_size]
+    if bad_ids:
+        raise bad(f"{param}: token id {bad_ids[0]} is outside the vocabulary [0, {engine.vocab_size})", param)
+    return ids
+
+
+def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif not p:
+        raise bad("prompt must not be empty", "prompt")
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    if len(items) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad("prompt must not be an empty string", "prompt")
+            out.append((item, check_ids(engine, engine.tokenizer.encode(item), "prompt")))
+        else:
+            out.append((None, check_ids(engine, list(item), "prompt")))
+    return out
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    if m.role in ("tool", "function"):
+        raise bad(f"messages[{i}]: role {m.role!r} is not supported (tool calling is not implemented)",
+                  f"messages.{i}.role")  # fmt: skip
+    if m.tool_calls:
+        raise bad(f"messages[{i}]: tool_calls are not supported", f"messages.{i}.tool_calls")
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                          f"messages.{i}.content")  # fmt: skip
+            parts.append(part.text)
+        content = "".join(parts)
+    elif m.content is None:
+        if m.role != "assistant":
+            raise bad(f"messages[{i}]: content is required for role {m.role!r}", f"messages.{i}.content")
+        content = ""
+    else:
+        content = m.content
+    msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg
+
+
+async def chat_prompt(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool,
+                      chat_template: str | None) -> tuple[str, list[int]]:  # fmt: skip
+    """The server's chat template applied to the messages (in a thread: a template may run up to its time limit)."""
+    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    tok = engine.tokenizer
+    try:
+        text = await asyncio.to_thread(tok.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise bad(f"chat template failed: {e}", "messages") from None
+    return text, check_ids(engine, tok.encode(text, add_special_tokens=False), "messages")
+
+
+def _param_of(message: str, req: SamplingRequest) -> str | None:
+    word = message.split(" ", 1)[0]
+    if word not in _FIELDS:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        if word == "logprobs":
+            return "top_logprobs"
+        if word == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return word
+
+
+def sampling_params(engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None,
+                    prompt_lens: list[int]) -> SamplingParams:  # fmt: skip
+    """SamplingParams validated against the model; max_tokens must leave every prompt inside the context."""
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad(f"response_format {req.response_format.type} is not supported", "response_format",
+                  "unsupported_response_format")  # fmt: skip
+    try:
+        sp = req.sampling_params(num_logprobs).validate(engine.vocab_size)
+    except ValueError as e:
+        raise bad(str(e), _param_of(str(e), req)) from None
+    limit = engine.max_model_len
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    for n in prompt_lens:
+        if n >= limit:
+            raise bad(f"prompt has {n} tokens; the model's context is {limit} (at least one token must be left "
+                      "to generate)", "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                      "context_length_exceeded")  # fmt: skip
+        if sp.max_tokens is not None and n + sp.max_tokens > limit:
+            raise bad(f"prompt ({n} tokens) + {param} ({sp.max_tokens}) exceeds the model's context of {limit} "
+                      "tokens", param, "context_length_exceeded")  # fmt: skip
+    return sp
+
+
+def completion_checks(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra samples is not supported",
+                  "best_of")  # fmt: skip
+    if req.echo and req.logprobs is not None:
+        raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+
+
+def chat_checks(req: ChatCompletionRequest) -> int | None:
+    """Rejects tool calling; returns the number of top logprobs (None: no logprobs)."""
+    if req.tools:
+        raise bad("tools are not supported", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise bad("tool_choice is not supported", "tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs requires logprobs=true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None

@@ -1,0 +1,327 @@
+"""Pydantic schemas of the OpenAI-compatible API (completions, chat completions, stream chunks, usage, logprobs,
+models, tokenize, error envelope) plus vLLM's sampling extras, and their conversion to SamplingParams.
+
+Unknown-field policy: request bodies are validated strictly, as OpenAI's own API does. A field this server does not
+know is rejected with 400 naming it (a typo such as `max_token` never passes silently), and so is a value of the
+wrong JSON type (`"max_tokens": "10"`). Informational OpenAI fields (`user`, `metadata`, `store`, `service_tier`)
+are accepted and ignored. Chat messages alone ignore unknown keys, so a previous response's message can be sent back
+as it is (`refusal`, `annotations`, ...)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from netra_jax.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def _opt(default=None):
+    """An optional extra, left out of the JSON when unset."""
+    return Field(default=default, exclude_if=lambda v: v is None)
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extra: usage in every chunk
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # optional here: the one served model is meant
+    max_tokens: int | None = None  # None = the rest of the context
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    response_format: ResponseFormat | None = None
+    # informational OpenAI fields, accepted and ignored
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # vLLM extra: token ids of the prompt and of each choice
+
+    def _limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request (OpenAI defaults where a field is absent). Not yet validated."""
+        sp = SamplingParams(
+            n=self.n,
+            max_tokens=self._limit(),
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=num_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        return sp
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and (self.stream_options.include_usage or self.continuous_usage))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted and ignored
+    add_generation_prompt: bool = True  # vLLM extra
+
+    def _limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # vLLM extra: the stop string or token id that ended it
+    token_ids: list[int] | None = _opt()  # vLLM extras (return_token_ids)
+    prompt_token_ids: list[int] | None = _opt()
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = _opt()
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = _opt()
+
+
+class DeltaMessage(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = _opt()
+
+    @field_serializer("delta")
+    def _delta(self, d: DeltaMessage) -> dict[str, Any]:  # OpenAI omits absent delta fields: {} in the last chunk
+        return d.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "netra_jax"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo

@@ -1,0 +1,116 @@
+"""Engine outputs in OpenAI's shapes: choices, usage, and logprobs in both formats (completions: tokens /
+token_logprobs / top_logprobs / text_offset; chat: content entries with bytes and top_logprobs)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from netra_jax.serving.protocol import (
+    ChatLogprobEntry,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from netra_jax.tokenizer import Tokenizer
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable character byte-level BPE uses for each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class TokenText:
+    """Per-token text and exact bytes (a token may hold part of a multi-byte character) for one tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.added = set(tokenizer.backend.get_added_tokens_decoder())
+        self.byte_level = "ByteLevel" in type(tokenizer.backend.decoder).__name__ or "ByteLevel" in repr(
+            tokenizer.backend.decoder
+        )
+        self._bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
+
+    def _token_bytes(self, tid: int) -> tuple[int, ...]:
+        piece = self.tok.backend.id_to_token(tid)
+        if piece is None:
+            return ()
+        if tid not in self.added:
+            if self.byte_level:
+                dec = _byte_decoder()
+                if all(c in dec for c in piece):
+                    return tuple(dec[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+                try:
+                    return (int(piece[3:5], 16),)
+                except ValueError:
+                    pass
+            piece = self.tok.decode([tid], skip_special_tokens=False)
+        return tuple(piece.encode("utf-8"))
+
+    def bytes(self, tid: int) -> list[int]:
+        return list(self._bytes(tid))
+
+    def text(self, tid: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+    return ranked[:k]
+
+
+def completion_logprobs(entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int,
+                        start_offset: int = 0) -> CompletionLogprobs:  # fmt: skip
+    out = CompletionLogprobs()
+    offset = start_offset
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))  # the sampled token comes first
+        text = tt.text(tid, lp)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        top = {tt.text(t, x): x.logprob for t, x in _ranked(entry, k)}
+        top.setdefault(text, lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int) -> list[ChatLogprobEntry]:
+    out = []
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))
+        top = [TopLogprob(token=tt.text(t, x), logprob=x.logprob, bytes=tt.bytes(t)) for t, x in _ranked(entry, k)]
+        out.append(ChatLogprobEntry(token=tt.text(tid, lp), logprob=lp.logprob, bytes=tt.bytes(tid), top_logprobs=top))
+    return out
+
+
+def finish(o: CompletionOutput) -> tuple[str | None, int | str | None]:
+    if o.finish_reason is None:
+        return None, None
+    reason = o.finish_reason if o.finish_reason in ("stop", "length") else "abort"
+    return reason, o.stop_reason
+
+
+def usage(outs: Sequence[RequestOutput | None]) -> UsageInfo:
+    """Token counts over every prompt of a request (each prompt counted once, every sample's tokens)."""
+    outs = [o for o in outs if o is not None]
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))  # fmt: skip

@@ -1,0 +1,153 @@
+"""Server-sent events in OpenAI's chunk format: `data: {...}` per choice delta (chat opens each choice with a role
+chunk), finish_reason on the last one, an optional usage chunk, then `data: [DONE]`. Closing aborts the request."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from netra_jax.engine.async_engine import EngineDeadError
+from netra_jax.engine.outputs import RequestOutput
+from netra_jax.serving.errors import envelope
+from netra_jax.serving.generation import Generation
+from netra_jax.serving.metrics import ServerMetrics
+from netra_jax.serving.protocol import (
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    DeltaMessage,
+)
+from netra_jax.serving.render import TokenText, chat_logprobs, completion_logprobs, finish, usage
+
+log = logging.getLogger(__name__)
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class StreamContext:
+    id: str
+    created: int
+    model: str
+    n: int
+    tokens: TokenText
+    num_logprobs: int | None  # None: no logprobs
+    include_usage: bool
+    continuous_usage: bool
+    metrics: ServerMetrics | None = None
+    echo: list[str] | None = None  # completions: prompt text per prompt
+    return_token_ids: bool = False
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _error_event(e: BaseException, metrics: ServerMetrics | None) -> str:
+    status = 503 if isinstance(e, EngineDeadError) else 400 if isinstance(e, ValueError) else 500
+    if status >= 500:
+        log.error("stream failed: %r", e)
+    if metrics is not None:
+        metrics.count_error(status)
+    msg = str(e) if status < 500 or isinstance(e, EngineDeadError) else f"internal error: {type(e).__name__}"
+    return f"data: {json.dumps(envelope(status, msg))}\n\n"
+
+
+async def _events(first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]):
+    if first is not None:
+        yield first
+    async for ev in rest:
+        yield ev
+
+
+async def chat_stream(gen: Generation, first, rest, ctx: StreamContext) -> AsyncIterator[str]:
+    sent_lp = [0] * ctx.n
+    sent_ids = [0] * ctx.n
+    done = [False] * ctx.n
+
+    def chunk(choices, use=None) -> str:
+        return _sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use))
+
+    try:
+        for j in range(ctx.n):
+            yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, out in _events(first, rest):
+            for o in out.outputs:
+                j = o.index
+                if done[j]:
+                    continue
+                lps = None
+                if ctx.num_logprobs is not None and o.logprobs is not None:
+                    new = o.logprobs[sent_lp[j] :]
+                    sent_lp[j] = len(o.logprobs)
+                    lps = ChatLogprobs(content=chat_logprobs(new, ctx.tokens, ctx.num_logprobs)) if new else None
+                reason, stop_reason = finish(o)
+                if not o.delta_text and lps is None and reason is None:
+                    continue
+                delta = DeltaMessage(content=o.delta_text) if o.delta_text else DeltaMessage()
+                choice = ChatStreamChoice(index=j, delta=delta, logprobs=lps, finish_reason=reason,
+                                          stop_reason=stop_reason)  # fmt: skip
+                if ctx.return_token_ids:
+                    choice.token_ids = o.token_ids[sent_ids[j] :]
+                    sent_ids[j] = len(o.token_ids)
+                done[j] = reason is not None
+                yield chunk([choice], usage(gen.last) if ctx.continuous_usage else None)
+        if ctx.include_usage:
+            yield chunk([], usage(gen.last))
+        yield DONE
+    except Exception as e:  # the engine failed mid-stream: tell the client in-band, then end the stream
+        yield _error_event(e, ctx.metrics)
+        yield DONE
+    finally:
+        gen.close()
+
+
+async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) -> AsyncIterator[str]:
+    n_prompts = len(gen.rids)
+    total = n_prompts * ctx.n
+    sent_lp = [0] * total
+    sent_ids = [0] * total
+    offset = [0] * total
+    done = [False] * total
+
+    def chunk(choices, use=None) -> str:
+        return _sse(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use))
+
+    try:
+        if ctx.echo is not None:
+            for j in range(total):
+                offset[j] = len(ctx.echo[j // ctx.n])
+                yield chunk([CompletionChoice(index=j, text=ctx.echo[j // ctx.n])])
+        async for i, out in _events(first, rest):
+            for o in out.outputs:
+                j = i * ctx.n + o.index
+                if done[j]:
+                    continue
+                lps = None
+                if ctx.num_logprobs is not None and o.logprobs is not None:
+                    new = o.logprobs[sent_lp[j] :]
+                    sent_lp[j] = len(o.logprobs)
+                    if new:
+                        lps = completion_logprobs(new, ctx.tokens, ctx.num_logprobs, offset[j])
+                        offset[j] = lps.text_offset[-1] + len(lps.tokens[-1])
+                reason, stop_reason = finish(o)
+                if not o.delta_text and lps is None and reason is None:
+                    continue
+                choice = CompletionChoice(index=j, text=o.delta_text, logprobs=lps, finish_reason=reason,
+                                          stop_reason=stop_reason)  # fmt: skip
+                if ctx.return_token_ids:
+                    choice.token_ids = o.token_ids[sent_ids[j] :]
+                    sent_ids[j] = len(o.token_ids)
+                done[j] = reason is not None
+                yield chunk([choice], usage(gen.last) if ctx.continuous_usage else None)
+        if ctx.include_usage:
+            yield chunk([], usage(gen.last))
+        yield DONE
+    except Exception as e:
+        yield _error_event(e, ctx.metrics)
+        yield DONE
+    finally:
+        gen.close()
