@@ -19,13 +19,16 @@ from test_server import MODEL, start_server
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://allowed.example"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--api-key", KEY, "--max-body-bytes", "4096", "--cors-origins", ORIGIN, "--max-num-seqs", "1",
                      "--max-waiting", "4", "--max-num-batched-tokens", "64", "--num-kv-pages", "64",
-                     "--drain-timeout", "30")  # fmt: skip
+                     "--drain-timeout", "30", "--chat-template", TEMPLATE)  # fmt: skip
     yield s
     s.stop()
 
@@ -69,6 +72,17 @@ def test_api_key_on_every_route(server, app_routes):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_server_chat_template(server):
+    """--chat-template replaces the checkpoint's template for chat and /tokenize alike."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        got = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+        text = "<system>Be brief.\n<user>Hi there\n<bot>"
+        assert got == http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()
+        assert r["usage"]["prompt_tokens"] == len(got)
 
 
 def test_body_limit(server):
