@@ -40,6 +40,8 @@ class KVCache:
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None) -> KVCache:
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    # committed to a device like the step's donated outputs, so the first step compiles the variant later steps use
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def zeros():
         return jnp.zeros(shape, dtype, device=sharding)

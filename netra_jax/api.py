@@ -8,12 +8,10 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from netra_jax import assets
@@ -21,8 +19,6 @@ from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.loader import load_model
-from netra_jax.models.transformer import forward, init_kv_cache
-from netra_jax.ops.attention import AttentionMetadata
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.tokenizer import Tokenizer
 
@@ -59,22 +55,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.warmup:
         engine.warmup()
     return engine
-
-
-@partial(jax.jit, static_argnames=("cfg", "page_size"))
-def _all_logits(params, token_ids, *, cfg, page_size: int):
-    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T] (T a multiple of page)."""
-    T = token_ids.shape[0]
-    pages = T // page_size
-    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype)
-    md = AttentionMetadata(
-        slot_mapping=jnp.arange(T, dtype=jnp.int32),
-        query_start_loc=jnp.array([0, T], jnp.int32),
-        seq_lens=jnp.array([T], jnp.int32),
-        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
-    )
-    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md)
-    return logits  # [T, vocab] float32
 
 
 class LLM:
@@ -134,13 +114,7 @@ class LLM:
         ids = self.engine._check_ids(token_ids)
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
-        page = self.engine.pool.block_size
-        T = max(page, 1 << (len(ids) - 1).bit_length())
-        padded = np.zeros(T, np.int32)
-        padded[: len(ids)] = ids
-        out = _all_logits(self.engine.runner.params, jnp.asarray(padded), cfg=self.engine.model_config,
-                          page_size=page)  # fmt: skip
-        return np.asarray(out[: len(ids)])
+        return self.engine.runner.prompt_logits(ids)
 
     # ------------------------------------------------------------------ generation
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:

@@ -113,6 +113,10 @@ def test_n_samples_and_top_k_one(llm):
                        use_tqdm=False)[0]  # fmt: skip
     samples = [tuple(o.token_ids) for o in out.outputs]
     assert len(samples) == 4 and len(set(samples)) == 4
+    tok = llm.get_tokenizer()
+    for o in out.outputs:  # every sample gets its full text, last token included
+        assert len(o.token_ids) == 12 and o.finish_reason == "length"
+        assert o.text == tok.decode(o.token_ids)
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     top1 = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True),
                         use_tqdm=False)[0]  # fmt: skip
@@ -178,11 +182,15 @@ def test_no_compilations_after_warmup(llm):
                                          top_k=rng.choice([0, 20]), seed=i))  # fmt: skip
         for start in range(0, 100, 25):  # waves of different batch compositions
             llm.generate(reqs[start : start + 25], params[start : start + 25], use_tqdm=False)
+        after_warm = list(counter.names)
+        # control: a penalty variant is not warmed, so the counter must see it compile
+        llm.generate(reqs[0], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(counter)
-    model_steps = [n for n in counter.names if n in ("_step", "_sample")]
+    model_steps = [n for n in after_warm if n in ("_step", "_sample")]
     assert model_steps == [], f"compiled after warm-up: {model_steps}"
+    assert "_sample" in counter.names[len(after_warm) :]
 
 
 @pytest.mark.parametrize(
@@ -209,3 +217,27 @@ def test_bad_input_rejected_engine_keeps_serving(llm, prompt, params, match):
     case = reference("tiny-llama")["cases"][1]
     out = llm.generate({"prompt_token_ids": case["prompt_ids"]}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == case["greedy_ids"]
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    import numpy as np
+
+    case = reference("tiny-llama")["cases"][0]
+    ids = case["prompt_ids"]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    ref = np.asarray(case["logits"], np.float64)  # transformers' logits at every prompt position
+    ref_lp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i, tok in enumerate(ids[1:]):
+        entry = out.prompt_logprobs[i + 1]
+        assert abs(entry[tok].logprob - ref_lp[i, tok]) < 1e-4
+        assert entry[tok].rank == int((ref_lp[i] > ref_lp[i, tok]).sum()) + 1
+        assert len(entry) in (2, 3)
+    o = out.outputs[0]
+    assert len(o.logprobs) == 4
+    first = o.logprobs[0]
+    assert o.token_ids[0] == case["greedy_ids"][0]
+    assert abs(first[o.token_ids[0]].logprob - ref_lp[-1, o.token_ids[0]]) < 1e-4
+    assert first[o.token_ids[0]].rank == 1 and len(first) == 3
+    assert abs(o.cumulative_logprob - sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids, strict=True))) < 1e-5

@@ -22,7 +22,7 @@ def logits_for(seed: int, rows: int = S, scale: float = 2.0) -> np.ndarray:
 
 def run(rows, logits, num_rows=None):
     b = sm.build_sampling_batch(rows, num_rows or logits.shape[0], V)
-    return sm.sample(logits, b.arrays, key=b.key), b
+    return sm.sample(logits, jax.device_put(b.arrays), key=b.key), b
 
 
 def probs(rows, logits):
@@ -269,7 +269,8 @@ class CompileLog(logging.Handler):
 
 
 def test_warm_up_covers_the_common_variants():
-    x = logits_for(12)
+    # as the engine calls it: logits committed to the device (the model step's output), arrays put per step
+    x = jax.device_put(logits_for(12), jax.devices()[0])
     assert sm.warm_up([S], V) == len(sm.variant_keys()) == 6
     log, logger = CompileLog(), logging.getLogger("jax")
     logger.addHandler(log)

@@ -174,6 +174,8 @@ class LLMEngine:
             )
         arrival = arrival_time or time.time()
         group = _Group(request_id, text, ids, params, arrival=arrival)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
         base_seed = params.seed
         requests = []
         for i in range(params.n):
@@ -200,6 +202,23 @@ class LLMEngine:
         for seq in group.seqs:
             self._seq_of[seq.request.request_id] = (group, seq)
         self.num_requests += 1
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
+        """vLLM's prompt_logprobs: None for the first token, then each prompt token's logprob plus the top k."""
+        logits = self.runner.prompt_logits(ids)[:-1]  # [len - 1, vocab]: row i predicts token i + 1
+        m = logits.max(-1, keepdims=True)
+        lp = logits - (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))
+        out: list[dict[int, Logprob] | None] = [None]
+        dec = self.tokenizer.decode
+        for i, tok in enumerate(ids[1:]):
+            row = lp[i]
+            rank = int((row > row[tok]).sum()) + 1
+            entry = {tok: Logprob(float(row[tok]), rank, dec([tok], skip_special_tokens=False))}
+            if k:
+                for r, t in enumerate(np.argsort(-row, kind="stable")[:k]):
+                    entry.setdefault(int(t), Logprob(float(row[t]), r + 1, dec([int(t)], skip_special_tokens=False)))
+            out.append(entry)
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks now. Returns False if it is unknown."""
@@ -245,25 +264,24 @@ class LLMEngine:
         logits, pb = self.runner.run(sched)  # dispatched; the device works while the host builds sampling rows
         rows = [self._row(self._seq_of[s.request_id][1]) if s.sample else None for s in sched.scheduled]
         batch = sampling.build_sampling_batch(rows, pb.shape.num_seqs, self.vocab_size)
-        so = sampling.sample(logits, batch.arrays, key=batch.key)
+        so = sampling.sample(logits, jax.device_put(batch.arrays), key=batch.key)
         ids = np.asarray(so.token_ids)
         lps = None if so.logprobs is None else (np.asarray(so.logprobs), np.asarray(so.top_ids),
                                                  np.asarray(so.top_logprobs))  # fmt: skip
         sampled = {s.request_id: [int(ids[i])] for i, s in enumerate(sched.scheduled) if s.sample}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        touched: dict[str, _Group] = {}
-        for i, s in enumerate(sched.scheduled):
+        changed: dict[str, _Group] = {}
+        for i, s in enumerate(sched.scheduled):  # first every sample's token, then one output per request
             if not s.sample or s.request_id not in self._seq_of:
                 continue
             group, seq = self._seq_of[s.request_id]
-            tok = ids[i]
             if s.request.num_output_tokens == seq.tokens_emitted:  # skipped (finished or aborted meanwhile)
                 continue
-            self._append_token(group, seq, int(tok), i, lps, batch)
+            self._append_token(group, seq, int(ids[i]), i, lps, batch)
             if s.request_id in finished:
                 seq.finished = True
-            touched[group.request_id] = group
-        for rid, group in touched.items():  # once per group, after all its samples took this step's tokens
+            changed[group.request_id] = group
+        for rid, group in changed.items():
             outputs[rid] = self._output(group)
 
     def _append_token(self, group: _Group, seq: _Seq, tok: int, row: int, lps, batch) -> None:

@@ -3,6 +3,7 @@ metadata as a single host array, runs the jitted forward over the donated paged 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -97,6 +98,22 @@ def _step(params, kv, packed, *, cfg: ModelConfig, shape: BatchShape, backend: s
     return logits, kv  # [S, vocab] float32
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend"))
+def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend: str):
+    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T], T a multiple of page."""
+    T = token_ids.shape[0]
+    pages = T // page_size
+    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype)
+    md = AttentionMetadata(
+        slot_mapping=jnp.arange(T, dtype=jnp.int32),
+        query_start_loc=jnp.array([0, T], jnp.int32),
+        seq_lens=jnp.array([T], jnp.int32),
+        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+    )
+    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend)
+    return logits  # [T, vocab] float32
+
+
 class ModelRunner:
     """Owns the parameters and the paged KV cache on the device; executes one scheduled step at a time."""
 
@@ -144,6 +161,16 @@ class ModelRunner:
         )
         self.num_steps += 1
         return logits, pb
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        """Per-position logits of one prompt: float32 [len(ids), vocab]. Uses a scratch cache (the serving pages are
+        untouched); one compiled variant per power-of-two length, compiled on first use."""
+        T = max(self.page_size, 1 << (len(ids) - 1).bit_length())
+        padded = np.zeros(T, np.int32)
+        padded[: len(ids)] = ids
+        out = _all_logits(self.params, jnp.asarray(padded), cfg=self.cfg, page_size=self.page_size,
+                          backend=self.backend)  # fmt: skip
+        return np.asarray(out[: len(ids)])
 
     def warmup_shape(self, shape: BatchShape) -> None:
         """Compile (and run once on an all-padding batch, which writes nothing) one step variant."""

@@ -247,9 +247,10 @@ def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[Sampling
     keys = variant_keys() if keys is None else keys
     n = 0
     for s in row_buckets:
-        logits = jnp.zeros((s, vocab_size), jnp.float32)
+        # committed, like the model step's logits, so these are the variants the engine calls
+        logits = jax.device_put(jnp.zeros((s, vocab_size), jnp.float32), jax.devices()[0])
         for k in keys:
-            jax.block_until_ready(sample(logits, dummy_arrays(k, s), key=k))
+            jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s)), key=k))
             n += 1
     return n
 
