@@ -75,7 +75,11 @@ class AsyncEngine:
             if self.dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(f"engine is not running: {self.dead!r}")
             self._send(_Cmd("add", request_id, prompt, params, reply, out_q, loop))
-        await reply  # raises the engine's ValueError for bad input
+        try:
+            await reply  # raises the engine's ValueError for bad input
+        except asyncio.CancelledError:  # the caller left while the request was being admitted
+            self.abort(request_id)
+            raise
         finished = False
         try:
             while True:
