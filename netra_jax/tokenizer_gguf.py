@@ -3,73 +3,11 @@ Produces a `tokenizers.Tokenizer` and the special tokens / chat templates stored
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
-
-# ---------------------------------------------------------------------------------------------- GGUF metadata
-
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Key/value metadata of a GGUF file (v2/v3, either byte order); tensor data is not touched."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
-        version, _, n_kv = struct.unpack_from(order + "IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        pos = 24
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            size = struct.calcsize(fmt)
-            if pos + size > len(buf):
-                raise ValueError(f"{path}: GGUF metadata is truncated")
-            (value,) = struct.unpack_from(order + fmt, buf, pos)
-            pos += size
-            return value
-
-        def take_str() -> str:
-            nonlocal pos
-            n = take("Q")
-            if pos + n > len(buf):
-                raise ValueError(f"{path}: GGUF metadata is truncated")
-            pos += n
-            return buf[pos - n : pos].decode("utf-8")
-
-        def take_value(vtype: int) -> Any:
-            nonlocal pos
-            if vtype in _GGUF_SCALAR:
-                return take(_GGUF_SCALAR[vtype])
-            if vtype == 8:
-                return take_str()
-            if vtype != 9:
-                raise ValueError(f"{path}: unknown GGUF value type {vtype}")
-            etype, count = take("I"), take("Q")
-            if etype in _GGUF_SCALAR and etype != 7:  # numeric arrays in one read
-                dtype = np.dtype(_GGUF_SCALAR[etype]).newbyteorder(order)
-                if pos + count * dtype.itemsize > len(buf):
-                    raise ValueError(f"{path}: GGUF metadata is truncated")
-                values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).tolist()
-                pos += count * dtype.itemsize
-                return values
-            return [take_value(etype) for _ in range(count)]
-
-        meta = {}
-        for _ in range(n_kv):
-            key = take_str()
-            meta[key] = take_value(take("I"))
-        return meta
-
 
 # Pre-tokenization per `tokenizer.ggml.pre`, as llama.cpp applies it (its names; regexes from the HF files).
 _LLAMA3_SPLIT = (

@@ -14,8 +14,8 @@ from gguf import GGUFReader, GGUFWriter
 from netra_jax.assets import default_model_path
 from netra_jax.chat_template import ChatTemplateError, ChatTemplateLimits, render_chat_template
 from netra_jax.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from netra_jax.loader.gguf_loader import read_gguf_metadata
 from netra_jax.tokenizer import Tokenizer
-from netra_jax.tokenizer_gguf import read_gguf_metadata
 
 FIXTURES = Path("/work/shared/fixtures")
 TINY_DIRS = sorted(p for p in FIXTURES.glob("tiny-*") if p.is_dir())
@@ -114,7 +114,7 @@ def test_metadata_reader_agrees_with_gguf_package(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_metadata(tmp_path / "bad.gguf")
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:500])
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ValueError, match="truncated or corrupt"):
         read_gguf_metadata(tmp_path / "cut.gguf")
 
 
