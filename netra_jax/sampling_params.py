@@ -4,8 +4,10 @@ Validation happens once on the host so a bad request is refused with a clear mes
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -17,6 +19,43 @@ class SamplingType(enum.Enum):
     GREEDY = "greedy"
     RANDOM = "random"
     RANDOM_SEED = "random_seed"
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Guided decoding (vLLM's names): exactly one of a JSON schema (`json`, a dict or its JSON text), any JSON object
+    (`json_object=True`), a regular expression, a list of `choice` strings, or a Lark `grammar`. The output is forced
+    to match it; the request ends with finish_reason "stop" once the grammar is complete."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> StructuredOutputsParams:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")  # fmt: skip
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object), got {type(self.json).__name__}")
+        for k in ("regex", "grammar"):
+            if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
+                raise ValueError(f"structured_outputs.{k} must be a string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        return self
 
 
 def _is_int(x: object) -> bool:
@@ -51,6 +90,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -66,6 +106,11 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             # JSON objects carry string keys ("50256": -100); accept those that spell an integer
             self.logit_bias = {_bias_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
 
     # ------------------------------------------------------------------ validation
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> SamplingParams:
@@ -103,6 +148,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            so.validate()
         return self
 
     @staticmethod

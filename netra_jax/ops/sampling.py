@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from netra_jax.ops import token_mask
+
 MAX_LOGPROBS = 20  # K of top_ids / top_logprobs when any row wants logprobs
 GREEDY_EPS = 1e-5  # temperatures below this (or top_k == 1) are greedy
 CANDIDATES = 256  # tokens taken by lax.top_k for the top-k / top-p thresholds before any bisection
@@ -23,9 +25,10 @@ _BLOCK = 256  # vocabulary block of the two-level inverse CDF
 _ONE_BITS = 0x3F800000  # float32 bits of 1.0: weights lie in [0, 1]
 
 # Semantics (vLLM-compatible):
-# - Order: logit_bias -> repetition penalty (tokens seen in prompt or output: positive logits divided, negative
-#   multiplied) -> presence/frequency penalties (output tokens only, OpenAI formula) -> greedy rows take the argmax
-#   (lowest index on ties) -> temperature -> min_p -> top_k -> top_p (over the min-p/top-k survivors) -> draw.
+# - Order: allowed-token mask (structured output: disallowed -> -inf) -> logit_bias -> repetition penalty (tokens
+#   seen in prompt or output: positive logits divided, negative multiplied) -> presence/frequency penalties (output
+#   tokens only, OpenAI formula) -> greedy rows take the argmax (lowest index on ties) -> temperature -> min_p ->
+#   top_k -> top_p (over the min-p/top-k survivors) -> draw.
 #   Filters keep ties at their threshold and always keep the most likely token.
 # - Draw: each row brings two uniforms, a pure function of its (seed, step) computed on the host (SplitMix64 in
 #   counter mode, vectorised numpy: no device RNG to compile), and takes a two-level inverse CDF (a block of _BLOCK
@@ -61,6 +64,7 @@ class RowSampling:
     num_logprobs: int | None = None
     prompt_ids: Sequence[int] | np.ndarray = field(default=())
     output_ids: Sequence[int] | np.ndarray = field(default=())
+    allowed: np.ndarray | None = None  # packed int32 bits of the allowed tokens (token_mask layout); None: all
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +83,7 @@ class SamplingKey(NamedTuple):
     bias_size: int  # B, from BIAS_BUCKETS (0: no row has a logit_bias)
     hist_size: int  # L, from HIST_BUCKETS (0: no row has an active penalty)
     want_logprobs: bool  # some row wants logprobs: compute raw logprobs and the top MAX_LOGPROBS
+    use_mask: bool = False  # some row has an allowed-token mask (structured output)
 
 
 @flax.struct.dataclass
@@ -97,6 +102,7 @@ class SamplingArrays:
     bias_vals: jax.Array  # [S, B] float32, 0 pad
     hist_ids: jax.Array  # [S, L] int32 prompt then output ids, -1 pad
     hist_is_output: jax.Array  # [S, L] bool, True for output ids (counted by presence/frequency penalties)
+    allowed: jax.Array | None = None  # [S, ceil(V / 32)] int32 packed allowed tokens; None unless key.use_mask
 
 
 @dataclass
@@ -217,11 +223,12 @@ def build_sampling_batch(rows: Sequence[RowSampling | None], num_rows: int, voca
         hist_ids[i, : ids.size] = np.where((ids >= 0) & (ids < vocab_size), ids, -1)
         hist_out[i, n_prompt : ids.size] = True
     uniforms = row_uniforms(seed, step)  # [S, 2]
+    allowed = token_mask.stack_masks([r.allowed if r is not None else None for r in rows], s, vocab_size)
     arrays = SamplingArrays(
-        temp, top_k, top_p, min_p, rep, pres, freq, uniforms, bias_ids, bias_vals, hist_ids, hist_out
+        temp, top_k, top_p, min_p, rep, pres, freq, uniforms, bias_ids, bias_vals, hist_ids, hist_out, allowed
     )
     all_greedy = not bool((temp[real] > 0).any())
-    key = SamplingKey(all_greedy, use_filter and not all_greedy, b, hl, bool((nlp >= 0).any()))
+    key = SamplingKey(all_greedy, use_filter and not all_greedy, b, hl, bool((nlp >= 0).any()), allowed is not None)
     return SamplingBatch(arrays, key, nlp)
 
 
@@ -231,14 +238,15 @@ def variant_keys(logprobs: bool = True) -> list[SamplingKey]:
     return [SamplingKey(g, f, 0, 0, lp) for lp in lps for g, f in ((True, False), (False, False), (False, True))]
 
 
-def dummy_arrays(key: SamplingKey, num_rows: int) -> SamplingArrays:
-    """Neutral numpy inputs shaped for `key` (for warm-up compiles)."""
+def dummy_arrays(key: SamplingKey, num_rows: int, vocab_size: int = 0) -> SamplingArrays:
+    """Neutral numpy inputs shaped for `key` (for warm-up compiles; `vocab_size` is needed by the mask variant)."""
     s, b, hl = num_rows, key.bias_size, key.hist_size
     z, zi = np.zeros(s, np.float32), np.zeros(s, np.int32)
     return SamplingArrays(
         z, zi, np.ones(s, np.float32), z, np.ones(s, np.float32), z, z, np.zeros((s, 2), np.float32),
         np.full((s, b), -1, np.int32), np.zeros((s, b), np.float32),
         np.full((s, hl), -1, np.int32), np.zeros((s, hl), np.bool_),
+        np.full((s, token_mask.num_words(vocab_size)), -1, np.int32) if key.use_mask else None,
     )  # fmt: skip
 
 
@@ -250,16 +258,18 @@ def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[Sampling
         # committed, like the model step's logits, so these are the variants the engine calls
         logits = jax.device_put(jnp.zeros((s, vocab_size), jnp.float32), jax.devices()[0])
         for k in keys:
-            jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s)), key=k))
+            jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s, vocab_size)), key=k))
             n += 1
     return n
 
 
 # -------------------------------------------------------------------------------------------------- device side
 def _process(logits: jax.Array, a: SamplingArrays, key: SamplingKey) -> jax.Array:
-    """Logit bias, then repetition, then presence/frequency penalties. [S, V] -> [S, V] float32."""
+    """Allowed-token mask, logit bias, then repetition, then presence/frequency penalties. [S, V] -> [S, V] float32."""
     x = logits.astype(jnp.float32)  # [S, V]
     s, v = x.shape
+    if key.use_mask:
+        x = token_mask.apply_mask(x, a.allowed)
     rows = jnp.arange(s)[:, None]  # [S, 1]
     if key.bias_size:
         ids = jnp.where((a.bias_ids >= 0) & (a.bias_ids < v), a.bias_ids, v)  # [S, B], v is dropped

@@ -1,0 +1,101 @@
+"""Structured output with llguidance: a request's StructuredOutputsParams compiled to a grammar over the model's own
+`tokenizers` vocabulary, and one matcher per sample giving each step's allowed tokens as a packed bitmask."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from netra_jax.sampling_params import StructuredOutputsParams
+from netra_jax.tokenizer import Tokenizer
+
+# compact JSON: with flexible whitespace a weak model can emit blanks between tokens until max_tokens
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class StructuredOutputError(ValueError):
+    """The structured output spec cannot be compiled (bad JSON schema, regex or grammar)."""
+
+
+def grammar_for(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a (validated) spec."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if spec.json_object:
+            return m.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        if spec.json is not None:
+            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            return m.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        if spec.regex is not None:
+            return m.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return m.grammar_from_lark(spec.grammar)
+    except (ValueError, TypeError) as e:  # e.g. a schema that is not JSON-serializable
+        raise StructuredOutputError(f"invalid structured output spec: {e}") from None
+
+
+class StructuredOutputs:
+    """Compiles specs against one tokenizer. The llguidance tokenizer is built on first use (about 1 s for a 50k
+    vocabulary). `vocab_size` is the model's: ids the tokenizer does not know (padding rows) are never allowed.
+    EOS: the tokenizer's ids, else `fallback_eos_ids` (the model's), as the engine's stopping rule has it."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, fallback_eos_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(tokenizer.eos_token_ids or fallback_eos_ids)
+        self._lltok = None
+
+    @property
+    def lltok(self):
+        if self._lltok is None:
+            import llguidance
+
+            n = max(self.vocab_size, self.tokenizer.backend.get_vocab_size(with_added_tokens=True))
+            self._lltok = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=n,
+                                                 eos_token=self.eos_token_ids or None)  # fmt: skip
+        return self._lltok
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher at the start of the output; StructuredOutputError names what is wrong with the spec."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self.lltok, grammar_for(spec), log_level=0)
+        if m.is_error():
+            raise StructuredOutputError(f"invalid structured output spec: {m.get_error()}")
+        return GrammarMatcher(m, self.vocab_size)
+
+
+class GrammarMatcher:
+    """One sample's grammar state. `mask()` is the packed bitmask of the next token's allowed ids (int32 words, bit j of
+    word i = token 32 i + j, llguidance's layout), `accept(token)` advances it (False if the token broke the grammar),
+    `done` once nothing but EOS may follow (or the matcher failed: then `error` says why)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def mask(self) -> np.ndarray:
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """The mask as booleans [vocab_size] (for checks and debugging)."""
+        return np.unpackbits(self.mask().view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def done(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def copy(self) -> GrammarMatcher:
+        return GrammarMatcher(self.matcher.deep_copy(), self.vocab_size)
