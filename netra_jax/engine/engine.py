@@ -23,6 +23,7 @@ from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.models.transformer import kv_bytes_per_page
 from netra_jax.ops import sampling
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.structured_output import GrammarMatcher, StructuredOutputs
 from netra_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class _Seq:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finished: bool = False
+    grammar: GrammarMatcher | None = None  # structured output: masks each step, ends the request when complete
 
 
 @dataclass
@@ -100,6 +102,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Seq]] = {}  # scheduler request id -> (group, seq)
         self._rng = random.Random(config.seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, model_cfg.eos_token_ids)
         self.num_requests = 0
         self.ready = False
 
@@ -172,6 +175,7 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens"
             )
+        grammar = self.structured.matcher(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time or time.time()
         group = _Group(request_id, text, ids, params, arrival=arrival)
         if params.prompt_logprobs is not None:
@@ -187,6 +191,7 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             seq = _Seq(req, i, detok, logprobs=[] if params.logprobs is not None else None,
                        cumulative_logprob=0.0 if params.logprobs is not None else None)  # fmt: skip
+            seq.grammar = grammar.copy() if grammar is not None and i else grammar
             group.seqs.append(seq)
             requests.append(req)
         added = []
@@ -250,6 +255,8 @@ class LLMEngine:
         )  # fmt: skip
         if row.uses_penalties:
             row.prompt_ids, row.output_ids = req.prompt_token_ids, req.output_token_ids
+        if seq.grammar is not None:
+            row.allowed = seq.grammar.mask()
         return row
 
     def step(self) -> list[RequestOutput]:
@@ -287,6 +294,8 @@ class LLMEngine:
     def _append_token(self, group: _Group, seq: _Seq, tok: int, row: int, lps, batch) -> None:
         req = seq.request
         sp = req.sampling_params
+        if seq.grammar is not None:
+            self._advance_grammar(seq, tok)
         seq.tokens_emitted = req.num_output_tokens
         stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output
         hide = stopped_by_token and (tok in req.eos_token_ids or tok in sp.stop_token_ids)
@@ -311,6 +320,22 @@ class LLMEngine:
             self._check_stop_strings(seq, len(new_text))
         elif sp.stop and req.is_finished:
             self._check_stop_strings(seq, len(new_text), already_finished=True)
+
+    def _advance_grammar(self, seq: _Seq, tok: int) -> None:
+        """Feed the sampled token to the sample's grammar; finish the request with "stop" once the grammar is
+        complete, or with "error" if the token broke it (a mask that allowed nothing)."""
+        req = seq.request
+        ok = seq.grammar.accept(tok)
+        if req.is_finished:
+            return
+        if not ok:
+            log.warning("request %s: token %d rejected by its grammar: %s", req.request_id, tok, seq.grammar.error)
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, seq.grammar.error)
+        elif seq.grammar.done:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        else:
+            return
+        seq.finished = True
 
     def _check_stop_strings(self, seq: _Seq, n_new: int, already_finished: bool = False) -> None:
         sp = seq.request.sampling_params
