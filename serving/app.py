@@ -41,6 +41,7 @@ from netra_jax.serving.protocol import (
 )
 from netra_jax.serving.render import TokenText, chat_logprobs, completion_logprobs, finish, usage
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
+from netra_jax.structured_output import StructuredOutputError
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; never reaches the (gone) client
 DEFAULT_MAX_BODY = 4 << 20
@@ -85,6 +86,8 @@ def _engine_error(e: BaseException, retry_after: int) -> APIError:
                         headers={"Retry-After": str(retry_after)})  # fmt: skip
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not running: {e}", code="engine_dead")
+    if isinstance(e, StructuredOutputError):  # the schema failed to compile when the engine admitted the request
+        return pre.bad(str(e), "response_format", "invalid_response_format")
     if isinstance(e, ValueError):
         return pre.bad(str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")

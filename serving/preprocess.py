@@ -10,6 +10,7 @@ from netra_jax.engine.engine import LLMEngine
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 _FIELDS = set(SamplingParams.__dataclass_fields__)
@@ -105,12 +106,15 @@ def _param_of(message: str, req: SamplingRequest) -> str | None:
 
 def sampling_params(engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None,
                     prompt_lens: list[int]) -> SamplingParams:  # fmt: skip
-    """SamplingParams validated against the model; max_tokens must leave every prompt inside the context."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad(f"response_format {req.response_format.type} is not supported", "response_format",
-                  "unsupported_response_format")  # fmt: skip
+    """SamplingParams validated against the model; max_tokens must leave every prompt inside the context.
+    A response_format's schema is compiled when the engine admits the request (StructuredOutputError: 400)."""
     try:
-        sp = req.sampling_params(num_logprobs).validate(engine.vocab_size)
+        sp = req.sampling_params(num_logprobs)
+        sp.structured_outputs = structured_outputs_for(req.response_format)
+    except StructuredOutputError as e:
+        raise bad(str(e), "response_format", "invalid_response_format") from None
+    try:
+        sp.validate(engine.vocab_size)
     except ValueError as e:
         raise bad(str(e), _param_of(str(e), req)) from None
     limit = engine.max_model_len

@@ -1,65 +1,93 @@
-"""Structured-output pieces (llguidance over the model's own tokenizer): a JSON schema's grammar masks every step,
-and greedy decoding under it on tiny-qwen3 (random weights) still yields JSON that the schema accepts."""
+"""response_format through the OpenAI-compatible server (in-process uvicorn on tiny-qwen3, the official openai client):
+json_schema on chat (plain, n > 1, streamed) and json_object on completions give outputs that parse and validate;
+a schema llguidance cannot compile, or a json_schema without a schema, is a 400 naming response_format."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
+import openai
 import pytest
-from conftest import FIXTURES, reference
+from conftest import FIXTURES
+from test_structured_output import SCHEMA, check_schema
 
-pytest.importorskip("llguidance")
-
-from netra_jax.serving.protocol import ResponseFormat  # noqa: E402
-from netra_jax.serving.structured import (  # noqa: E402
-    StructuredOutputError,
-    StructuredOutputs,
-    constrained_greedy,
-    grammar_for,
-)
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
+MODEL = "tiny-qwen3"
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from netra_jax import LLM
+def client():
+    import uvicorn
 
-    return LLM(str(FIXTURES / "tiny-qwen3"), warmup=False, num_kv_pages=16, max_num_seqs=2)
+    from netra_jax.api import build_engine
+    from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+    from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.serving.app import create_app
+
+    cfg = EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=64),
+                       scheduler=SchedulerConfig(max_num_seqs=8))  # fmt: skip
+    engine = AsyncEngine(build_engine(cfg))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, ready=lambda: True), host="127.0.0.1", port=0,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    server.should_exit = True
+    thread.join(30)
+    engine.shutdown()
 
 
-def test_json_schema_constrained_greedy(llm):
-    so = StructuredOutputs(llm.get_tokenizer(), llm.model_config.vocab_size)
-    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
-    grammar = grammar_for(fmt)
-    so.check(grammar)
-    c = so.constraint(grammar)
-    first = c.allowed()
-    assert first.shape == (512,) and first.sum() >= 1
-    assert all(llm.get_tokenizer().decode([t]).lstrip().startswith("{") for t in first.nonzero()[0])
-    prompt = reference("tiny-qwen3")["cases"][0]["prompt_ids"]
-    ids = constrained_greedy(llm, prompt, c, max_tokens=64)
-    obj = json.loads(llm.get_tokenizer().decode(ids))
-    assert set(obj) == {"name", "age", "pet"} and obj["pet"] in ("cat", "dog")
-    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6 and 0 <= obj["age"] <= 99
-    assert c.done
+def test_chat_json_schema_plain_sampled_and_streamed(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0,
+                                       response_format=FORMAT)  # fmt: skip
+    text = r.choices[0].message.content
+    check_schema(json.loads(text))
+    assert r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=1.0, seed=4, n=3,
+                                       response_format=FORMAT)  # fmt: skip
+    for c in r.choices:
+        check_schema(json.loads(c.message.content))
+        assert c.finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0,
+                                            response_format=FORMAT, stream=True)  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(plain.choices[0].message.content)
 
 
-def test_json_object_and_bad_schema(llm):
-    so = StructuredOutputs(llm.get_tokenizer(), llm.model_config.vocab_size)
-    c = so.constraint(grammar_for(ResponseFormat(type="json_object")))
-    ids = constrained_greedy(llm, [1, 2, 3], c, max_tokens=24)
-    assert llm.get_tokenizer().decode(ids).startswith("{")
-    assert grammar_for(ResponseFormat(type="text")) is None
-    bad = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}})
-    with pytest.raises(StructuredOutputError):
-        so.check(grammar_for(bad))
+def test_completions_json_object(client):
+    body = {"response_format": {"type": "json_object"}}
+    r = client.completions.create(model=MODEL, prompt=["A JSON object:", "{}", "Hello"], max_tokens=64,
+                                  temperature=1.0, seed=0, n=2, extra_body=body)  # fmt: skip
+    assert len(r.choices) == 6 and all(c.text.startswith("{") for c in r.choices)
+    done = [c for c in r.choices if c.finish_reason == "stop"]  # a free-form object may outgrow max_tokens
+    assert len(done) >= 3 and all(isinstance(json.loads(c.text), dict) for c in done)
+
+
+def test_bad_response_formats_are_400(client):
+    bad = [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+    ]
+    for fmt in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=fmt)
+        err = e.value.body
+        assert err["param"] == "response_format" and err["code"] == "invalid_response_format", err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={"response_format": bad[0]})
+    assert "nonsense" in e.value.body["message"]
+    text = {"response_format": {"type": "text"}}
+    ok = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0, extra_body=text)
+    assert ok.choices[0].finish_reason == "length"
