@@ -1,0 +1,363 @@
+"""Serving benchmark: an asyncio load generator (httpx + SSE) for any OpenAI-compatible server (netra-jax, vLLM,
+llama.cpp's llama-server) with closed-loop concurrency sweeps, Poisson arrivals and vLLM `bench serve` metrics.
+
+Usage: `.venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --max-concurrency 1,4,16,32
+--num-prompts 32 --input-len 128 --output-len 64 --ignore-eos --label ours`, then
+`... --plot a.json b.json --label ours llama.cpp`. Writes --result-dir/<date>-serve_<label>.json and .png.
+
+Metrics follow vLLM's definitions: TTFT is the time to the first chunk carrying text, ITL the gaps between later such
+chunks, TPOT (e2e - ttft) / (output_tokens - 1) for requests with more than one token, E2E the time to the last text
+chunk; output tokens come from the final usage chunk (`stream_options.include_usage`) or else the text-chunk count.
+A sweep's passes each get a fresh random set (seed + pass index) so one pass cannot hit another's prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+if __package__:
+    from . import bench_datasets as bd
+    from . import bench_plot
+else:
+    import bench_datasets as bd
+    import bench_plot
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Output:
+    ok: bool = False
+    error: str = ""
+    ttft: float | None = None
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None  # from the usage chunk
+    prompt_len: int | None = None  # from the dataset
+    text: str = ""
+
+
+def _chunk_text(obj: dict) -> str:
+    choices = obj.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if "delta" in c:
+        d = c.get("delta") or {}
+        return (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+    return c.get("text") or ""
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Output:
+    """One streamed request; every timestamp is taken as its SSE line arrives."""
+    out = Output()
+    start = last = time.perf_counter()
+    chunks, parts = 0, []
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if "error" in obj:
+                    out.error = json.dumps(obj["error"])[:300]
+                    return out
+                if text := _chunk_text(obj):
+                    if out.ttft is None:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    parts.append(text)
+                if usage := obj.get("usage"):
+                    out.output_tokens = usage.get("completion_tokens") or out.output_tokens
+                    out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"[:300]
+        return out
+    out.ok, out.text = True, "".join(parts)
+    out.output_tokens = out.output_tokens or chunks
+    out.latency = (last if chunks else time.perf_counter()) - start
+    return out
+
+
+def compute_metrics(outs: list[Output], duration: float, percentiles: list[float]) -> dict:
+    """vLLM `bench serve` metrics over one pass; times in ms, throughputs per second of the pass."""
+    ok = [o for o in outs if o.ok]
+    ttfts = [o.ttft for o in ok if o.ttft is not None]
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.ttft is not None and o.output_tokens > 1]
+    itls = [x for o in ok for x in o.itl]
+    e2el = [o.latency for o in ok]
+    inp = sum(o.prompt_tokens if o.prompt_tokens is not None else (o.prompt_len or 0) for o in ok)
+    outp = sum(o.output_tokens for o in ok)
+    m = {"completed": len(ok), "failed": len(outs) - len(ok), "duration": duration, "total_input_tokens": inp,
+         "total_output_tokens": outp, "request_throughput": len(ok) / duration,
+         "output_throughput": outp / duration, "total_token_throughput": (inp + outp) / duration}  # fmt: skip
+    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2el)):
+        a = np.asarray(xs, dtype=np.float64) * 1000.0
+        m[f"mean_{name}_ms"] = float(a.mean()) if a.size else None
+        m[f"median_{name}_ms"] = float(np.median(a)) if a.size else None
+        m[f"std_{name}_ms"] = float(a.std()) if a.size else None
+        for p in percentiles:
+            m[f"p{p:g}_{name}_ms"] = float(np.percentile(a, p)) if a.size else None
+    m["errors"] = sorted({o.error for o in outs if not o.ok})[:5]
+    return m
+
+
+class Bench:
+    def __init__(self, args, client: httpx.AsyncClient, model: str):
+        self.a, self.client, self.model = args, client, model
+        self.url = args.base_url + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def body(self, item: bd.Item, history: list[tuple[str, str]], turn: int) -> dict:
+        a = self.a
+        b = {"model": self.model, "max_tokens": item.max_tokens, "stream": True,
+             "stream_options": {"include_usage": True}}  # fmt: skip
+        if a.temperature is not None:
+            b["temperature"] = a.temperature
+        if a.ignore_eos:
+            b["ignore_eos"] = True
+        if a.endpoint == "chat":
+            msgs = item.messages
+            if msgs is None:
+                msgs = [{"role": "system", "content": item.system}] if item.system else []
+                for u, r in history:
+                    msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": r}]
+                msgs.append({"role": "user", "content": item.turns[turn]})
+            b["messages"] = msgs
+        else:
+            if item.messages is not None:
+                raise SystemExit("a {'messages'} dataset line needs --endpoint chat")
+            if item.system is None and not history:
+                b["prompt"] = item.turns[turn]
+            else:
+                talk = "".join(f"User: {u}\nAssistant: {r}\n" for u, r in history)
+                b["prompt"] = f"{item.system or ''}\n\n{talk}User: {item.turns[turn]}\nAssistant:"
+        b.update(a.extra_body)
+        return b
+
+    async def run_item(self, item: bd.Item, sem, sink: list, bar, turns: int | None = None) -> None:
+        history: list[tuple[str, str]] = []
+        for t in range(turns or max(1, len(item.turns))):
+            body = self.body(item, history, t)
+            if sem is None:
+                out = await send(self.client, self.url, body, self.headers)
+            else:
+                async with sem:
+                    out = await send(self.client, self.url, body, self.headers)
+            out.prompt_len = item.prompt_lens[t] if t < len(item.prompt_lens) else None
+            sink.append(out)
+            if bar is not None:
+                bar.update(1)
+            if not out.ok:
+                return
+            if item.turns:
+                history.append((item.turns[t], out.text))
+
+    async def run_pass(self, items: list[bd.Item], conc: int | None, rate: float, seed: int) -> dict:
+        from tqdm import tqdm
+
+        total = sum(max(1, len(i.turns)) for i in items)
+        sem = asyncio.Semaphore(conc) if conc else None
+        rng = np.random.default_rng(seed)
+        bar = None if self.a.disable_tqdm else tqdm(total=total, desc=f"c={conc or 'all'} rate={rate:g}", leave=False)
+        sink: list = []
+        start = time.perf_counter()
+        tasks, due = [], start
+        for item in items:
+            if math.isfinite(rate) and tasks:  # Poisson (burstiness 1) or gamma-distributed gaps, as vLLM
+                due += rng.gamma(self.a.burstiness, 1.0 / (rate * self.a.burstiness))
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(self.run_item(item, sem, sink, bar)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        m = compute_metrics(sink, duration, self.a.percentiles)
+        head = {"max_concurrency": conc, "request_rate": rate if math.isfinite(rate) else "inf", "num_requests": total}
+        return head | m
+
+    async def warmup(self, items: list[bd.Item]) -> None:
+        caps = [c for c in self.a.max_concurrency if c]
+        sem = asyncio.Semaphore(min(self.a.warmup, max(caps)) if caps else self.a.warmup)
+        sink: list = []
+        await asyncio.gather(*(self.run_item(items[i % len(items)], sem, sink, None, 1) for i in range(self.a.warmup)))
+        bad = [o.error for o in sink if not o.ok]
+        print(f"warm-up: {len(sink) - len(bad)}/{len(sink)} ok" + (f"; first error: {bad[0]}" if bad else ""))
+
+
+async def wait_ready(client: httpx.AsyncClient, base: str, seconds: float, headers: dict) -> None:
+    """Poll until /v1/models answers and /ready (netra-jax) is 200 or absent (404)."""
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            if (await client.get(base + "/v1/models", headers=headers)).status_code == 200:
+                if (await client.get(base + "/ready", headers=headers)).status_code in (200, 404):
+                    return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > end:
+            raise SystemExit(f"{base} not ready after {seconds:g}s")
+        await asyncio.sleep(1.0)
+
+
+async def run(args) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=30.0), limits=limits) as client:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        if args.wait_ready:
+            await wait_ready(client, args.base_url, args.wait_ready, headers)
+        cards = []
+        try:
+            r = await client.get(args.base_url + "/v1/models", headers=headers)
+            cards = r.json().get("data", []) if r.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            pass
+        model = args.model or (cards[0]["id"] if cards else None)
+        if model is None:
+            raise SystemExit(f"no --model given and {args.base_url}/v1/models lists none")
+        n_vocab = next(((c.get("meta") or {}).get("n_vocab") for c in cards if c.get("id") == model), None)
+        maker = bd.TextMaker(client if args.dataset != "jsonl" else None, args.base_url, model, headers)
+        await maker.probe(n_vocab)
+        source = f"random ids < {maker.vocab} via /detokenize" if maker.vocab else "random words"
+        print(f"model {model}; dataset {args.dataset}" + ("" if args.dataset == "jsonl" else f" ({source})"))
+        bench = Bench(args, client, model)
+        if args.warmup:
+            await bench.warmup(await bd.build(args, maker, args.warmup, args.seed - 1))
+        runs = []
+        for rate in args.request_rate:
+            for conc in args.max_concurrency:
+                items = await bd.build(args, maker, args.num_prompts, args.seed + len(runs))
+                m = await bench.run_pass(items, conc, rate, args.seed + len(runs))
+                runs.append(m)
+                print_pass(m, args.percentiles)
+    config = run_config(args) | {"model": model, "text_source": source if args.dataset != "jsonl" else "jsonl"}
+    label = args.label[0] if args.label else _slug(f"{model}-{args.dataset}")
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "label": label, "config": config,
+            "runs": runs}  # fmt: skip
+
+
+def run_config(args) -> dict:
+    """The options that shape a run, as strict JSON (an infinite rate is the string "inf")."""
+    skip = ("api_key", "plot", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given", "output_len_given")
+    config = {k: v for k, v in vars(args).items() if k not in skip}
+    config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
+    return config
+
+
+def print_pass(m: dict, percentiles: list[float]) -> None:
+    ms = lambda v: "-" if v is None else f"{v:.2f}"
+    print(f"\n=== max_concurrency {m['max_concurrency'] or 'all'}, request rate {m['request_rate']} ===")
+    print(f"completed {m['completed']}  failed {m['failed']}  duration {m['duration']:.2f}s  "
+          f"input {m['total_input_tokens']}  output {m['total_output_tokens']} tok")  # fmt: skip
+    print(f"throughput: {m['request_throughput']:.2f} req/s  {m['output_throughput']:.1f} output tok/s  "
+          f"{m['total_token_throughput']:.1f} total tok/s")  # fmt: skip
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        ps = "  ".join(f"p{p:g} {ms(m[f'p{p:g}_{name}_ms'])}" for p in percentiles)
+        print(f"{name.upper():>5} ms: mean {ms(m[f'mean_{name}_ms'])}  median {ms(m[f'median_{name}_ms'])}  {ps}")
+    for e in m["errors"]:
+        print(f"  error: {e}")
+
+
+def _numbers(kind):
+    def parse(s: str) -> list:
+        out = []
+        for p in s.split(","):
+            p = p.strip().lower()
+            out.append(None if kind is int and p in ("0", "none", "all") else kind("inf" if p == "inf" else p))
+        return out
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="serve_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is dropped)")
+    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--max-concurrency", type=_numbers(int), default=[None],
+                   help="comma list, one pass each: requests in flight at most (0/all: no cap)")  # fmt: skip
+    p.add_argument("--request-rate", type=_numbers(float), default=[math.inf],
+                   help="comma list of arrival rates in req/s (Poisson); inf: all at once")  # fmt: skip
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests per pass")
+    p.add_argument("--dataset", choices=bd.DATASETS, default="random")
+    p.add_argument("--dataset-path", help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens')")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (random 1024, long 4000)")
+    p.add_argument("--output-len", type=int, default=None, help="max_tokens (random 128, long 128)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
+    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: user turns per conversation")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so output lengths match across engines")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the statistics")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
+    p.add_argument("--result-dir", default=str(RESULTS))
+    p.add_argument("--label", nargs="+", default=None, help="result name; with --plot one per file")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    p.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files, one line each")
+    p.add_argument("--disable-tqdm", action="store_true")
+    a = p.parse_args(argv)
+    a.base_url = re.sub(r"/v1/?$", "", a.base_url.rstrip("/"))
+    a.input_len_given, a.output_len_given = a.input_len is not None, a.output_len is not None
+    a.input_len = 1024 if a.input_len is None else a.input_len
+    a.output_len = 128 if a.output_len is None else a.output_len
+    return a
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", s).strip("-") or "run"
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    today = datetime.date.today().isoformat()
+    out_dir = Path(a.result_dir)
+    if a.plot:
+        results = [json.loads(Path(f).read_text()) for f in a.plot]
+        labels = a.label or [r.get("label") or Path(f).stem for r, f in zip(results, a.plot, strict=True)]
+        if len(labels) != len(results):
+            raise SystemExit("--label needs one name per --plot file")
+        png = bench_plot.plot(results, labels, out_dir / f"{today}-serve_{_slug('_vs_'.join(labels))}.png")
+        print(f"wrote {png}")
+        return 0
+    res = asyncio.run(run(a))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = str(out_dir / f"{today}-serve_{_slug(res['label'])}")
+    Path(stem + ".json").write_text(json.dumps(res, indent=1, allow_nan=False) + "\n")
+    print(f"wrote {stem}.json")
+    if not a.no_plot:
+        print(f"wrote {bench_plot.plot([res], [res['label']], stem + '.png')}")
+    return 0 if all(r["failed"] == 0 for r in res["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
