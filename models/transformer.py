@@ -13,6 +13,8 @@ Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so ev
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ import numpy as np
 
 from netra_jax.config import ModelConfig, RopeConfig
 from netra_jax.ops.attention import AttentionMetadata, attention, write_kv
+from netra_jax.parallel import head_parallel
 
 
 @flax.struct.dataclass
@@ -82,17 +85,8 @@ def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     return _linear(act * up, lp["w_down"])
 
 
-def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md, backend: str):
-    T = x.shape[0]
-    q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(x, lp["wv"], lp.get("bv")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    rc = cfg.layer_rope(i)
-    q, k = rope(q, positions, rc, cfg.head_dim), rope(k, positions, rc, cfg.head_dim)
-    kp, vp = write_kv(kv.k[i], kv.v[i], k, v, md.slot_mapping)
+def _write_and_attend(q, k, v, kp, vp, md, *, cfg: ModelConfig, i: int, backend: str):
+    kp, vp = write_kv(kp, vp, k, v, md.slot_mapping)
     o = attention(
         q,
         kp,
@@ -103,6 +97,23 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
         soft_cap=cfg.attn_logit_softcap,
         backend=backend,
     )  # [T, q_heads, head_dim]
+    return o, kp, vp
+
+
+def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md, backend: str, mesh):
+    T = x.shape[0]
+    q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(x, lp["wv"], lp.get("bv")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    rc = cfg.layer_rope(i)
+    q, k = rope(q, positions, rc, cfg.head_dim), rope(k, positions, rc, cfg.head_dim)
+    fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
+    if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
+        fn = head_parallel(fn, mesh)
+    o, kp, vp = fn(q, k, v, kv.k[i], kv.v[i], md)
     return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
 
 
@@ -116,10 +127,12 @@ def forward(
     logits_indices: jax.Array | None = None,
     *,
     backend: str = "reference",
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the model on a flat batch of new tokens, writing their K/V into the pages.
 
     token_ids, positions: [T] int32. logits_indices: [S] int32 rows whose logits are wanted (all rows if None).
+    mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as `netra_jax.parallel` lays them out.
     Returns (logits [S or T, vocab] float32, updated kv cache).
     """
     embed = params["embed"]
@@ -129,7 +142,7 @@ def forward(
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        h, kp, vp = _attention_block(h, lp, cfg, i, positions, kv, md, backend)
+        h, kp, vp = _attention_block(h, lp, cfg, i, positions, kv, md, backend, mesh)
         new_k.append(kp)
         new_v.append(vp)
         if cfg.gemma_norms:
