@@ -263,6 +263,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | reference | triton | ...
+    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
