@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax import parallel
 from netra_jax.config import ModelConfig
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.models.transformer import forward, init_kv_cache
@@ -92,30 +93,34 @@ def _unpack(packed: jax.Array, shape: BatchShape):
     return packed[:T], packed[T : 2 * T], md, packed[o + 2 * S + 1 : o + 3 * S + 1]
 
 
-def _step(params, kv, packed, *, cfg: ModelConfig, shape: BatchShape, backend: str):
+def _step(params, kv, packed, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):
     tokens, positions, md, logits_idx = _unpack(packed, shape)
-    logits, kv = forward(params, cfg, tokens, positions, kv, md, logits_idx, backend=backend)
+    logits, kv = forward(params, cfg, tokens, positions, kv, md, logits_idx, backend=backend, mesh=mesh)
     return logits, kv  # [S, vocab] float32
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend"))
-def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend: str):
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend", "mesh"))
+def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend: str, mesh=None):
     """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T], T a multiple of page."""
     T = token_ids.shape[0]
     pages = T // page_size
-    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype)
+    kv_sharding = None if mesh is None else parallel.kv_sharding(mesh)
+    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype, sharding=kv_sharding)
     md = AttentionMetadata(
         slot_mapping=jnp.arange(T, dtype=jnp.int32),
         query_start_loc=jnp.array([0, T], jnp.int32),
         seq_lens=jnp.array([T], jnp.int32),
         block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
     )
-    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend)
+    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend, mesh=mesh)
     return logits  # [T, vocab] float32
 
 
 class ModelRunner:
-    """Owns the parameters and the paged KV cache on the device; executes one scheduled step at a time."""
+    """Owns the parameters and the paged KV cache on the device; executes one scheduled step at a time.
+
+    tensor_parallel_size > 1: parameters and KV heads are split over a ("tp",) mesh of the first N devices (see
+    `netra_jax.parallel`); the step's logits come back gathered on device 0, where the sampler runs."""
 
     def __init__(
         self,
@@ -129,16 +134,25 @@ class ModelRunner:
         max_model_len: int,
         kv_dtype=jnp.float32,
         backend: str = "reference",
+        tensor_parallel_size: int = 1,
     ):
+        self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        if self.mesh is not None:  # a no-op for parameters the loader already placed on this mesh
+            params = parallel.shard_params(params, cfg, self.mesh)
+            cfg = parallel.shard_config(cfg, tensor_parallel_size)  # KV heads replicated when fewer than N
         self.cfg, self.params = cfg, params
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
-        self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
+        kv_sharding = None if self.mesh is None else parallel.kv_sharding(self.mesh)
+        self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
         self.pad_slot = num_pages * page_size  # out of range: dropped by the KV write
-        self._jit = jax.jit(_step, static_argnames=("cfg", "shape", "backend"), donate_argnums=(1,))
+        # sharded: KV out sharding = in sharding (donation reuses each device's pages), logits all-gathered
+        out = {} if self.mesh is None else {"out_shardings": (parallel.replicated(self.mesh), kv_sharding)}
+        self._jit = jax.jit(functools.partial(_step, mesh=self.mesh), static_argnames=("cfg", "shape", "backend"),
+                            donate_argnums=(1,), **out)  # fmt: skip
         self.num_steps = 0
 
     # ------------------------------------------------------------------ shapes
@@ -159,6 +173,8 @@ class ModelRunner:
         logits, self.kv = self._jit(
             self.params, self.kv, jnp.asarray(pb.host), cfg=self.cfg, shape=shape, backend=self.backend
         )
+        if self.mesh is not None:  # the sampler and its inputs live on device 0
+            logits = jax.device_put(logits, self.mesh.devices.flat[0])
         self.num_steps += 1
         return logits, pb
 
@@ -169,7 +185,7 @@ class ModelRunner:
         padded = np.zeros(T, np.int32)
         padded[: len(ids)] = ids
         out = _all_logits(self.params, jnp.asarray(padded), cfg=self.cfg, page_size=self.page_size,
-                          backend=self.backend)  # fmt: skip
+                          backend=self.backend, mesh=self.mesh)  # fmt: skip
         return np.asarray(out[: len(ids)])
 
     def warmup_shape(self, shape: BatchShape) -> None:
