@@ -4,7 +4,12 @@ the orbax parameter cache; `read_gguf_metadata` exposes a GGUF file's tokenizer 
 dtype="auto" rule: a HF directory keeps its config's `torch_dtype`/`dtype` when that is float32 or bfloat16
 (float16 becomes bfloat16, none given means float32); a GGUF file, de-quantized to float32 first, is float32 on the
 CPU backend (exact against float32 references, and XLA's CPU bf16 matmuls are slow) and bfloat16 on accelerators.
-Norm weights are always float32."""
+Norm weights are always float32.
+
+Tensor parallel (`mesh` given): a HF directory is read straight onto the mesh, each device reading only its slices
+from the memory maps (`parallel.load_hf_sharded`; the parameter cache is bypassed, as there is no conversion to
+save). A GGUF file is de-quantized whole (through the cache as usual; quantized blocks do not slice per device)
+and then placed on the mesh, each device receiving its slice."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader import cache as param_cache
 from netra_jax.loader import gguf_loader
@@ -77,18 +83,27 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, dtype: str = "auto", cache: bool | str | Path = True
+    path: str | Path, dtype: str = "auto", cache: bool | str | Path = True, mesh: jax.sharding.Mesh | None = None
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
     path: a HF directory (config.json + *.safetensors) or a .gguf file. dtype: "auto" | "float32" | "bfloat16"
     (see the module docstring for "auto"). cache: True for the default cache directory
-    (`assets.cache_dir() / "params"`), a directory to use instead, or False to always convert from the source."""
+    (`assets.cache_dir() / "params"`), a directory to use instead, or False to always convert from the source.
+    mesh: a ("tp",) mesh from `parallel.make_mesh` to load the parameters sharded over (see the module docstring)."""
     t0 = time.perf_counter()
     cfg, source, files = _open_source(path)
     is_gguf = isinstance(source, GGUFFile)
     src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype"))
     dt = _resolve_dtype(dtype, src_dtype, is_gguf)
+    if mesh is not None:
+        parallel.check_tp(cfg, parallel.tp_size(mesh))
+        if not is_gguf:
+            ck = HFCheckpoint(path)
+            params = parallel.load_hf_sharded(ck.get, ck.has, cfg, _NP_DTYPES[dt], mesh)
+            log.info("loaded %s (%s) sharded %d ways in %.2fs", path, dt, parallel.tp_size(mesh),
+                     time.perf_counter() - t0)  # fmt: skip
+            return cfg, params
     root = key = None
     if cache:
         try:
@@ -100,7 +115,7 @@ def load_model(
         params = param_cache.load_params(root, key) if root is not None else None
         if params is not None:
             log.info("loaded %s (%s) from the parameter cache in %.2fs", path, dt, time.perf_counter() - t0)
-            return cfg, params
+            return cfg, params if mesh is None else parallel.shard_params(params, cfg, mesh)
     if is_gguf:
         get, has = gguf_loader.hf_view(source, cfg)
     else:
@@ -109,6 +124,6 @@ def load_model(
     params_np = weight_map.hf_to_params(cfg, get, has, _NP_DTYPES[dt])
     if root is not None:
         param_cache.save_params(root, key, params_np, tied_lm_head=cfg.tie_word_embeddings)
-    params = jax.tree.map(jax.numpy.asarray, params_np)
+    params = jax.tree.map(jax.numpy.asarray, params_np) if mesh is None else parallel.shard_params(params_np, cfg, mesh)
     log.info("converted %s (%s) in %.2fs", path, dt, time.perf_counter() - t0)
     return cfg, params
