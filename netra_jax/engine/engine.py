@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from netra_jax import parallel
 from netra_jax.config import CacheConfig, EngineConfig, ModelConfig
 from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.block_pool import BlockPool
@@ -20,7 +21,6 @@ from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, 
 from netra_jax.engine.request import Request, RequestStatus
 from netra_jax.engine.runner import ModelRunner
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
-from netra_jax.models.transformer import kv_bytes_per_page
 from netra_jax.ops import sampling
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.structured_output import GrammarMatcher, StructuredOutputs
@@ -58,12 +58,13 @@ class _Group:
     prompt_logprobs: list | None = None
 
 
-def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int) -> int:
+def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
     """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory;
-    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room)."""
+    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room).
+    Under a tp-way split the budget is per device and a page costs each device only its KV heads."""
     if cache.num_pages:
         return cache.num_pages
-    per_page = kv_bytes_per_page(cfg, page_size, kv_dtype)
+    per_page = parallel.kv_bytes_per_page_per_device(cfg, page_size, kv_dtype, tp)
     budget = cache.kv_cache_bytes
     if budget is None:
         dev = jax.devices()[0]
@@ -91,13 +92,13 @@ class LLMEngine:
         kv_dtype = jax.tree.leaves(params)[0].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
         page = cache.page_size
         useful = 2 * sched.max_num_seqs * -(-self.max_model_len // page)
-        num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful)
+        num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful, config.tensor_parallel_size)
         self.pool = BlockPool(num_pages, page, enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.max_model_len)
         self.runner = ModelRunner(
             model_cfg, params, num_pages=num_pages, page_size=page, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
-            kv_dtype=kv_dtype, backend=config.resolved_backend(),
+            kv_dtype=kv_dtype, backend=config.resolved_backend(), tensor_parallel_size=config.tensor_parallel_size,
         )  # fmt: skip
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Seq]] = {}  # scheduler request id -> (group, seq)
