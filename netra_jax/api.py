@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from netra_jax import assets
+from netra_jax import assets, parallel
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
@@ -48,7 +48,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     enable_compilation_cache(config.compilation_cache_dir)
     path = resolve_model_path(config.model)
     t0 = time.perf_counter()
-    cfg, params = load_model(path, config.dtype)
+    tp = config.tensor_parallel_size
+    cfg, params = load_model(path, config.dtype, mesh=parallel.make_mesh(tp) if tp > 1 else None)
     tokenizer = Tokenizer.load(path)
     engine = LLMEngine(config, cfg, params, tokenizer)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
@@ -62,7 +63,8 @@ class LLM:
 
     model: a Hugging Face directory or a .gguf file (None = the embedded default, SmolLM2-135M-Instruct).
     dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory (bytes), num_kv_pages, page_size, enable_prefix_caching."""
+    max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
+    enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
         seed: int = 0,
         warmup: bool = True,
         compilation_cache_dir: str | None = None,
@@ -93,6 +96,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
