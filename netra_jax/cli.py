@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
@@ -42,6 +43,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting
         ),
         attention_backend=a.attention_backend,
+        tensor_parallel_size=a.tensor_parallel_size,
         seed=a.seed,
         served_model_name=a.served_model_name,
         warmup=not a.no_warmup,
