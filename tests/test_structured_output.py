@@ -147,3 +147,16 @@ def test_model_vocab_beyond_the_tokenizer_is_never_allowed(llm):
         assert allowed.shape == (600,) and allowed[tok] and not allowed[512:].any()
         assert m.accept(tok)
     assert m.done and m.mask().size == 19
+
+
+def test_token_outside_the_grammar_ends_the_sample_with_error(llm, prompts):
+    """Should a token the grammar rejects ever be sampled (here: a mask that allows everything), the sample ends
+    with finish_reason "error" and frees its KV blocks instead of continuing unconstrained."""
+    eng = llm.engine
+    eng.add_request("broken", prompts[0], SamplingParams(max_tokens=8, temperature=0, structured_outputs=SO(regex="q")))
+    eng._seq_of["broken"][1].grammar.mask = lambda: np.full(16, -1, np.int32)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].outputs[0].finish_reason == "error" and len(outs[-1].outputs[0].token_ids) == 1
+    assert eng.pool.num_in_use == 0

@@ -330,8 +330,9 @@ class LLMEngine:
         if req.is_finished:
             return
         if not ok:
-            log.warning("request %s: token %d rejected by its grammar: %s", req.request_id, tok, seq.grammar.error)
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, seq.grammar.error)
+            err = (seq.grammar.error or "")[:300]
+            log.warning("request %s: token %d rejected by its grammar: %s", req.request_id, tok, err)
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
         elif seq.grammar.done:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         else:
