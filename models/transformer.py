@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig, RopeConfig
+from netra_jax.models.quant import matmul
 from netra_jax.ops.attention import AttentionMetadata, attention, write_kv
 from netra_jax.parallel import head_parallel
 
@@ -73,13 +74,13 @@ def rope(x: jax.Array, positions: jax.Array, rc: RopeConfig, head_dim: int) -> j
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.dot(x, w.astype(x.dtype))
+def _linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+    y = matmul(x, w)  # float or int8-quantized weight
     return y if b is None else y + b.astype(y.dtype)
 
 
 def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
-    gu = jnp.einsum("th,hki->tki", x, lp["w_gate_up"].astype(x.dtype))  # [T, 2, intermediate]
+    gu = matmul(x, lp["w_gate_up"], "th,hki->tki")  # [T, 2, intermediate]
     gate, up = gu[:, 0], gu[:, 1]
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     return _linear(act * up, lp["w_down"])
@@ -155,7 +156,7 @@ def forward(
     if logits_indices is not None:
         x = x[logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.dot(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)  # [S, vocab]
+    logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [S, vocab]
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits, KVCache(k=new_k, v=new_v)

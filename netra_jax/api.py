@@ -19,6 +19,7 @@ from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.loader import load_model
+from netra_jax.models.quant import quantize_params
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.tokenizer import Tokenizer
 
@@ -49,7 +50,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     path = resolve_model_path(config.model)
     t0 = time.perf_counter()
     tp = config.tensor_parallel_size
+    if config.quantization and tp > 1:
+        raise ValueError("quantization is not supported together with tensor parallelism yet")
     cfg, params = load_model(path, config.dtype, mesh=parallel.make_mesh(tp) if tp > 1 else None)
+    if config.quantization:
+        params = quantize_params(params, config.quantization)
     tokenizer = Tokenizer.load(path)
     engine = LLMEngine(config, cfg, params, tokenizer)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
@@ -64,7 +69,8 @@ class LLM:
     model: a Hugging Face directory or a .gguf file (None = the embedded default, SmolLM2-135M-Instruct).
     dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
-    enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices)."""
+    enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices),
+    quantization ("int8": weight-only int8 with per-channel scales)."""
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
         seed: int = 0,
         warmup: bool = True,
         compilation_cache_dir: str | None = None,
@@ -97,6 +104,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
             seed=seed,
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,

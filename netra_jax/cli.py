@@ -25,6 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
+    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (per-channel scales)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
@@ -44,6 +45,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         ),
         attention_backend=a.attention_backend,
         tensor_parallel_size=a.tensor_parallel_size,
+        quantization=a.quantization,
         seed=a.seed,
         served_model_name=a.served_model_name,
         warmup=not a.no_warmup,

@@ -264,6 +264,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | reference | triton | ...
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
+    quantization: str | None = None  # None | "int8" (weight-only, per-channel scales; models/quant.py)
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off

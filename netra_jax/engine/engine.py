@@ -89,7 +89,7 @@ class LLMEngine:
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         cache, sched = config.cache, config.scheduler
-        kv_dtype = jax.tree.leaves(params)[0].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
+        kv_dtype = params["embed"].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
         page = cache.page_size
         useful = 2 * sched.max_num_seqs * -(-self.max_model_len // page)
         num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful, config.tensor_parallel_size)

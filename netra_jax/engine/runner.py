@@ -105,7 +105,7 @@ def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend:
     T = token_ids.shape[0]
     pages = T // page_size
     kv_sharding = None if mesh is None else parallel.kv_sharding(mesh)
-    kv = init_kv_cache(cfg, pages, page_size, jax.tree.leaves(params)[0].dtype, sharding=kv_sharding)
+    kv = init_kv_cache(cfg, pages, page_size, params["embed"].dtype, sharding=kv_sharding)
     md = AttentionMetadata(
         slot_mapping=jnp.arange(T, dtype=jnp.int32),
         query_start_loc=jnp.array([0, T], jnp.int32),

@@ -1,0 +1,54 @@
+"""int8 weight-only quantization: symmetric per-output-channel scales, weights stored as int8 and de-quantized inside
+the matmul (x @ q) * scale, which is exact per output channel. Norms, biases and the embedding stay in float."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+QUANTIZABLE = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
+METHODS = ("int8",)
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    q: jax.Array  # [in, *out] int8
+    scale: jax.Array  # [*out] float32, one per output channel
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+
+def quantize_weight(w: jax.Array) -> QuantizedWeight:
+    """Per-output-channel symmetric int8 of a weight stored [in, *out] (the input axis is 0)."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=0)  # [*out]
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(q=q, scale=scale.astype(jnp.float32))
+
+
+def quantize_params(params: dict, method: str = "int8") -> dict:
+    """Quantize every projection of every layer and the lm_head; everything else is kept as it is."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
+    layers = [{k: quantize_weight(v) if k in QUANTIZABLE else v for k, v in lp.items()} for lp in params["layers"]]
+    return {**params, "layers": layers, "lm_head": quantize_weight(params["lm_head"])}
+
+
+def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None) -> jax.Array:
+    """x @ w for a float or quantized weight; `spec` is an einsum spec for weights with several output axes."""
+    if isinstance(w, QuantizedWeight):
+        wq = w.q.astype(x.dtype)
+        y = (
+            jnp.einsum(spec, x, wq, preferred_element_type=preferred_element_type)
+            if spec
+            else jnp.dot(x, wq, preferred_element_type=preferred_element_type)
+        )
+        return y * w.scale.astype(y.dtype)
+    w = w.astype(x.dtype)
+    if spec:
+        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    return jnp.dot(x, w, preferred_element_type=preferred_element_type)

@@ -1,0 +1,65 @@
+"""int8 weight-only quantization: per-channel round trip bounds, logits close to float32 on a fixture, and the
+SmolLM2 accuracy (greedy agreement, logit error) reported with the int8 engine end to end."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, reference
+
+from netra_jax import LLM, SamplingParams
+from netra_jax.models.quant import QuantizedWeight, matmul, quantize_params, quantize_weight
+
+
+def test_quantize_weight_per_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 2, 48)).astype(np.float32) * rng.uniform(0.01, 3, (1, 2, 48)).astype(np.float32)
+    qw = quantize_weight(jnp.asarray(w))
+    assert qw.q.dtype == jnp.int8 and qw.scale.shape == (2, 48)
+    deq = np.asarray(qw.q, np.float32) * np.asarray(qw.scale)
+    assert np.all(np.abs(deq - w) <= np.asarray(qw.scale) / 2 + 1e-7)  # half a step per channel
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    got = np.asarray(matmul(jnp.asarray(x), qw, "th,hki->tki"))
+    np.testing.assert_allclose(got, np.einsum("th,hki->tki", x, deq), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_fixture_logits_close_and_engine_runs():
+    name = "tiny-qwen3"
+    f32 = LLM(FIXTURES / name, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=64)
+    q8 = LLM(FIXTURES / name, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4,
+             max_num_batched_tokens=64)  # fmt: skip
+    layer = q8.engine.runner.params["layers"][0]
+    assert isinstance(layer["wq"], QuantizedWeight) and layer["wq"].q.dtype == jnp.int8
+    case = reference(name)["cases"][0]
+    a, b = f32.logits(case["prompt_ids"]), q8.logits(case["prompt_ids"])
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+    out = q8.generate({"prompt_token_ids": case["prompt_ids"]}, SamplingParams(max_tokens=8, temperature=0),
+                      use_tqdm=False)[0]  # fmt: skip
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_quantize_params_rejects_unknown_method():
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_params({"layers": [], "lm_head": jnp.zeros((2, 2))}, "int3")
+
+
+@pytest.mark.slow
+def test_int8_smollm2_accuracy_reported(smollm2_path, record_property):
+    ref = reference("smollm2")["cases"]
+    f32 = LLM(smollm2_path, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=128)
+    q8 = LLM(smollm2_path, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4,
+             max_num_batched_tokens=128)  # fmt: skip
+    sp = SamplingParams(max_tokens=48, temperature=0)
+    errs, agree = [], []
+    for case in ref:
+        a, b = f32.logits(case["prompt_ids"])[-1], q8.logits(case["prompt_ids"])[-1]
+        errs.append(float(np.abs(a - b).max()))
+        out = q8.chat(case["messages"], sp, use_tqdm=False)[0].outputs[0]
+        n = min(len(out.token_ids), len(case["greedy_ids"]))
+        same = next((i for i in range(n) if out.token_ids[i] != case["greedy_ids"][i]), n)
+        agree.append(same / len(case["greedy_ids"]))
+        print(f"int8: last-logit max err {errs[-1]:.3f}, greedy prefix agreement {agree[-1]:.2f}: {out.text!r}")
+    record_property("int8_max_logit_err", max(errs))
+    record_property("int8_greedy_prefix_agreement", agree)
+    assert max(errs) < 3.0 and np.mean(agree) > 0.25
