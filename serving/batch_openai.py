@@ -8,7 +8,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError as PydanticValidationError
+
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.serving.protocol import ResponseFormat
+from netra_jax.serving.structured import structured_outputs_for
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -70,6 +74,11 @@ def _sampling(body: dict[str, Any], chat: bool, vocab_size: int) -> SamplingPara
         kw["max_tokens"] = body.get("max_tokens", 16)  # OpenAI's default for completions
         if body.get("logprobs") is not None:
             kw["logprobs"] = body["logprobs"]
+    if body.get("response_format") is not None:  # same mapping as the server; compiled when the engine admits it
+        try:
+            kw["structured_outputs"] = structured_outputs_for(ResponseFormat.model_validate(body["response_format"]))
+        except (ValueError, PydanticValidationError) as e:
+            raise RequestError(f"invalid response_format: {e}", param="response_format") from e
     try:
         return SamplingParams(**kw).validate(vocab_size)
     except (TypeError, ValueError) as e:
@@ -98,9 +107,6 @@ def _chat_prompt(body: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string role", param="messages")
         conv.append({**m, "content": _message_text(m.get("content"), i)})
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise RequestError("only response_format {'type': 'text'} is supported", param="response_format")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")

@@ -236,3 +236,34 @@ def test_load_progress_tolerates_only_a_truncated_tail(tmp_path):
     out.write_text("{oops\n" + good[0] + "\n")
     with pytest.raises(ValueError, match="line 1 is corrupt"):
         load_progress(out)
+
+
+def test_response_format_json_schema_in_batch(engine, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    lines = [
+        _line(
+            "good",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 40,
+                "temperature": 0,
+                "response_format": rf,
+            },
+        ),  # fmt: skip
+        _line(
+            "bad",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+        ),  # fmt: skip
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    run_batch(inp, out, engine)
+    res = {o["custom_id"]: o for o in map(json.loads, out.read_text().splitlines())}
+    body = res["good"]["response"]["body"]
+    value = json.loads(body["choices"][0]["message"]["content"])
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] <= 9
+    assert res["bad"]["error"] is not None and "response_format" in res["bad"]["error"]["message"]
