@@ -46,9 +46,23 @@ class APIError(Exception):
         self.headers = headers
 
 
+MAX_MESSAGE_CHARS = 1024  # messages quote the offending value; an error answer stays small whatever was sent
+MAX_PARAM_CHARS = 256
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut in the middle to about `limit` characters (head and tail kept, the cut counted)."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 2 // 3], text[-(limit // 4) :]
+    return f"{head}...[{len(text) - len(head) - len(tail)} characters cut]...{tail}"
+
+
 def envelope(status: int, message: str, param: str | None = None, code: str | None = None,
              type: str | None = None) -> dict:  # fmt: skip
     t = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    message = clip(message, MAX_MESSAGE_CHARS)
+    param = None if param is None else clip(param, MAX_PARAM_CHARS)
     return {"error": {"message": message, "type": t, "param": param, "code": code}}
 
 
