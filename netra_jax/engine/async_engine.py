@@ -1,16 +1,18 @@
 """AsyncEngine: runs the LLMEngine step loop in its own thread and hands each request's outputs to an asyncio
-queue, so an HTTP server can `async for` over a generation and abort it when the client leaves."""
+queue, so an HTTP server can `async for` over a generation and abort it when the client leaves; a step watchdog."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
@@ -19,25 +21,48 @@ from netra_jax.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+FAULT_ENV = "NETRA_JAX_FAULT_STEP"  # test-only fault injection: "N" raises in step N, "N:hang" blocks step N
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; requests cannot be served."""
 
 
+class StepTimeoutError(RuntimeError):
+    """A step ran longer than the watchdog's `step_timeout`."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the step chosen with NETRA_JAX_FAULT_STEP."""
+
+
+def _fault_from_env() -> tuple[int, str] | None:
+    raw = os.environ.get(FAULT_ENV, "").strip()
+    if not raw:
+        return None
+    step, _, kind = raw.partition(":")
+    if not step.isdigit() or kind not in ("", "raise", "hang"):
+        raise ValueError(f"{FAULT_ENV}={raw!r}: expected N, N:raise or N:hang")
+    return int(step), kind or "raise"
+
+
 @dataclass
 class _Cmd:
-    kind: str  # "add" | "abort"
+    kind: str  # "add" | "abort" | "call"
     request_id: str
     prompt: PromptType | None = None
     params: SamplingParams | None = None
     reply: asyncio.Future | None = None
     out_q: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    fn: Callable[[LLMEngine], Any] | None = None
 
 
 class AsyncEngine:
     """Thread-safe front of an LLMEngine. `generate()` validates in the engine thread (so errors surface as
     ValueError to the caller before any output), then yields RequestOutputs; leaving the iterator aborts the request
-    and frees its KV blocks. A step that raises fails every in-flight request and marks the engine dead."""
+    and frees its KV blocks. A step that raises fails every in-flight request and marks the engine dead; so does a
+    step running longer than `step_timeout` seconds (a watchdog thread fails the clients; the stuck thread is left)."""
 
     def __init__(self, engine: LLMEngine, step_timeout: float | None = None):
         self.engine = engine
@@ -50,8 +75,11 @@ class AsyncEngine:
         self.step_timeout = step_timeout
         self.last_step_start: float | None = None  # set while a step runs (for a watchdog)
         self.num_steps = 0
+        self._fault = _fault_from_env()
         self._thread = threading.Thread(target=self._loop, name="netra-engine", daemon=True)
         self._thread.start()
+        if step_timeout:
+            threading.Thread(target=self._watchdog, name="netra-watchdog", daemon=True).start()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -61,6 +89,11 @@ class AsyncEngine:
     def _step_hung(self) -> bool:
         start = self.last_step_start
         return bool(self.step_timeout and start is not None and time.monotonic() - start > self.step_timeout)
+
+    @property
+    def loop_running(self) -> bool:
+        """The engine thread has not returned (it may be stuck in a step after the watchdog gave up on it)."""
+        return self._thread.is_alive()
 
     @property
     def num_unfinished(self) -> int:
@@ -97,6 +130,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Cmd("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` run in the engine thread between steps (consistent reads of scheduler and pool state)."""
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        with self._lock:
+            if self.dead is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            self._send(_Cmd("call", "", reply=reply, loop=loop, fn=fn))
+        return await reply
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -124,6 +167,12 @@ class AsyncEngine:
                 if self._queues.pop(cmd.request_id, None) is not None:
                     self.engine.abort_request(cmd.request_id)
                 continue
+            if cmd.kind == "call":
+                try:
+                    self._post(cmd.loop, _set_result, cmd.reply, cmd.fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    self._post(cmd.loop, _set_exc, cmd.reply, e)
+                continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
@@ -134,15 +183,19 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.dead is None:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 self.last_step_start = time.monotonic()
+                if self._fault is not None and self.num_steps + 1 == self._fault[0]:
+                    self._inject(self._fault[1])
                 outputs = self.engine.step()
                 self.last_step_start = None
+                if self.dead is not None:  # the watchdog gave up on this step; its clients have their error
+                    break
                 self.num_steps += 1
                 for out in outputs:
                     target = self._queues.get(out.request_id)
@@ -154,20 +207,45 @@ class AsyncEngine:
                         self._queues.pop(out.request_id, None)
         except BaseException as e:  # a failed step: fail everything in flight, never hang a client
             log.error("engine step failed; failing %d requests:\n%s", len(self._queues), traceback.format_exc())
-            with self._lock:
-                self.dead = e
             self.last_step_start = None
-            err = EngineDeadError(f"engine step failed: {e!r}")
-            for loop, q in self._queues.values():
-                self._post(loop, q.put_nowait, err)
-            self._queues.clear()
-            while True:  # reject commands that raced with the failure
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd.reply is not None:
-                    self._post(cmd.loop, _set_exc, cmd.reply, err)
+            self._fail(e, f"engine step failed: {e!r}")
+
+    def _inject(self, kind: str) -> None:
+        step = self.num_steps + 1
+        log.warning("%s: injecting a %s fault into step %d", FAULT_ENV, kind, step)
+        if kind == "hang":
+            while not self._stop.wait(3600):
+                pass
+        raise InjectedFault(f"injected fault in step {step}")
+
+    def _watchdog(self) -> None:
+        period = min(1.0, self.step_timeout / 4)
+        while not self._stop.wait(period) and self.dead is None:
+            start = self.last_step_start
+            if start is None or time.monotonic() - start <= self.step_timeout:
+                continue
+            msg = (f"engine step {self.num_steps + 1} has run for {time.monotonic() - start:.1f}s "
+                   f"(step timeout {self.step_timeout:g}s)")  # fmt: skip
+            log.error("%s; failing %d requests", msg, len(self._queues))
+            self._fail(StepTimeoutError(msg), msg)
+            return
+
+    def _fail(self, cause: BaseException, message: str) -> None:
+        """Mark the engine dead, then fail every in-flight request and every queued command with EngineDeadError."""
+        with self._lock:
+            if self.dead is None:
+                self.dead = cause
+        err = EngineDeadError(message)
+        for loop, q in list(self._queues.values()):
+            self._post(loop, q.put_nowait, err)
+        self._queues.clear()
+        while True:  # reject commands that raced with the failure
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd.reply is not None:
+                self._post(cmd.loop, _set_exc, cmd.reply, err)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
