@@ -38,6 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--allowed-model-root", default=os.environ.get("NETRA_JAX_ALLOWED_MODEL_ROOT"),
+                   help="refuse model paths outside this directory (env NETRA_JAX_ALLOWED_MODEL_ROOT)")  # fmt: skip
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -49,6 +51,19 @@ def served_model_name(args: argparse.Namespace) -> str:
         return DEFAULT_MODEL_NAME
     p = Path(args.model)
     return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+def check_model_root(model: str | None, root: str | None) -> None:
+    """ValueError if `model` has a `..` component or resolves (symlinks included) outside `root`. No-op without a
+    root, or without a model argument (the embedded default model is always allowed)."""
+    if not root or not model:
+        return
+    if ".." in Path(model).parts:
+        raise ValueError(f"model path {model!r} contains '..'")
+    base = Path(root).resolve()
+    target = Path(model).resolve()
+    if not target.is_relative_to(base):
+        raise ValueError(f"model path {model!r} is outside the allowed model root {str(base)!r}")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -113,13 +128,18 @@ def serve(args: argparse.Namespace) -> int:
     from netra_jax.serving.app import create_app
 
     try:
+        check_model_root(args.model, args.allowed_model_root)
         template = load_chat_template(args.chat_template)
     except (OSError, ValueError) as e:
         print(f"netra-jax serve: {e}", file=sys.stderr)
         return 2
     cfg = engine_config(args)
     t0 = time.perf_counter()
-    engine = build_engine(dataclasses.replace(cfg, warmup=False))
+    try:
+        engine = build_engine(dataclasses.replace(cfg, warmup=False))
+    except (OSError, ValueError) as e:  # missing, refused (pickles, remote code) or damaged checkpoints
+        print(f"netra-jax serve: cannot load the model: {e}", file=sys.stderr)
+        return 2
     mc = engine.model_config
     name = served_model_name(args)
     if template is not None:
