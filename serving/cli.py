@@ -1,5 +1,5 @@
 """`netra-jax serve`: its flags, and the start-up sequence — load the model, open the port at once (/health answers,
-/ready says 503) while every step bucket compiles, then serve; SIGTERM drains in-flight requests and exits 0."""
+/ready says 503) while every step bucket compiles, then serve; SIGTERM drains and exits 0, a dead engine exits 3."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 << 20
+ENGINE_DEAD_EXIT = 3  # exit status once the engine loop has died (a supervisor restarts the process)
+DEAD_GRACE_S = 2.0  # after the engine dies: seconds of 503s (/health included) before the process exits
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -38,8 +40,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")  # fmt: skip
+    p.add_argument("--step-timeout", type=float, default=None,
+                   help="watchdog: a step running longer than this (seconds) kills the engine (off)")  # fmt: skip
     p.add_argument("--allowed-model-root", default=os.environ.get("NETRA_JAX_ALLOWED_MODEL_ROOT"),
                    help="refuse model paths outside this directory (env NETRA_JAX_ALLOWED_MODEL_ROOT)")  # fmt: skip
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)")  # fmt: skip
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -78,7 +84,7 @@ def load_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
-def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started) -> int:
+def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: dict | None = None) -> int:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -114,6 +120,8 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
                             timeout_graceful_shutdown=max(0.0, args.drain_timeout), lifespan="off")  # fmt: skip
     server = DrainingServer(config)
+    if holder is not None:
+        holder["server"] = server
     try:
         server.run()
     except SystemExit as e:  # uvicorn exits 1 when it cannot bind
@@ -153,12 +161,16 @@ def serve(args: argparse.Namespace) -> int:
           f"vocab {mc.vocab_size}, {dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
     print(f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
           f"{engine.pool.block_size}); max_model_len {engine.max_model_len}", flush=True)  # fmt: skip
-    ae = AsyncEngine(engine)
+    ae = AsyncEngine(engine, step_timeout=args.step_timeout)
     warm = threading.Event()
     bound: dict[str, tuple[str, int]] = {}
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
     app = create_app(ae, name, args.api_key, chat_template=template, max_body_bytes=args.max_body_bytes,
                      cors_origins=origins, ready=warm.is_set)  # fmt: skip
+    if args.enable_debug_endpoints:
+        from netra_jax.serving.debug import install_debug_routes
+
+        install_debug_routes(app)
     lock = threading.Lock()
 
     def announce() -> None:
@@ -188,11 +200,41 @@ def serve(args: argparse.Namespace) -> int:
             state.draining = True
             print(f"netra-jax: draining ({ae.num_unfinished} in flight, up to {args.drain_timeout:g}s)", flush=True)
 
+    holder: dict = {}
+    died = threading.Event()
+    stop_watch = threading.Event()
+
+    def watch_engine() -> None:
+        """Engine dead (a step raised, or hung past --step-timeout): answer 503 for a moment, then exit non-zero."""
+        while not stop_watch.wait(0.1):
+            if ae.is_alive or stop_watch.is_set():
+                continue
+            died.set()
+            why = repr(ae.dead) if ae.dead is not None else "a step exceeded --step-timeout"
+            print(f"netra-jax: engine failed ({why}); exiting with status {ENGINE_DEAD_EXIT} in {DEAD_GRACE_S:g}s",
+                  flush=True)  # fmt: skip
+            time.sleep(DEAD_GRACE_S)
+            while holder.get("server") is None and not stop_watch.wait(0.1):
+                pass
+            if holder.get("server") is not None:
+                holder["server"].should_exit = True
+            return
+
+    threading.Thread(target=watch_engine, name="netra-engine-watch", daemon=True).start()
+    code = 0
     try:
-        return _run_uvicorn(app, args, on_drain, on_started)
+        code = _run_uvicorn(app, args, on_drain, on_started, holder)
     finally:
-        ae.shutdown()
+        stop_watch.set()
+        ae.shutdown(timeout=2.0 if died.is_set() else 5.0)
         print("netra-jax: stopped", flush=True)
+    if died.is_set():
+        code = ENGINE_DEAD_EXIT
+        if ae.loop_running:  # a step is stuck in native code: do not wait for it at interpreter exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 def _leaves(tree):

@@ -3,6 +3,10 @@ request counters, and gauges read from the engine at scrape time (queues, KV blo
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+
+import jax.monitoring
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from netra_jax.engine.async_engine import AsyncEngine
@@ -10,6 +14,30 @@ from netra_jax.engine.outputs import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every XLA compile, persistent-cache hits included
+
+
+class CompileCounter:
+    """XLA compilations in this process (one jax.monitoring listener, registered on first use), with the names of
+    the most recent ones."""
+
+    count = 0
+    recent: deque[str] = deque(maxlen=32)
+    _lock = threading.Lock()
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._registered:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._registered = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == _COMPILE_EVENT:
+            cls.count += 1
+            cls.recent.append(str(kwargs.get("fun_name", "?")))
 
 
 class ServerMetrics:
@@ -25,6 +53,7 @@ class ServerMetrics:
         self.success = Counter("netra_request_success", "Finished engine requests", ["finished_reason"], registry=r)
         self.errors = Counter("netra_request_errors", "Error responses", ["status"], registry=r)
         self.aborted = Counter("netra_request_aborted", "Engine requests aborted (client gone, error)", registry=r)
+        CompileCounter.install()
         eng = engine.engine
         pool, sched = eng.pool, eng.scheduler
         gauges = {
@@ -42,6 +71,9 @@ class ServerMetrics:
             "netra_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache",
                                                 lambda: pool.prefix_queries_tokens),
             "netra_engine_alive": ("1 while the engine loop runs", lambda: 1.0 if engine.is_alive else 0.0),
+            "netra_engine_steps": ("Engine steps run since start", lambda: engine.num_steps),
+            "netra_xla_compilations": ("XLA compilations in this process (warm-up included)",
+                                       lambda: CompileCounter.count),
         }  # fmt: skip
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
