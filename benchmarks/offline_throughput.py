@@ -1,0 +1,400 @@
+"""Offline throughput: 64 chat prompts x 128 greedy tokens through `LLM.generate` (float32), against Hugging Face
+`generate` on the same weights and prompts in the same run, with matmul-peak and memory-bandwidth roofline lines.
+
+Usage: `.venv/bin/python benchmarks/offline_throughput.py [--quick] [--model PATH] [--no-hf] [--out FILE]`.
+Writes benchmarks/results/<date>-offline_throughput.json and prints a table.
+
+The Hugging Face baseline needs torch + transformers + gguf + accelerate. On these machines a CPU build of
+torch 2.13.0 exists on disk for Python 3.11 only (for 3.12 pip would fetch a multi-GB CUDA build), so the baseline
+runs in a separate Python 3.11 virtual environment, started by this script as a subprocess (the same file, with
+`--hf-worker`) that gets the prompt token ids through a JSON file:
+
+    /root/.pyenv/versions/3.11.7/bin/python -m venv ~/.cache/netra_jax/hfvenv
+    ~/.cache/netra_jax/hfvenv/bin/pip install torch==2.13.0 transformers gguf accelerate numpy
+
+Its interpreter is taken from `--hf-python`, else $NETRA_HF_PYTHON, else benchmarks/.hfvenv, else
+$NETRA_JAX_CACHE (default ~/.cache/netra_jax)/hfvenv, else the current interpreter if it imports torch and
+transformers. The GGUF file is loaded by transformers' GGUF loader (de-quantized to float32), the same weights
+our loader produces. Checked with torch 2.13.0+cpu, transformers 5.24.0, gguf 0.19.0, accelerate 1.15.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import roofline as rl  # noqa: E402
+
+SUBJECTS = [
+    "photosynthesis", "gravity", "a black hole", "the water cycle", "inflation", "a prime number", "DNA",
+    "the Roman Empire", "machine learning", "a volcano", "the stock market", "democracy", "an atom", "a rainbow",
+    "the internet", "climate change", "a vaccine", "the moon", "electricity", "a galaxy", "recycling", "jazz music",
+    "the French Revolution", "a computer virus", "an earthquake", "the immune system", "a hurricane", "chess",
+    "the Pythagorean theorem", "coffee", "the Great Wall of China", "a honeybee colony",
+]  # fmt: skip
+FORMS = ["What is {}? Answer briefly.", "Explain {} to a ten-year-old."]
+
+
+def questions(n: int) -> list[str]:
+    """n distinct short user questions, deterministic (subjects x forms)."""
+    out = [f.format(s) for f in FORMS for s in SUBJECTS]
+    if n > len(out):
+        out += [f"Tell me fact number {i} about {SUBJECTS[i % len(SUBJECTS)]}." for i in range(n - len(out))]
+    return out[:n]
+
+
+def find_hf_python(explicit: str | None) -> str | None:
+    cands = [explicit, os.environ.get("NETRA_HF_PYTHON"), str(HERE / ".hfvenv" / "bin" / "python")]
+    cache = os.environ.get("NETRA_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "netra_jax")  # fmt: skip
+    cands.append(os.path.join(cache, "hfvenv", "bin", "python"))
+    for c in cands:
+        if c and os.access(c, os.X_OK):
+            return c
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        return None
+
+
+def summarize(runs: list[dict], batch: int, max_tokens: int) -> dict:
+    keys = [k for k in runs[0] if isinstance(runs[0][k], float)]
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    return {"batch": batch, "max_tokens": max_tokens, "repeats": len(runs), "median": med,
+            "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in runs]}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- ours
+class Ours:
+    """Our engine: built with every bucket compiled, warmed up by a short generate, then timed run by run."""
+
+    def __init__(self, args, prompt_ids: list[list[int]], phases: dict):
+        import jax
+
+        from netra_jax import LLM
+
+        self.args, self.prompt_ids = args, prompt_ids
+        with rl.Phase(phases, "ours_build") as ph:
+            self.llm = LLM(args.model, dtype=args.dtype, max_num_seqs=len(prompt_ids),
+                           max_num_batched_tokens=args.max_num_batched_tokens, warmup=True)  # fmt: skip
+        self.info = {"build_s": ph.rec["wall_s"], "backend": getattr(self.llm.engine.runner, "backend", None),
+                     "jax_backend": jax.default_backend()}  # fmt: skip
+        self.prompts = [{"prompt_token_ids": p} for p in prompt_ids]
+        self.output_ids: list[list[int]] = []
+        with rl.Phase(phases, "ours_warmup_generate"):
+            for ps in (self.prompts, self.prompts[:1]):
+                self.generate(ps, 4)
+
+    def reset_cache(self) -> None:
+        pool = self.llm.engine.pool
+        if hasattr(pool, "reset_prefix_cache"):
+            pool.reset_prefix_cache()  # every run computes its prompts in full, as HF does
+
+    def generate(self, ps, max_tokens: int):
+        from netra_jax import SamplingParams
+
+        self.reset_cache()
+        return self.llm.generate(ps, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                 use_tqdm=False)  # fmt: skip
+
+    def run(self, name: str) -> dict:
+        ps, n = (self.prompts, self.args.max_tokens) if name == "batch" else (self.prompts[:1], self.args.batch1_tokens)
+        w0, t0 = time.time(), time.perf_counter()
+        outs = self.generate(ps, n)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert n_out == len(ps) * n, f"expected {len(ps) * n} tokens, got {n_out}"
+        prefill = max(o.metrics.first_token_time for o in outs) - w0  # until every request has its first token
+        if name == "batch":
+            self.output_ids = [list(o.outputs[0].token_ids) for o in outs]
+        return {"total_s": dt, "tok_s": n_out / dt, "prefill_s": prefill,
+                "decode_tok_s": (n_out - len(ps)) / max(dt - prefill, 1e-9)}  # fmt: skip
+
+    def profile(self) -> dict:
+        out = {}
+        lens = [len(p) for p in self.prompt_ids]
+        for name, ps, n, ctx in (("batch", self.prompts, self.args.max_tokens, statistics.mean(lens)),
+                                 ("batch1", self.prompts[:1], self.args.batch1_tokens, lens[0])):  # fmt: skip
+            out[name] = rl.profile_steps(self.llm, ps, n, self.reset_cache)
+            try:
+                out[name]["components"] = rl.component_times(self.llm, len(ps), int(ctx + n / 2), self.args.repeats)
+            except Exception as e:  # internals moved: keep the rest of the report
+                out[name]["components"] = {"error": repr(e)}
+        out["matmul_shapes"] = rl.decode_matmul_shapes(self.llm.model_config, len(self.prompts), self.args.repeats + 2)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- Hugging Face
+def hf_worker(inp: str) -> None:
+    """Runs in the baseline interpreter: load the same weights with transformers, warm up, then answer one JSON
+    line per command on stdin ("batch" / "batch1" time one greedy generate; "quit" returns info and output ids)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    job = json.loads(Path(inp).read_text())
+    torch.set_num_threads(job.get("threads") or os.cpu_count())
+    path = Path(job["model"])
+    t0 = time.perf_counter()
+    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+    info = {"load_s": time.perf_counter() - t0, "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
+            "num_params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    pad, eos = job["pad_id"], job["eos_ids"]
+    last: dict = {}
+
+    def gen(prompts, n):
+        L = max(len(p) for p in prompts)  # left padding
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=pad, eos_token_id=eos, temperature=None,
+                                 top_p=None, top_k=None)  # fmt: skip
+        dt = time.perf_counter() - t0
+        assert out.shape[1] == L + n, out.shape
+        if len(prompts) > 1:
+            last["ids"] = out[:, L:].tolist()
+        return {"total_s": dt, "tok_s": len(prompts) * n / dt}
+
+    gen(job["prompt_ids"], 2)
+    gen(job["prompt_ids"][:1], 2)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)["cmd"]
+        if cmd == "quit":
+            print(json.dumps({"info": info, "output_ids": last.get("ids")}), flush=True)
+            return
+        batch = cmd == "batch"
+        ps = job["prompt_ids"] if batch else job["prompt_ids"][:1]
+        print(json.dumps(gen(ps, job["max_tokens"] if batch else job["batch1_tokens"])), flush=True)
+
+
+class HFClient:
+    """The baseline worker as a long-lived subprocess, so its runs interleave with ours under the same load."""
+
+    def __init__(self, args, hf_python: str, prompt_ids, eos_ids: list[int]):
+        self.dir = tempfile.TemporaryDirectory()
+        inp = os.path.join(self.dir.name, "job.json")
+        Path(inp).write_text(json.dumps({"model": str(args.model), "prompt_ids": prompt_ids,
+                                         "max_tokens": args.max_tokens, "batch1_tokens": args.batch1_tokens,
+                                         "pad_id": eos_ids[0], "eos_ids": eos_ids}))  # fmt: skip
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+        self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
+        self.python = hf_python
+        self.proc = subprocess.Popen([hf_python, __file__, "--hf-worker", inp], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)  # fmt: skip
+        rl.Phase.children.append(self.proc.pid)
+
+    def _ask(self, cmd: str | None) -> dict:
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.err.seek(0)
+            raise RuntimeError(f"the baseline worker ({self.python}) failed: {self.err.read()[-3000:]}")
+        return json.loads(line)
+
+    def wait_ready(self) -> None:
+        self._ask(None)
+
+    def run(self, name: str) -> dict:
+        return self._ask(name)
+
+    def close(self) -> dict:
+        try:
+            return dict(self._ask("quit"), python=self.python)
+        finally:
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.err.close()
+            self.dir.cleanup()
+
+
+def agreement(ours: list[list[int]], hf: list[list[int]], eos_ids: list[int]) -> dict:
+    """Greedy agreement, compared up to our first EOS (HF's min_new_tokens forbids EOS; ignore_eos does not)."""
+    same, prefix = 0, []
+    for a, b in zip(ours, hf, strict=True):
+        cut = next((i for i, t in enumerate(a) if t in eos_ids), len(a))
+        n = next((i for i, (x, y) in enumerate(zip(a[:cut], b[:cut], strict=False)) if x != y), cut)
+        same += n == cut
+        prefix.append(n)
+    return {"identical_until_eos": same, "of": len(ours), "mean_common_prefix": statistics.mean(prefix)}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def print_table(r: dict) -> None:
+    f, pk = r["figures"], r["peaks"]
+    b, n = r["settings"]["num_prompts"], r["settings"]["max_tokens"]
+    rows = [
+        ("machine", f"{r['machine'].get('cpu_model')} x{r['machine']['cpu_count']}, load {r['machine']['loadavg']}"),
+        ("f32 matmul peak", f"{pk['matmul_peak_gflops']:.1f} GFLOP/s (numpy {pk['numpy_sgemm']['gflops']:.1f}, "
+                            f"XLA {pk['xla_dot']['gflops']:.1f})"),
+        ("copy bandwidth", f"{pk['bandwidth_gbs']:.1f} GB/s"),
+        (f"ours  batch {b} x {n}", f"{f['ours_tok_s']:.1f} tok/s, {f['ours_total_s']:.2f} s "
+                                   f"(prefill {f['ours_prefill_s']:.2f} s, decode {f['ours_decode_tok_s']:.1f} tok/s)"),
+    ]  # fmt: skip
+    if "hf_tok_s" in f:
+        rows += [(f"HF    batch {b} x {n}", f"{f['hf_tok_s']:.1f} tok/s, {f['hf_total_s']:.2f} s"),
+                 ("ratio ours/HF", f"{f['ratio']:.2f} (median of paired runs {f.get('ratio_paired_median', 0):.2f}; "
+                                   f"batch 1: {f['ratio_batch1']:.2f})")]  # fmt: skip
+        for name in ("batch", "batch1"):
+            if f.get(f"quiet_pairs_{name}"):
+                rows.append((f"  quiet pairs, {name}", f"{f[f'quiet_pairs_{name}']}: ours "
+                             f"{f[f'ours_tok_s_quiet_{name}']:.1f} / HF {f[f'hf_tok_s_quiet_{name}']:.1f} tok/s = "
+                             f"{f[f'ratio_quiet_{name}']:.2f}"))  # fmt: skip
+    elif r.get("hf"):
+        rows.append(("HF", str(r["hf"].get("error", r["hf"]))[-300:]))
+    rows += [
+        ("ours fraction of peak", f"{100 * f['ours_frac_peak']:.1f}% (decode only "
+                                  f"{100 * f['ours_frac_peak_decode_only']:.1f}%, all FLOPs incl. prefill "
+                                  f"{100 * f['ours_frac_peak_all_flops']:.1f}%)"),
+    ]  # fmt: skip
+    if "hf_frac_peak" in f:
+        rows.append(("HF fraction of peak", f"{100 * f['hf_frac_peak']:.1f}%"))
+    rows.append(("batch 1", f"ours {f['ours_batch1_tok_s']:.1f} tok/s (decode {f['ours_batch1_decode_tok_s']:.1f}) vs "
+                            f"bandwidth roofline {f['batch1_roofline_tok_s']:.1f} tok/s = "
+                            f"{100 * f['ours_batch1_frac_roofline']:.0f}%"
+                 + (f"; HF {f['hf_batch1_tok_s']:.1f} tok/s" if "hf_batch1_tok_s" in f else "")))  # fmt: skip
+    prof_all = r["ours"].get("profile") or {}
+    for name, prof in prof_all.items():
+        if not isinstance(prof, dict) or prof.get("decode_step_ms_median") is None:
+            continue
+        rows.append((f"decode step, {name}", f"{prof['decode_step_ms_median']:.1f} ms = forward "
+                     f"{prof['decode_forward_ms_median']:.1f} + sampler {prof['decode_sampler_ms_median']:.1f} + "
+                     f"host {prof['decode_host_ms_median']:.1f}"))  # fmt: skip
+        comp = prof.get("components", {})
+        rows.append(("  forward parts alone", ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in comp.items()
+                                                      if k.endswith("_ms")) or str(comp)))  # fmt: skip
+    for m in prof_all.get("matmul_shapes", []):
+        shape = "x".join(map(str, m["shape"]))
+        rows.append((f"  dot {m['name']} {shape}", f"XLA {m['xla_gflops']:.0f} GFLOP/s ({m['xla_ms']:.2f} ms), "
+                                                   f"numpy {m['numpy_gflops']:.0f}"))  # fmt: skip
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch1-tokens", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats of each run (default 3, quick 1)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: 4 prompts x 8 tokens, small peak tests")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    ap.add_argument("--hf-python", default=None, help="interpreter with torch + transformers for the baseline")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/<date>-...json)")
+    ap.add_argument("--hf-worker", metavar="JOB", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.hf_worker:
+        hf_worker(args.hf_worker)
+        return {}
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.batch1_tokens = 4, 8, 4
+        args.max_num_batched_tokens = min(args.max_num_batched_tokens, 256)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+
+    from netra_jax.api import resolve_model_path
+    from netra_jax.tokenizer import Tokenizer
+
+    args.model = resolve_model_path(args.model)
+    phases: dict = {}
+    result: dict = {"benchmark": "offline_throughput", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "machine": rl.machine_info(), "phases": phases}  # fmt: skip
+    tok = Tokenizer.load(args.model)
+    convs = [[{"role": "user", "content": q}] for q in questions(args.num_prompts)]
+    prompt_ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+                  for c in convs]  # fmt: skip
+    result["settings"] = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
+                          "max_tokens": args.max_tokens, "batch1_tokens": args.batch1_tokens,
+                          "max_num_seqs": args.num_prompts, "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "repeats": args.repeats, "quick": args.quick, "temperature": 0, "ignore_eos": True,
+                          "prompt_lens": [len(p) for p in prompt_ids],
+                          "questions": questions(args.num_prompts)}  # fmt: skip
+    with rl.Phase(phases, "peaks_before"):
+        peaks = [rl.measure_peaks(args.quick)]
+    eos = list(tok.eos_token_ids or [])
+    hf_python = None if args.no_hf else find_hf_python(args.hf_python)
+    hf_client = HFClient(args, hf_python, prompt_ids, eos or [0]) if hf_python else None  # loads meanwhile
+    ours = Ours(args, prompt_ids, phases)
+    hf: dict | None = None if args.no_hf else {"error": "no interpreter with torch + transformers found"}
+    try:
+        if hf_client:
+            with rl.Phase(phases, "hf_load_and_warmup"):
+                hf_client.wait_ready()
+        runs: dict = {}
+        for name in ("batch", "batch1"):
+            for i in range(args.repeats):  # paired runs, alternating who goes first, under the same load
+                order = [("ours", ours), ("hf", hf_client)] if i % 2 == 0 else [("hf", hf_client), ("ours", ours)]
+                for who, eng in order:
+                    if eng is None:
+                        continue
+                    with rl.Phase(phases, f"{who}_{name}_{i}") as ph:
+                        r = eng.run(name)
+                    runs.setdefault((who, name), []).append(dict(r, load1=ph.rec["load1"],
+                                                                 others_cores=ph.rec["others_cores"]))  # fmt: skip
+        if hf_client:
+            hf = hf_client.close()
+            hf_client = None
+            result["agreement"] = agreement(ours.output_ids, hf.pop("output_ids"), eos)
+            for name in ("batch", "batch1"):
+                hf[name] = summarize(runs[("hf", name)], len(prompt_ids) if name == "batch" else 1,
+                                     args.max_tokens if name == "batch" else args.batch1_tokens)  # fmt: skip
+                pairs = zip(runs[("ours", name)], runs[("hf", name)], strict=True)
+                hf[name]["paired_ratios"] = [round(o["tok_s"] / h["tok_s"], 3) for o, h in pairs]
+    except RuntimeError as e:
+        hf = {"error": str(e)}
+    finally:
+        if hf_client:
+            hf_client.proc.kill()
+    res_ours = dict(ours.info)
+    for name in ("batch", "batch1"):
+        res_ours[name] = summarize(runs[("ours", name)], len(prompt_ids) if name == "batch" else 1,
+                                   args.max_tokens if name == "batch" else args.batch1_tokens)  # fmt: skip
+    if args.profile:
+        with rl.Phase(phases, "ours_profile"):
+            res_ours["profile"] = ours.profile()
+    with rl.Phase(phases, "peaks_after"):
+        peaks.append(rl.measure_peaks(args.quick))
+    best = max(peaks, key=lambda p: p["matmul_peak_gflops"])
+    result["peaks"] = dict(best, bandwidth_gbs=max(p["bandwidth_gbs"] for p in peaks), readings=peaks)
+    result["ours"], result["hf"] = res_ours, hf
+    cfg = ours.llm.model_config
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    result["figures"] = rl.figures(cfg, itemsize, prompt_ids, args, result["peaks"], res_ours, hf)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    day = datetime.date.today().isoformat()
+    name = f"{day}-offline_throughput{'-quick' if args.quick else ''}.json"
+    out = Path(args.out) if args.out else HERE / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print_table(result)
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
