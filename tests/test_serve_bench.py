@@ -1,4 +1,4 @@
-"""benchmarks/serve_bench.py against a fake OpenAI-compatible SSE server on a loopback port whose tokens leave on a
+"""netra_jax.bench.serve against a fake OpenAI-compatible SSE server on a loopback port whose tokens leave on a
 fixed schedule (TTFT, then one token per ITL): the measured metrics must match those timings."""
 
 from __future__ import annotations
@@ -6,22 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 import uvicorn
-from conftest import REPO
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import serve_bench as sb  # noqa: E402
+from netra_jax.bench import datasets as bd
+from netra_jax.bench import serve as sb
 
 
 class Fake:
@@ -217,8 +214,6 @@ def test_metric_definitions():
 
 
 def test_long_preset_without_tokenizer_routes():
-    import bench_datasets as bd
-
     args = sb.parse_args(["--dataset", "long"])
     items = asyncio.run(bd.build(args, bd.TextMaker(None, "", None), 3, seed=1))
     assert [(len(i.turns[0].split()), i.max_tokens, i.prompt_lens) for i in items] == [(4000, 128, [None])] * 3

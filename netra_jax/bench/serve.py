@@ -1,9 +1,10 @@
 """Serving benchmark: an asyncio load generator (httpx + SSE) for any OpenAI-compatible server (netra-jax, vLLM,
 llama.cpp's llama-server) with closed-loop concurrency sweeps, Poisson arrivals and vLLM `bench serve` metrics.
 
-Usage: `.venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --max-concurrency 1,4,16,32
---num-prompts 32 --input-len 128 --output-len 64 --ignore-eos --label ours`, then
-`... --plot a.json b.json --label ours llama.cpp`. Writes --result-dir/<date>-serve_<label>.json and .png.
+Usage: `netra-jax bench serve --base-url http://127.0.0.1:8000 --max-concurrency 1,4,16,32 --num-prompts 32
+--input-len 128 --output-len 64 --ignore-eos --label ours`, then `... --plot a.json b.json --label ours llama.cpp`.
+Writes --result-dir/<date>-serve_<label>.json and .png; the default directory is ./benchmarks/results when it exists
+(a checkout), else ./bench-results.
 
 Metrics follow vLLM's definitions: TTFT is the time to the first chunk carrying text, ITL the gaps between later such
 chunks, TPOT (e2e - ttft) / (output_tokens - 1) for requests with more than one token, E2E the time to the last text
@@ -28,14 +29,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-if __package__:
-    from . import bench_datasets as bd
-    from . import bench_plot
-else:
-    import bench_datasets as bd
-    import bench_plot
+from netra_jax.bench import datasets as bd
+from netra_jax.bench import plot as bench_plot
 
-RESULTS = Path(__file__).resolve().parent / "results"
+
+def default_result_dir() -> Path:
+    """benchmarks/results under the current directory when it exists (a checkout), else ./bench-results."""
+    checkout = Path.cwd() / "benchmarks" / "results"
+    return checkout if checkout.is_dir() else Path.cwd() / "bench-results"
 
 
 @dataclass
@@ -294,7 +295,7 @@ def _numbers(kind):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="serve_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="netra-jax bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is dropped)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -320,7 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
-    p.add_argument("--result-dir", default=str(RESULTS))
+    p.add_argument("--result-dir", default=None, help="default: ./benchmarks/results if there, else ./bench-results")
     p.add_argument("--label", nargs="+", default=None, help="result name; with --plot one per file")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files, one line each")
@@ -340,7 +341,7 @@ def _slug(s: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     today = datetime.date.today().isoformat()
-    out_dir = Path(a.result_dir)
+    out_dir = Path(a.result_dir) if a.result_dir else default_result_dir()
     if a.plot:
         results = [json.loads(Path(f).read_text()) for f in a.plot]
         labels = a.label or [r.get("label") or Path(f).stem for r, f in zip(results, a.plot, strict=True)]

@@ -1,5 +1,5 @@
-"""Plots of serve_bench result files: output token throughput, TTFT and TPOT against max concurrency (or request rate
-when only the rate varies), one line per engine; medians solid, p99 dashed."""
+"""Plots of serving benchmark result files: output token throughput, TTFT and TPOT against max concurrency (or
+request rate when only the rate varies), one line per engine; medians solid, p99 dashed."""
 
 from __future__ import annotations
 

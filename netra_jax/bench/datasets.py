@@ -1,4 +1,4 @@
-"""Request sets for benchmarks/serve_bench.py: random token prompts (detokenized by the server when it can, else random
+"""Request sets for netra_jax.bench.serve: random token prompts (detokenized by the server when it can, else random
 words), a long-context preset, shared-prefix multi-turn conversations and JSONL files of prompts or chat messages."""
 
 from __future__ import annotations
