@@ -105,7 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     from netra_jax.serving.batch import add_batch_args
 
     add_batch_args(p)
-    a = parser.parse_args(argv)
+    p = sub.add_parser("bench", help="benchmarks (serve: load-test an OpenAI-compatible server)")
+    bench = p.add_subparsers(dest="bench_cmd", required=True)
+    bench.add_parser("serve", add_help=False, help="serving benchmark; `netra-jax bench serve --help` for its flags")
+    a, rest = parser.parse_known_args(argv)
+    if a.cmd == "bench":  # the benchmark parses its own flags
+        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from netra_jax.bench.serve import main as bench_serve_main
+
+        return bench_serve_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.cmd in ("chat", "generate"):
         return _one_off(a, a.cmd == "chat")

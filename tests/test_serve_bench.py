@@ -221,3 +221,30 @@ def test_long_preset_without_tokenizer_routes():
     assert asyncio.run(bd.build(args, bd.TextMaker(None, "", None), 3, seed=1))[0].turns == items[0].turns
     args = sb.parse_args(["--dataset", "long", "--input-len", "2000"])
     assert len(asyncio.run(bd.build(args, bd.TextMaker(None, "", None), 1, seed=1))[0].turns[0].split()) == 2000
+
+
+def test_cli_bench_serve_help(capsys):
+    from netra_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: netra-jax bench serve") and "--max-concurrency" in out
+
+
+def test_cli_bench_serve_runs_a_sweep(reset, tmp_path, monkeypatch):
+    from netra_jax.cli import main
+
+    fake = reset
+    fake.ttft, fake.itl = 0.01, 0.002
+    monkeypatch.chdir(tmp_path)  # no benchmarks/results here: the default result directory is ./bench-results
+    rc = main(["--log-level", "WARNING", "bench", "serve", "--base-url", fake.url, "--max-concurrency", "1,2",
+               "--num-prompts", "3", "--input-len", "5", "--output-len", "4", "--ignore-eos", "--label", "cli run",
+               "--no-plot", "--disable-tqdm"])  # fmt: skip
+    assert rc == 0
+    (out,) = (tmp_path / "bench-results").glob("*-serve_cli-run.json")
+    res = json.loads(out.read_text())
+    assert res["label"] == "cli run" and [r["max_concurrency"] for r in res["runs"]] == [1, 2]
+    assert all(r["completed"] == 3 and r["total_output_tokens"] == 12 for r in res["runs"])
+    assert len(fake.requests) == 6 and all(b["ignore_eos"] is True and b["max_tokens"] == 4 for b in fake.requests)
