@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,9 +30,10 @@ class Fake:
 
     vocab = 1000
 
-    def __init__(self):
+    def __init__(self, not_ready_polls: int = 0):
         self.ttft, self.itl, self.usage = 0.10, 0.02, True
         self.requests: list[dict] = []
+        self.not_ready_polls = not_ready_polls  # /ready answers 503 this many times first
 
     @staticmethod
     def encode(text: str) -> list[int]:
@@ -39,6 +42,12 @@ class Fake:
     def app(self) -> Starlette:
         async def models(_):
             return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+        async def ready(_):
+            self.not_ready_polls -= 1
+            print(f"ready poll, {max(0, self.not_ready_polls)} to go", flush=True)
+            return JSONResponse({"status": "ready" if self.not_ready_polls < 0 else "compiling"},
+                                status_code=200 if self.not_ready_polls < 0 else 503)  # fmt: skip
 
         async def tokenize(req: Request):
             ids = self.encode((await req.json())["prompt"])
@@ -78,7 +87,8 @@ class Fake:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        return Starlette(routes=[Route("/v1/models", models), Route("/tokenize", tokenize, methods=["POST"]),
+        return Starlette(routes=[Route("/v1/models", models), Route("/ready", ready),
+                                 Route("/tokenize", tokenize, methods=["POST"]),
                                  Route("/detokenize", detokenize, methods=["POST"]),
                                  Route("/v1/completions", generate, methods=["POST"]),
                                  Route("/v1/chat/completions", generate, methods=["POST"])])  # fmt: skip
@@ -230,7 +240,7 @@ def test_cli_bench_serve_help(capsys):
         main(["bench", "serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: netra-jax bench serve") and "--max-concurrency" in out
+    assert out.startswith("usage: netra-jax bench serve") and "--max-concurrency" in out and "--launch" in out
 
 
 def test_cli_bench_serve_runs_a_sweep(reset, tmp_path, monkeypatch):
@@ -248,3 +258,45 @@ def test_cli_bench_serve_runs_a_sweep(reset, tmp_path, monkeypatch):
     assert res["label"] == "cli run" and [r["max_concurrency"] for r in res["runs"]] == [1, 2]
     assert all(r["completed"] == 3 and r["total_output_tokens"] == 12 for r in res["runs"])
     assert len(fake.requests) == 6 and all(b["ignore_eos"] is True and b["max_tokens"] == 4 for b in fake.requests)
+
+
+FAKE_SERVE = """import sys
+sys.path.insert(0, {tests!r})
+import uvicorn
+from test_serve_bench import Fake
+
+args = sys.argv[1:]
+print("argv", args, flush=True)
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+uvicorn.run(Fake(not_ready_polls=2).app(), host=host, port=port, log_level="warning", lifespan="off")
+"""
+
+
+def test_launch_starts_waits_for_ready_and_stops_the_server(tmp_path, monkeypatch, capsys):
+    from netra_jax.bench import launch
+
+    script = tmp_path / "fake_serve.py"
+    script.write_text(FAKE_SERVE.format(tests=str(Path(__file__).resolve().parent)))
+    monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, str(script)])  # in place of `netra-jax`
+    log = tmp_path / "server.log"
+    rc = sb.main(["--launch", "--server-args", "some/model --dtype float32", "--server-log", str(log),
+                  "--max-concurrency", "2", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                  "--label", "launched", "--result-dir", str(tmp_path), "--no-plot", "--disable-tqdm"])  # fmt: skip
+    assert rc == 0
+    printed, text = capsys.readouterr().out, log.read_text()
+    assert "argv ['serve', 'some/model', '--dtype', 'float32', '--host', '127.0.0.1', '--port'," in text
+    assert text.count("ready poll") >= 3 and "0 to go" in text  # polled through two 503s
+    assert "server ready on http://127.0.0.1:" in printed and "server stopped (exit status" in printed
+    (res,) = [json.loads(f.read_text()) for f in tmp_path.glob("*-serve_launched.json")]
+    assert res["runs"][0]["completed"] == 2 and res["config"]["server_args"] == "some/model --dtype float32"
+    assert res["config"]["base_url"].startswith("http://127.0.0.1:") and res["config"]["launch"] is True
+
+
+def test_launch_reports_a_server_that_exits(tmp_path, monkeypatch):
+    from netra_jax.bench import launch
+
+    code = "import sys; print('cannot load the model'); sys.exit(2)"
+    monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, "-c", code])
+    with pytest.raises(SystemExit, match="exited with status 2:\ncannot load the model"):
+        with launch.launched("missing.gguf", log_path=str(tmp_path / "log")):
+            pytest.fail("the block must not run")

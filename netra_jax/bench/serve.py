@@ -4,7 +4,8 @@ llama.cpp's llama-server) with closed-loop concurrency sweeps, Poisson arrivals 
 Usage: `netra-jax bench serve --base-url http://127.0.0.1:8000 --max-concurrency 1,4,16,32 --num-prompts 32
 --input-len 128 --output-len 64 --ignore-eos --label ours`, then `... --plot a.json b.json --label ours llama.cpp`.
 Writes --result-dir/<date>-serve_<label>.json and .png; the default directory is ./benchmarks/results when it exists
-(a checkout), else ./bench-results.
+(a checkout), else ./bench-results. With `--launch [--server-args "MODEL FLAGS"]` the benchmark starts `netra-jax
+serve` itself on a free port, waits for /ready, runs the sweep and stops it (netra_jax.bench.launch).
 
 Metrics follow vLLM's definitions: TTFT is the time to the first chunk carrying text, ITL the gaps between later such
 chunks, TPOT (e2e - ttft) / (output_tokens - 1) for requests with more than one token, E2E the time to the last text
@@ -263,7 +264,8 @@ async def run(args) -> dict:
 
 def run_config(args) -> dict:
     """The options that shape a run, as strict JSON (an infinite rate is the string "inf")."""
-    skip = ("api_key", "plot", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given", "output_len_given")
+    skip = ("api_key", "plot", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given", "output_len_given",
+            "server_log", "launch_timeout")  # fmt: skip
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
     return config
@@ -321,6 +323,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
+    p.add_argument("--launch", action="store_true",
+                   help="start `netra-jax serve` on a free port, run against it, then stop it")  # fmt: skip
+    p.add_argument("--server-args", default="", metavar="'ARGS'",
+                   help="with --launch: model and flags of `netra-jax serve`, one string")  # fmt: skip
+    p.add_argument("--launch-timeout", type=float, default=1800.0, help="with --launch: seconds to wait for /ready")
+    p.add_argument("--server-log", default=None, help="with --launch: server output file (default: a temp file)")
     p.add_argument("--result-dir", default=None, help="default: ./benchmarks/results if there, else ./bench-results")
     p.add_argument("--label", nargs="+", default=None, help="result name; with --plot one per file")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
@@ -350,7 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         png = bench_plot.plot(results, labels, out_dir / f"{today}-serve_{_slug('_vs_'.join(labels))}.png")
         print(f"wrote {png}")
         return 0
-    res = asyncio.run(run(a))
+    if a.launch:
+        from netra_jax.bench.launch import launched
+
+        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else None
+        with launched(a.server_args, timeout=a.launch_timeout, log_path=a.server_log, headers=headers) as url:
+            a.base_url = url
+            res = asyncio.run(run(a))
+    else:
+        res = asyncio.run(run(a))
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = str(out_dir / f"{today}-serve_{_slug(res['label'])}")
     Path(stem + ".json").write_text(json.dumps(res, indent=1, allow_nan=False) + "\n")
