@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint format run serve chat bench clean
+.PHONY: setup test test-fast lint format run serve chat bench bench-serve bench-offline clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,29 @@ run: setup
 
 serve: setup
 	$(VENV)/bin/netra-jax serve
+
+# Serving benchmark on the default model: starts `netra-jax serve` (--launch), sweeps the closed-loop concurrency,
+# stops the server; writes benchmarks/results/<date>-serve_netra_jax.json and .png. Modest by default (64 random
+# prompts of 256 tokens, 64 output tokens, concurrency 1,4,16,64: a few minutes on CPU). The full sweep:
+#   make bench-serve BENCH_CONCURRENCY=1,2,4,8,16,32,64,128,256,512 BENCH_PROMPTS=512
+# (requests beyond the server's --max-num-seqs, 64 by default, wait in its queue). Engine flags go through
+# BENCH_SERVER_ARGS (e.g. "--dtype float32 --max-num-seqs 128"); more client flags (--warmup 8, --request-rate ...)
+# through BENCH_ARGS.
+BENCH_CONCURRENCY ?= 1,4,16,64
+BENCH_PROMPTS ?= 64
+BENCH_SERVER_ARGS ?=
+BENCH_ARGS ?=
+bench-serve: setup
+	$(VENV)/bin/netra-jax bench serve --launch --server-args="$(BENCH_SERVER_ARGS)" \
+		--max-concurrency $(BENCH_CONCURRENCY) --num-prompts $(BENCH_PROMPTS) --dataset random \
+		--input-len 256 --output-len 64 --ignore-eos --label netra_jax $(BENCH_ARGS)
+
+# Offline throughput (LLM.generate, 64 chat prompts x 128 tokens, float32) against Hugging Face generate when its
+# interpreter is found (see the top of benchmarks/offline_throughput.py); BENCH_OFFLINE_ARGS="--quick --no-hf" for a
+# smoke run.
+BENCH_OFFLINE_ARGS ?=
+bench-offline: setup
+	$(PY) benchmarks/offline_throughput.py $(BENCH_OFFLINE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
