@@ -202,9 +202,17 @@ def test_plot_several_engines(reset, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps(res | {"label": "b"}))
     files = [str(next(tmp_path.glob("*-serve_a.json"))), str(other)]
-    assert sb.main(["--plot", *files, "--label", "ours", "llama.cpp", "--result-dir", str(tmp_path)]) == 0
+    table = tmp_path / "t" / "compare.md"
+    argv = ["--plot", *files, "--label", "ours", "llama.cpp", "--result-dir", str(tmp_path), "--table", str(table)]
+    assert sb.main(argv) == 0
     (png,) = tmp_path.glob("*-serve_ours_vs_llama.cpp.png")
     assert png.stat().st_size > 10_000
+    lines = table.read_text().splitlines()
+    assert lines[0].startswith("| max concurrency | request rate | engine | output tok/s | median TTFT ms")
+    order = [row.split(" | ")[:3] for row in lines[2:]]
+    assert order == [[f"| {c}", "inf", e] for c in (1, 2) for e in ("ours", "llama.cpp")]  # grouped by concurrency
+    tok_s = f"{res['runs'][1]['output_throughput']:.1f}"
+    assert lines[4].split(" | ")[3] == tok_s and lines[4].endswith(" | 0 |")
 
 
 def test_metric_definitions():
@@ -300,3 +308,35 @@ def test_launch_reports_a_server_that_exits(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="exited with status 2:\ncannot load the model"):
         with launch.launched("missing.gguf", log_path=str(tmp_path / "log")):
             pytest.fail("the block must not run")
+
+
+def test_gguf_f32_copy_has_the_dequantized_weights_and_metadata(tmp_path):
+    import gguf
+
+    from netra_jax.bench.gguf_f32 import main as gguf_f32_main
+    from netra_jax.loader.gguf_loader import GGUFFile
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    src, dst = tmp_path / "m.Q4_1.gguf", tmp_path / "m.F32.gguf"
+    writer = gguf.GGUFWriter(src, "llama")
+    writer.add_file_type(3)  # MOSTLY_Q4_1
+    writer.add_context_length(128)
+    writer.add_token_list(["<s>", "a", "b"])
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    writer.add_tensor("q", gguf.quants.quantize(w, q4_1), raw_dtype=q4_1)  # bytes [4, 2 blocks of 20]
+    writer.add_tensor("h", w[0].astype(np.float16))
+    writer.add_tensor("f", w[1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_f32_main([str(src), str(dst)]) == 0 and not list(tmp_path.glob("*.part"))
+    a, b = GGUFFile(src), GGUFFile(dst)
+    assert {t.qtype.name for t in a.tensors.values()} == {"Q4_1", "F16", "F32"}
+    assert {t.qtype.name for t in b.tensors.values()} == {"F32"}
+    for name in ("q", "h", "f"):
+        assert np.array_equal(a.tensor(name), b.tensor(name)) and b.tensor(name).shape == a.tensor(name).shape
+    assert np.abs(b.tensor("q") - w).max() < 0.5  # really de-quantized, not reinterpreted bytes
+    assert b.metadata.pop("general.file_type") == 0 and a.metadata.pop("general.file_type") == 3
+    assert b.metadata == a.metadata and b.metadata["tokenizer.ggml.tokens"] == ["<s>", "a", "b"]

@@ -64,3 +64,21 @@ def plot(results: list[dict], labels: list[str], out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def markdown_table(results: list[dict], labels: list[str]) -> str:
+    """One row per swept point and result file (grouped by point): output tok/s, median TTFT and TPOT, failures."""
+    num = lambda v, f: "-" if v is None else format(v, f)
+    rows = []
+    for i, (res, label) in enumerate(zip(results, labels, strict=True)):
+        for j, r in enumerate(res.get("runs", [])):
+            conc, rate = r.get("max_concurrency"), r.get("request_rate")
+            key = (conc or math.inf, math.inf if rate in (None, "inf") else float(rate), i, j)
+            cells = [str(conc or "all"), "inf" if rate in (None, "inf") else f"{float(rate):g}", label,
+                     num(r.get("output_throughput"), ".1f"), num(r.get("median_ttft_ms"), ".1f"),
+                     num(r.get("median_tpot_ms"), ".2f"), str(r.get("failed", 0))]  # fmt: skip
+            rows.append((key, cells))
+    head = ["max concurrency", "request rate", "engine", "output tok/s", "median TTFT ms", "median TPOT ms", "failed"]
+    lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(rows, key=lambda kv: kv[0])]
+    return "\n".join(lines) + "\n"

@@ -264,8 +264,8 @@ async def run(args) -> dict:
 
 def run_config(args) -> dict:
     """The options that shape a run, as strict JSON (an infinite rate is the string "inf")."""
-    skip = ("api_key", "plot", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given", "output_len_given",
-            "server_log", "launch_timeout")  # fmt: skip
+    skip = ("api_key", "plot", "table", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given",
+            "output_len_given", "server_log", "launch_timeout")  # fmt: skip
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
     return config
@@ -333,6 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--label", nargs="+", default=None, help="result name; with --plot one per file")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files, one line each")
+    p.add_argument("--table", metavar="MD", help="with --plot: also write a markdown table of them to this file")
     p.add_argument("--disable-tqdm", action="store_true")
     a = p.parse_args(argv)
     a.base_url = re.sub(r"/v1/?$", "", a.base_url.rstrip("/"))
@@ -357,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--label needs one name per --plot file")
         png = bench_plot.plot(results, labels, out_dir / f"{today}-serve_{_slug('_vs_'.join(labels))}.png")
         print(f"wrote {png}")
+        table = bench_plot.markdown_table(results, labels)
+        print(table, end="")
+        if a.table:
+            Path(a.table).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.table).write_text(table)
+            print(f"wrote {a.table}")
         return 0
     if a.launch:
         from netra_jax.bench.launch import launched
