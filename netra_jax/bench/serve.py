@@ -315,7 +315,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
     p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: user turns per conversation")
-    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so output lengths match across engines")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos: true (netra-jax, vLLM, llama-server): outputs of max_tokens")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the statistics")
