@@ -22,7 +22,7 @@ import numpy as np
 
 from netra_jax.config import ModelConfig, RopeConfig
 from netra_jax.models.quant import matmul
-from netra_jax.ops.attention import AttentionMetadata, attention, write_kv
+from netra_jax.ops.attention import AttentionMetadata, attention, with_token_layout, write_kv
 from netra_jax.parallel import head_parallel
 
 
@@ -138,6 +138,7 @@ def forward(
     """
     embed = params["embed"]
     x = embed[token_ids]  # [T, hidden]
+    md = with_token_layout(md, token_ids.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
     if cfg.gemma_norms:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     new_k, new_v = [], []

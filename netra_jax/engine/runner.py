@@ -22,10 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 1 up to the first one covering `max_tokens`, the last capped to `max_tokens`."""
+    """Powers of two from 1 up to the first one covering `max_tokens`, with 1.5x steps between them from 512 on
+    (prefill steps are large: this caps their padding at a third instead of a half); the last capped to
+    `max_tokens`."""
     out, b = [], 1
     while b < max_tokens:
         out.append(b)
+        if b >= 512 and b * 3 // 2 < max_tokens:
+            out.append(b * 3 // 2)
         b *= 2
     out.append(max_tokens)
     return tuple(out)

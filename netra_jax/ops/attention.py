@@ -11,9 +11,20 @@ from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_a
 
 # The reference gathers keys in chunks of _KEY_CHUNK positions per query token, for at most _REF_GATHER_ELEMS
 # gathered elements (tokens x chunk x kv_heads x head_dim) at once; larger batches loop over token blocks.
-_KEY_CHUNK = 128
+# 64-key chunks measured fastest on CPU (gathered chunks stay in cache; fewer masked keys than 128).
+_KEY_CHUNK = 64
 _REF_GATHER_ELEMS = 1 << 24
 _NEG = -1e30
+
+
+@flax.struct.dataclass
+class TokenLayout:
+    """Per-token view of a step's ragged batch, derived once per step and shared by every layer."""
+
+    seq_idx: jax.Array  # [T] int32 sequence of each token (clamped into range for padding tokens)
+    q_pos: jax.Array  # [T] int32 absolute position of each token (0 for padding)
+    valid: jax.Array  # [T] bool real (non-padding) token
+    rows: jax.Array  # [T, max_pages] int32 block-table row of each token's sequence
 
 
 @flax.struct.dataclass
@@ -24,6 +35,7 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [S + 1] int32 cumulative query lengths; padding sequences have length 0
     seq_lens: jax.Array  # [S] int32 context length of each sequence after this step (cached + new); 0 for padding
     block_tables: jax.Array  # [S, max_pages] int32 page ids of each sequence; unused entries 0
+    layout: TokenLayout | None = None  # filled by `with_token_layout`; the reference derives it when absent
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
@@ -51,6 +63,14 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
     return seq_idx, jnp.where(valid, q_pos, 0), valid
 
 
+def with_token_layout(md: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    """md with its per-token layout computed (once per step, instead of once per layer)."""
+    if md.layout is not None:
+        return md
+    seq_idx, q_pos, valid = token_layout(md, num_tokens)
+    return md.replace(layout=TokenLayout(seq_idx, q_pos, valid, md.block_tables[seq_idx]))
+
+
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -67,6 +87,8 @@ def paged_attention_reference(
     longest context of the step needs (a dynamic trip count, so cost follows the real lengths and no context-length
     bucket is compiled). Chunk boundaries are absolute positions, so a token's arithmetic does not depend on its
     batch companions: extra chunks of a longer companion are fully masked for it and leave its sums unchanged.
+    Scores and the weighted sum are elementwise products reduced in place: on CPU XLA fuses them into the loop
+    over the gathered chunk, which is faster than batched (token, head) matmuls of this small size.
 
     q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
     step's keys). Returns [T, q_heads, head_dim] in q's dtype; padding tokens give zeros. Math in float32.
@@ -76,44 +98,42 @@ def paged_attention_reference(
     G = H // KH
     ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
     ck = ppc * P  # keys per chunk
-    bt = md.block_tables
-    pad = (-bt.shape[1]) % ppc
+    lay = with_token_layout(md, T).layout
+    rows = lay.rows  # [T, max_pages]
+    pad = (-rows.shape[1]) % ppc
     if pad:
-        bt = jnp.pad(bt, ((0, 0), (0, pad)))
-    seq_idx, q_pos, valid = token_layout(md, T)
+        rows = jnp.pad(rows, ((0, 0), (0, pad)))
     n_chunks = (jnp.max(md.seq_lens) + ck - 1) // ck
     first = jnp.int32(0)
     if sliding_window is not None:
-        lo = jnp.min(jnp.where(valid, q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1
+        lo = jnp.min(jnp.where(lay.valid, lay.q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1
         first = jnp.clip(lo // ck, 0, None).astype(jnp.int32)
 
     def token_block(args):
-        qb, sb, pb, vb = args  # [Tb, H, D], [Tb], [Tb], [Tb]
+        qb, rb, pb, vb = args  # [Tb, H, D], [Tb, pages], [Tb], [Tb]
         tb = qb.shape[0]
-        qg = qb.astype(jnp.float32).reshape(tb, KH, G, D) * scale  # [Tb, KH, G, D]
-        rows = bt[sb]  # [Tb, pages]
+        qg = qb.astype(jnp.float32).reshape(tb, 1, KH, G, D) * scale  # [Tb, 1, KH, G, D]
 
         def body(c, carry):
             m, l, acc = carry  # [Tb, KH, G], [Tb, KH, G], [Tb, KH, G, D]
-            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [Tb, ppc]
+            pages = jax.lax.dynamic_slice_in_dim(rb, c * ppc, ppc, axis=1)  # [Tb, ppc]
             # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
-            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, D)
-            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, D)
-            k = k.transpose(0, 2, 1, 3).astype(jnp.float32)  # [Tb, KH, ck, D]: (token, head) batched matmuls
-            v = v.transpose(0, 2, 1, 3).astype(jnp.float32)
-            s = jnp.einsum("tkgd,tkcd->tkgc", qg, k)  # [Tb, KH, G, ck]
+            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
+            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
+            s = (qg * k).sum(-1)  # [Tb, ck, KH, G]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kpos = c * ck + jnp.arange(ck, dtype=jnp.int32)[None, :]  # [1, ck]
             mask = kpos <= pb[:, None]
             if sliding_window is not None:
                 mask &= kpos > pb[:, None] - sliding_window
-            s = jnp.where(mask[:, None, None, :], s, _NEG)
-            m_new = jnp.maximum(m, s.max(-1))
+            mask = mask[:, :, None, None]  # [Tb, ck, 1, 1]
+            s = jnp.where(mask, s, _NEG)
+            m_new = jnp.maximum(m, s.max(1))
             alpha = jnp.exp(m - m_new)
-            p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
-            acc = acc * alpha[..., None] + jnp.einsum("tkgc,tkcd->tkgd", p, v)
-            return m_new, l * alpha + p.sum(-1), acc
+            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [Tb, ck, KH, G]
+            acc = acc * alpha[..., None] + (p[..., None] * v).sum(1)
+            return m_new, l * alpha + p.sum(1), acc
 
         init = (
             jnp.full((tb, KH, G), _NEG, jnp.float32),
@@ -126,12 +146,12 @@ def paged_attention_reference(
 
     tb = max(1, min(T, _REF_GATHER_ELEMS // (ck * KH * D)))
     if tb >= T:
-        return token_block((q, seq_idx, q_pos, valid))
+        return token_block((q, rows, lay.q_pos, lay.valid))
     nb = -(-T // tb)
     padn = nb * tb - T
     blocks = [
         jnp.pad(a, [(0, padn)] + [(0, 0)] * (a.ndim - 1)).reshape((nb, tb) + a.shape[1:])
-        for a in (q, seq_idx, q_pos, valid)
+        for a in (q, rows, lay.q_pos, lay.valid)
     ]
     return jax.lax.map(token_block, tuple(blocks)).reshape(nb * tb, H, D)[:T]
 
