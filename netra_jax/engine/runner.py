@@ -16,7 +16,7 @@ from netra_jax import parallel
 from netra_jax.config import ModelConfig
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.models.transformer import forward, init_kv_cache
-from netra_jax.ops.attention import AttentionMetadata
+from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +43,20 @@ class BatchShape:
     num_seqs: int  # S (logit rows)
     max_pages: int  # W (block-table width)
 
+    @property
+    def num_items(self) -> int:
+        return num_items(self.num_tokens, self.num_seqs)
+
     def packed_len(self) -> int:
-        T, S, W = self.num_tokens, self.num_seqs, self.max_pages
-        return 3 * T + (S + 1) + 2 * S + S * W
+        T, S, W, N = self.num_tokens, self.num_seqs, self.max_pages, self.num_items
+        return 3 * T + (S + 1) + 2 * S + S * W + (T + 1) + (3 * N + 1)
 
 
 @dataclass
 class PackedBatch:
     shape: BatchShape
-    host: np.ndarray  # [packed_len] int32: tokens | positions | slots | qsl | seq_lens | logits_idx | block_tables
+    host: np.ndarray  # [packed_len] int32: tokens | positions | slots | qsl | seq_lens | logits_idx | block_tables |
+    #                   attention work lists (per-token tokens, count | item starts, lengths, seqs, count)
     num_seqs: int  # real sequences
     num_tokens: int  # real tokens
 
@@ -65,7 +70,7 @@ def pack_batch(out: SchedulerOutput, shape: BatchShape, page_size: int, pad_slot
     qsl = buf[o : o + S + 1]
     seq_lens = buf[o + S + 1 : o + 2 * S + 1]
     lidx = buf[o + 2 * S + 1 : o + 3 * S + 1]
-    bt = buf[o + 3 * S + 1 :].reshape(S, W)
+    bt = buf[o + 3 * S + 1 : o + 3 * S + 1 + S * W].reshape(S, W)
     slot[:] = pad_slot
     t = 0
     for s, sr in enumerate(out.scheduled):
@@ -82,18 +87,26 @@ def pack_batch(out: SchedulerOutput, shape: BatchShape, page_size: int, pad_slot
         lidx[s] = t - 1
     ns = len(out.scheduled)
     qsl[ns + 1 :] = t
+    tokens, nt, start, length, seq, ni = build_work([sr.num_new_tokens for sr in out.scheduled], T, S)
+    buf[o + 3 * S + 1 + S * W :] = np.concatenate([tokens, [nt], start, length, seq, [ni]])
     return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t)
 
 
 def _unpack(packed: jax.Array, shape: BatchShape):
-    T, S, W = shape.num_tokens, shape.num_seqs, shape.max_pages
+    T, S, W, N = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.num_items
     o = 3 * T
+    w = o + 3 * S + 1 + S * W  # work lists
+    i = w + T + 1  # items
     md = AttentionMetadata(
         slot_mapping=packed[2 * T : o],
         query_start_loc=packed[o : o + S + 1],
         seq_lens=packed[o + S + 1 : o + 2 * S + 1],
-        block_tables=packed[o + 3 * S + 1 :].reshape(S, W),
-    )
+        block_tables=packed[o + 3 * S + 1 : w].reshape(S, W),
+        work=AttentionWork(
+            tokens=packed[w : w + T], num_tokens=packed[w + T], item_start=packed[i : i + N],
+            item_len=packed[i + N : i + 2 * N], item_seq=packed[i + 2 * N : i + 3 * N], num_items=packed[i + 3 * N],
+        ),
+    )  # fmt: skip
     return packed[:T], packed[T : 2 * T], md, packed[o + 2 * S + 1 : o + 3 * S + 1]
 
 
@@ -115,6 +128,7 @@ def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend:
         query_start_loc=jnp.array([0, T], jnp.int32),
         seq_lens=jnp.array([T], jnp.int32),
         block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+        work=AttentionWork(*(jnp.asarray(a) for a in build_work([T], T, 1))),
     )
     logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend, mesh=mesh)
     return logits  # [T, vocab] float32
@@ -196,6 +210,8 @@ class ModelRunner:
         """Compile (and run once on an all-padding batch, which writes nothing) one step variant."""
         buf = np.zeros(shape.packed_len(), np.int32)
         buf[2 * shape.num_tokens : 3 * shape.num_tokens] = self.pad_slot
+        tail = build_work([], shape.num_tokens, shape.num_seqs)
+        buf[-(shape.num_tokens + 3 * shape.num_items + 2) :] = np.concatenate([tail[0], [0], *tail[2:5], [0]])
         logits, self.kv = self._jit(
             self.params, self.kv, jnp.asarray(buf), cfg=self.cfg, shape=shape, backend=self.backend
         )

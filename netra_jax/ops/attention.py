@@ -6,14 +6,21 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
 
-# The reference gathers keys in chunks of _KEY_CHUNK positions per query token, for at most _REF_GATHER_ELEMS
-# gathered elements (tokens x chunk x kv_heads x head_dim) at once; larger batches loop over token blocks.
-# 64-key chunks measured fastest on CPU (gathered chunks stay in cache; fewer masked keys than 128).
+# Two jnp paths, chosen per token by the host's work lists (see `build_work`):
+# - per token (decode rows): each token gathers its own sequence's keys, _KEY_CHUNK at a time (64 measured fastest
+#   on CPU: the gathered chunk stays in cache), _TOKEN_BLOCK tokens at once;
+# - per query block (prefill rows): up to _QUERY_BLOCK consecutive tokens of one sequence share each gathered chunk
+#   of _BLOCK_KEY_CHUNK keys and score it with one small matmul, _ITEM_GROUP blocks at once. Without it a prompt's
+#   tokens would each gather the whole prompt again (quadratic KV traffic).
 _KEY_CHUNK = 64
-_REF_GATHER_ELEMS = 1 << 24
+_TOKEN_BLOCK = 64
+_QUERY_BLOCK = 32
+_BLOCK_KEY_CHUNK = 128
+_ITEM_GROUP = 16
 _NEG = -1e30
 
 
@@ -28,6 +35,18 @@ class TokenLayout:
 
 
 @flax.struct.dataclass
+class AttentionWork:
+    """Host-built split of a step's tokens between the reference's two paths. N = num_items(T, S)."""
+
+    tokens: jax.Array  # [T] int32 tokens of single-token (decode) sequences first, the rest padded with T
+    num_tokens: jax.Array  # [] int32 how many entries of `tokens` are real
+    item_start: jax.Array  # [N] int32 first token of each query block (runs of <= _QUERY_BLOCK tokens of one seq)
+    item_len: jax.Array  # [N] int32 tokens in the block (0 for padding items, which come last)
+    item_seq: jax.Array  # [N] int32 the block's sequence
+    num_items: jax.Array  # [] int32 real items
+
+
+@flax.struct.dataclass
 class AttentionMetadata:
     """Per-step description of the ragged batch. T = padded token count, S = padded sequence count."""
 
@@ -36,6 +55,33 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [S] int32 context length of each sequence after this step (cached + new); 0 for padding
     block_tables: jax.Array  # [S, max_pages] int32 page ids of each sequence; unused entries 0
     layout: TokenLayout | None = None  # filled by `with_token_layout`; the reference derives it when absent
+    work: AttentionWork | None = None  # host-built path split (reference only); absent: every token per token
+
+
+def num_items(num_tokens: int, num_seqs: int) -> int:
+    """Static bound on the query blocks of a step: each sequence's run splits into ceil(len / _QUERY_BLOCK)."""
+    return -(-num_tokens // _QUERY_BLOCK) + num_seqs
+
+
+def build_work(q_lens, num_tokens: int, num_seqs: int) -> tuple[np.ndarray, ...]:
+    """Numpy work lists for `AttentionWork` from the real sequences' query lengths (in batch order): single-token
+    sequences go to the per-token path, longer runs are cut into query blocks."""
+    n_items = num_items(num_tokens, num_seqs)
+    tokens = np.full(num_tokens, num_tokens, np.int32)
+    start = np.zeros(n_items, np.int32)
+    length = np.zeros(n_items, np.int32)
+    seq = np.zeros(n_items, np.int32)
+    t = nt = ni = 0
+    for s, n in enumerate(q_lens):
+        if n == 1:
+            tokens[nt] = t
+            nt += 1
+        else:
+            for o in range(0, n, _QUERY_BLOCK):
+                start[ni], length[ni], seq[ni] = t + o, min(_QUERY_BLOCK, n - o), s
+                ni += 1
+        t += n
+    return tokens, np.int32(nt), start, length, seq, np.int32(ni)
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
@@ -71,6 +117,119 @@ def with_token_layout(md: AttentionMetadata, num_tokens: int) -> AttentionMetada
     return md.replace(layout=TokenLayout(seq_idx, q_pos, valid, md.block_tables[seq_idx]))
 
 
+def _masked_scores(s, kpos, qpos, sliding_window, soft_cap):
+    """Soft-cap then causal/window mask. s: [..., ck] scores broadcastable with kpos/qpos comparisons."""
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    return jnp.where(mask, s, _NEG), mask
+
+
+def _first_chunk(min_pos, sliding_window, ck):
+    if sliding_window is None:
+        return jnp.int32(0)
+    return jnp.clip((min_pos - sliding_window + 1) // ck, 0, None).astype(jnp.int32)
+
+
+def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, sliding_window, soft_cap):
+    """Per-token attention for the tokens idx[:count] (others are T: dropped), written into out [T, H, D]."""
+    T, H, D = q.shape
+    _, P, KH, _ = k_pages.shape
+    G = H // KH
+    ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
+    ck = ppc * P
+    rows_all = lay.rows
+    pad = (-rows_all.shape[1]) % ppc
+    if pad:
+        rows_all = jnp.pad(rows_all, ((0, 0), (0, pad)))
+    tb = min(_TOKEN_BLOCK, idx.shape[0])
+    if idx.shape[0] % tb:
+        idx = jnp.pad(idx, (0, tb - idx.shape[0] % tb), constant_values=T)
+
+    def block(b, out):
+        ti = jax.lax.dynamic_slice_in_dim(idx, b * tb, tb)  # [tb] token ids (T = none)
+        tc = jnp.minimum(ti, T - 1)
+        live = (ti < T) & lay.valid[tc]
+        pb = jnp.where(live, lay.q_pos[tc], -1)  # [tb]; -1 masks every key
+        rows = rows_all[tc]  # [tb, pages]
+        qg = q[tc].astype(jnp.float32).reshape(tb, 1, KH, G, D) * scale  # [tb, 1, KH, G, D]
+        lo = jnp.min(jnp.where(live, pb, jnp.iinfo(jnp.int32).max))
+
+        def body(c, carry):
+            m, l, acc = carry  # [tb, KH, G], [tb, KH, G], [tb, KH, G, D]
+            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [tb, ppc]
+            # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
+            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
+            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
+            kpos = (c * ck + jnp.arange(ck, dtype=jnp.int32))[None, :, None, None]  # [1, ck, 1, 1]
+            s, mask = _masked_scores((qg * k).sum(-1), kpos, pb[:, None, None, None], sliding_window, soft_cap)
+            m_new = jnp.maximum(m, s.max(1))  # s: [tb, ck, KH, G]
+            alpha = jnp.exp(m - m_new)
+            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+            return m_new, l * alpha + p.sum(1), acc * alpha[..., None] + (p[..., None] * v).sum(1)
+
+        init = (jnp.full((tb, KH, G), _NEG), jnp.zeros((tb, KH, G)), jnp.zeros((tb, KH, G, D)))
+        _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), n_chunks(ck), body, init)
+        o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tb, H, D)
+        return out.at[ti].set(o.astype(out.dtype), mode="drop")
+
+    return jax.lax.fori_loop(0, (count + tb - 1) // tb, block, out)
+
+
+def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, sliding_window, soft_cap):
+    """Query-block attention for the host's items (runs of one sequence's tokens), written into out [T, H, D]."""
+    T, H, D = q.shape
+    _, P, KH, _ = k_pages.shape
+    G, B = H // KH, _QUERY_BLOCK
+    ppc = max(1, _BLOCK_KEY_CHUNK // P)
+    ck = ppc * P
+    bt = md.block_tables
+    pad = (-bt.shape[1]) % ppc
+    if pad:
+        bt = jnp.pad(bt, ((0, 0), (0, pad)))
+    ig = min(_ITEM_GROUP, w.item_start.shape[0])
+    starts, lens, seqs = w.item_start, w.item_len, w.item_seq
+    if starts.shape[0] % ig:
+        extra = ig - starts.shape[0] % ig
+        starts, lens, seqs = (jnp.pad(a, (0, extra)) for a in (starts, lens, seqs))
+
+    def group(g, out):
+        st, ln, sq = (jax.lax.dynamic_slice_in_dim(a, g * ig, ig) for a in (starts, lens, seqs))  # [ig]
+        live = jnp.arange(B)[None, :] < ln[:, None]  # [ig, B]
+        ti = jnp.where(live, st[:, None] + jnp.arange(B)[None, :], T)  # [ig, B]
+        tc = jnp.minimum(ti, T - 1)
+        pos = jnp.where(live, lay.q_pos[tc], -1)  # [ig, B]
+        qg = q[tc].astype(jnp.float32).reshape(ig, B, KH, G, D).transpose(0, 2, 1, 3, 4) * scale
+        qg = qg.reshape(ig, KH, B * G, D)  # [ig, KH, B*G, D]
+        qpos = jnp.repeat(pos, G, axis=1)[:, None, :, None]  # [ig, 1, B*G, 1]
+        rows = bt[sq]  # [ig, pages]
+        lo = jnp.min(jnp.where(live, pos, jnp.iinfo(jnp.int32).max))
+        hi = (jnp.max(pos) + ck) // ck
+
+        def body(c, carry):
+            m, l, acc = carry  # [ig, KH, B*G], same, [ig, KH, B*G, D]
+            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [ig, ppc]
+            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(ig, ck, KH, D).astype(jnp.float32)
+            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(ig, ck, KH, D).astype(jnp.float32)
+            kpos = (c * ck + jnp.arange(ck, dtype=jnp.int32))[None, None, None, :]  # [1, 1, 1, ck]
+            s = jnp.einsum("ikqd,ickd->ikqc", qg, k)  # [ig, KH, B*G, ck]
+            s, mask = _masked_scores(s, kpos, qpos, sliding_window, soft_cap)
+            m_new = jnp.maximum(m, s.max(-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + jnp.einsum("ikqc,ickd->ikqd", p, v)
+
+        init = (jnp.full((ig, KH, B * G), _NEG), jnp.zeros((ig, KH, B * G)), jnp.zeros((ig, KH, B * G, D)))
+        _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), hi, body, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [ig, KH, B*G, D]
+        o = o.reshape(ig, KH, B, G, D).transpose(0, 2, 1, 3, 4).reshape(ig * B, H, D)
+        return out.at[ti.reshape(-1)].set(o.astype(out.dtype), mode="drop")
+
+    return jax.lax.fori_loop(0, (w.num_items + ig - 1) // ig, group, out)
+
+
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -83,77 +242,29 @@ def paged_attention_reference(
 ) -> jax.Array:
     """Plain-jnp ragged paged attention with an online softmax over fixed-size key chunks.
 
-    Each query token gathers its own sequence's pages, `_KEY_CHUNK` keys at a time, for as many chunks as the
-    longest context of the step needs (a dynamic trip count, so cost follows the real lengths and no context-length
-    bucket is compiled). Chunk boundaries are absolute positions, so a token's arithmetic does not depend on its
-    batch companions: extra chunks of a longer companion are fully masked for it and leave its sums unchanged.
-    Scores and the weighted sum are elementwise products reduced in place: on CPU XLA fuses them into the loop
-    over the gathered chunk, which is faster than batched (token, head) matmuls of this small size.
+    Tokens go per token or per query block as `md.work` says (every token per token when it is absent). Loops run
+    for as many chunks as the longest context needs (a dynamic trip count, so cost follows the real lengths and no
+    context-length bucket is compiled). Chunk boundaries are absolute positions, so a token's arithmetic does not
+    depend on its batch companions: extra chunks of a longer companion are fully masked for it.
 
     q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
     step's keys). Returns [T, q_heads, head_dim] in q's dtype; padding tokens give zeros. Math in float32.
     """
     T, H, D = q.shape
-    _, P, KH, _ = k_pages.shape
-    G = H // KH
-    ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
-    ck = ppc * P  # keys per chunk
     lay = with_token_layout(md, T).layout
-    rows = lay.rows  # [T, max_pages]
-    pad = (-rows.shape[1]) % ppc
-    if pad:
-        rows = jnp.pad(rows, ((0, 0), (0, pad)))
-    n_chunks = (jnp.max(md.seq_lens) + ck - 1) // ck
-    first = jnp.int32(0)
-    if sliding_window is not None:
-        lo = jnp.min(jnp.where(lay.valid, lay.q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1
-        first = jnp.clip(lo // ck, 0, None).astype(jnp.int32)
+    max_len = jnp.max(md.seq_lens)
 
-    def token_block(args):
-        qb, rb, pb, vb = args  # [Tb, H, D], [Tb, pages], [Tb], [Tb]
-        tb = qb.shape[0]
-        qg = qb.astype(jnp.float32).reshape(tb, 1, KH, G, D) * scale  # [Tb, 1, KH, G, D]
+    def n_chunks(ck):
+        return (max_len + ck - 1) // ck
 
-        def body(c, carry):
-            m, l, acc = carry  # [Tb, KH, G], [Tb, KH, G], [Tb, KH, G, D]
-            pages = jax.lax.dynamic_slice_in_dim(rb, c * ppc, ppc, axis=1)  # [Tb, ppc]
-            # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
-            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
-            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
-            s = (qg * k).sum(-1)  # [Tb, ck, KH, G]
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            kpos = c * ck + jnp.arange(ck, dtype=jnp.int32)[None, :]  # [1, ck]
-            mask = kpos <= pb[:, None]
-            if sliding_window is not None:
-                mask &= kpos > pb[:, None] - sliding_window
-            mask = mask[:, :, None, None]  # [Tb, ck, 1, 1]
-            s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, s.max(1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [Tb, ck, KH, G]
-            acc = acc * alpha[..., None] + (p[..., None] * v).sum(1)
-            return m_new, l * alpha + p.sum(1), acc
-
-        init = (
-            jnp.full((tb, KH, G), _NEG, jnp.float32),
-            jnp.zeros((tb, KH, G), jnp.float32),
-            jnp.zeros((tb, KH, G, D), jnp.float32),
-        )
-        _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return jnp.where(vb[:, None, None], o.reshape(tb, H, D), 0.0).astype(q.dtype)
-
-    tb = max(1, min(T, _REF_GATHER_ELEMS // (ck * KH * D)))
-    if tb >= T:
-        return token_block((q, rows, lay.q_pos, lay.valid))
-    nb = -(-T // tb)
-    padn = nb * tb - T
-    blocks = [
-        jnp.pad(a, [(0, padn)] + [(0, 0)] * (a.ndim - 1)).reshape((nb, tb) + a.shape[1:])
-        for a in (q, rows, lay.q_pos, lay.valid)
-    ]
-    return jax.lax.map(token_block, tuple(blocks)).reshape(nb * tb, H, D)[:T]
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = jnp.zeros((T, H, D), q.dtype)
+    if md.work is None:
+        idx = jnp.arange(T, dtype=jnp.int32)
+        return _token_path(out, q, k_pages, v_pages, lay, idx, jnp.int32(T), n_chunks, **kw)
+    w = md.work
+    out = _token_path(out, q, k_pages, v_pages, lay, w.tokens, w.num_tokens, n_chunks, **kw)
+    return _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, **kw)
 
 
 def _auto(q, k_pages, v_pages, md, **kw):

@@ -1,0 +1,74 @@
+"""The jnp reference's two paths: query blocks (prefill runs) and per-token (decode rows) must agree with each other
+and with a dense softmax over every visible key, on mixed ragged batches with windows, soft-caps and padding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention_kernel import DECODE, MIXED, make_case
+
+from netra_jax.ops.attention import AttentionWork, build_work, num_items, paged_attention_reference
+
+LONG = [(0, 100), (200, 70), (5, 1), (0, 33), (64, 1)]
+
+
+def dense(q, k, v, md, *, scale, sliding_window=None, soft_cap=None):
+    """Numpy float64 attention of every real token over its sequence's visible keys."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    qsl, lens, bt = (np.asarray(a) for a in (md.query_start_loc, md.seq_lens, md.block_tables))
+    P, KH = k.shape[1], k.shape[2]
+    G = q.shape[1] // KH
+    out = np.zeros_like(q)
+    for s in range(len(lens)):
+        n_q = qsl[s + 1] - qsl[s]
+        keys = np.concatenate([k[bt[s, j // P], j % P][None] for j in range(lens[s])]) if lens[s] else None
+        vals = np.concatenate([v[bt[s, j // P], j % P][None] for j in range(lens[s])]) if lens[s] else None
+        for i in range(n_q):
+            t, pos = qsl[s] + i, lens[s] - n_q + i
+            vis = np.arange(lens[s]) <= pos
+            if sliding_window is not None:
+                vis &= np.arange(lens[s]) > pos - sliding_window
+            for h in range(q.shape[1]):
+                sc = keys[:, h // G] @ q[t, h] * scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                sc = np.where(vis, sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                out[t, h] = p @ vals[:, h // G] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "seqs,kw,shape",
+    [
+        (MIXED, {}, dict(G=2, D=64, P=16, KH=2)),
+        (MIXED, dict(sliding_window=24), dict(G=4, D=64, P=16, KH=2)),
+        (MIXED, dict(sliding_window=9, soft_cap=2.0), dict(G=3, D=80, P=16, KH=3)),
+        (LONG, {}, dict(G=3, D=64, P=16, KH=3)),
+        (DECODE, {}, dict(G=4, D=64, P=32, KH=1)),
+        ([(0, 300)], dict(sliding_window=50), dict(G=2, D=64, P=64, KH=2)),
+    ],
+    ids=["mixed", "window", "window_softcap_gqa3", "long_runs", "decode", "one_long_prompt_window"],
+)
+def test_block_and_token_paths_match_dense(seqs, kw, shape):
+    q, k, v, md = make_case(seqs, dtype=jnp.float32, pad_tokens=3, pad_seqs=2, **shape)
+    T, S = q.shape[0], md.seq_lens.shape[0]
+    want = dense(q, k, v, md, scale=0.125, **kw)
+    per_token = paged_attention_reference(q, k, v, md, scale=0.125, **kw)  # no work lists: every token per token
+    work = AttentionWork(*(jnp.asarray(a) for a in build_work([n for _, n in seqs], T, S)))
+    split = jax.jit(lambda q, k, v, md: paged_attention_reference(q, k, v, md, scale=0.125, **kw))(
+        q, k, v, md.replace(work=work)
+    )
+    np.testing.assert_allclose(np.asarray(per_token), want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(split), want, atol=2e-5, rtol=2e-5)
+    assert not np.asarray(split)[int(md.query_start_loc[-1]) :].any(), "padding tokens must give zeros"
+
+
+def test_build_work_splits_runs():
+    tokens, nt, start, length, seq, ni = build_work([1, 70, 1, 3], num_tokens=80, num_seqs=6)
+    assert nt == 2 and list(tokens[:2]) == [0, 71] and (tokens[2:] == 80).all()
+    assert ni == 4 and len(start) == num_items(80, 6)
+    assert list(start[:4]) == [1, 33, 65, 72] and list(length[:4]) == [32, 32, 6, 3] and list(seq[:4]) == [1, 1, 1, 3]
+    assert not length[4:].any()
