@@ -34,15 +34,15 @@ run: setup
 serve: setup
 	$(VENV)/bin/netra-jax serve
 
-# Serving benchmark on the default model: starts `netra-jax serve` (--launch), sweeps the closed-loop concurrency,
-# stops the server; writes benchmarks/results/<date>-serve_netra_jax.json and .png. Modest by default (64 random
-# prompts of 256 tokens, 64 output tokens, concurrency 1,4,16,64: a few minutes on CPU). The full sweep:
-#   make bench-serve BENCH_CONCURRENCY=1,2,4,8,16,32,64,128,256,512 BENCH_PROMPTS=512
-# (requests beyond the server's --max-num-seqs, 64 by default, wait in its queue). Engine flags go through
-# BENCH_SERVER_ARGS (e.g. "--dtype float32 --max-num-seqs 128"); more client flags (--warmup 8, --request-rate ...)
-# through BENCH_ARGS.
-BENCH_CONCURRENCY ?= 1,4,16,64
-BENCH_PROMPTS ?= 64
+# Serving benchmark on the default model: starts `netra-jax serve` (--launch), sweeps the closed-loop concurrency
+# from 1 to 512 users with a prompt count per pass (random prompts of 256 tokens, 64 output tokens with ignore_eos),
+# stops the server; writes benchmarks/results/<date>-serve_netra_jax.json and .png. About 10 minutes on a 2-core CPU
+# (requests beyond the server's --max-num-seqs, 64 by default, wait in its queue). A quick one:
+#   make bench-serve BENCH_CONCURRENCY=1,4,16 BENCH_PROMPTS=16
+# Engine flags go through BENCH_SERVER_ARGS (e.g. "--dtype float32 --max-num-seqs 128"); more client flags
+# (--warmup 8, --request-rate ...) through BENCH_ARGS.
+BENCH_CONCURRENCY ?= 1,4,16,64,256,512
+BENCH_PROMPTS ?= 8,16,32,128,256,512
 BENCH_SERVER_ARGS ?=
 BENCH_ARGS ?=
 bench-serve: setup

@@ -215,6 +215,16 @@ def test_plot_several_engines(reset, tmp_path):
     assert lines[4].split(" | ")[3] == tok_s and lines[4].endswith(" | 0 |")
 
 
+def test_prompts_per_pass_follow_the_sweep(reset, tmp_path):
+    fake = reset
+    res = _run(fake, tmp_path, "--max-concurrency", "1,4", "--num-prompts", "3,8", "--input-len", "8",
+               "--output-len", "2", "--label", "per-pass")  # fmt: skip
+    assert res["rc"] == 0 and [r["completed"] for r in res["runs"]] == [3, 8] and len(fake.requests) == 11
+    args = sb.parse_args(["--max-concurrency", "1,4,16", "--num-prompts", "3,8"])
+    with pytest.raises(SystemExit, match="2 values for 3"):
+        sb.prompts_per_pass(args)
+
+
 def test_metric_definitions():
     a = sb.Output(ok=True, ttft=0.1, latency=0.5, itl=[0.1, 0.2, 0.1], output_tokens=5, prompt_len=7)
     b = sb.Output(ok=True, ttft=0.3, latency=0.3, itl=[], output_tokens=1, prompt_tokens=3, prompt_len=9)

@@ -251,8 +251,8 @@ async def run(args) -> dict:
             await bench.warmup(await bd.build(args, maker, args.warmup, args.seed - 1))
         runs = []
         for rate in args.request_rate:
-            for conc in args.max_concurrency:
-                items = await bd.build(args, maker, args.num_prompts, args.seed + len(runs))
+            for conc, n in zip(args.max_concurrency, prompts_per_pass(args), strict=True):
+                items = await bd.build(args, maker, n, args.seed + len(runs))
                 m = await bench.run_pass(items, conc, rate, args.seed + len(runs))
                 runs.append(m)
                 print_pass(m, args.percentiles)
@@ -260,6 +260,16 @@ async def run(args) -> dict:
     label = args.label[0] if args.label else _slug(f"{model}-{args.dataset}")
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "label": label, "config": config,
             "runs": runs}  # fmt: skip
+
+
+def prompts_per_pass(args) -> list[int]:
+    """--num-prompts for each --max-concurrency value: one number for all, or a list of the same length."""
+    n = args.num_prompts
+    if len(n) == 1:
+        return n * len(args.max_concurrency)
+    if len(n) != len(args.max_concurrency):
+        raise SystemExit(f"--num-prompts has {len(n)} values for {len(args.max_concurrency)} --max-concurrency values")
+    return n
 
 
 def run_config(args) -> dict:
@@ -307,7 +317,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=_numbers(float), default=[math.inf],
                    help="comma list of arrival rates in req/s (Poisson); inf: all at once")  # fmt: skip
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests per pass")
+    p.add_argument(
+        "--num-prompts",
+        type=_numbers(int),
+        default=[100],
+        help="requests per pass; a comma list gives one per --max-concurrency value (sweeps)",
+    )
     p.add_argument("--dataset", choices=bd.DATASETS, default="random")
     p.add_argument("--dataset-path", help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens')")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (random 1024, long 4000)")
