@@ -1,8 +1,9 @@
 """Offline throughput: 64 chat prompts x 128 greedy tokens through `LLM.generate` (float32), against Hugging Face
 `generate` on the same weights and prompts in the same run, with matmul-peak and memory-bandwidth roofline lines.
 
-Usage: `.venv/bin/python benchmarks/offline_throughput.py [--quick] [--model PATH] [--no-hf] [--out FILE]`.
-Writes benchmarks/results/<date>-offline_throughput.json and prints a table.
+Usage: `.venv/bin/python benchmarks/offline_throughput.py [--quick] [--model PATH] [--no-hf] [--out FILE]` (or `make
+bench-offline`).
+Writes benchmarks/results/<date>-offline_throughput.json and .png (benchmarks/offline_report.py) and prints a table.
 
 The Hugging Face baseline needs torch + transformers + gguf + accelerate. On these machines a CPU build of
 torch 2.13.0 exists on disk for Python 3.11 only (for 3.12 pip would fetch a multi-GB CUDA build), so the baseline
@@ -33,6 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import offline_report  # noqa: E402
 import roofline as rl  # noqa: E402
 
 SUBJECTS = [
@@ -253,58 +255,6 @@ def measure_peaks(args, phases: dict, name: str, max_wait_s: float = 120.0) -> l
         time.sleep(10)
 
 
-def print_table(r: dict) -> None:
-    f, pk = r["figures"], r["peaks"]
-    b, n = r["settings"]["num_prompts"], r["settings"]["max_tokens"]
-    rows = [
-        ("machine", f"{r['machine'].get('cpu_model')} x{r['machine']['cpu_count']}, load {r['machine']['loadavg']}"),
-        ("f32 matmul peak", f"{pk['matmul_peak_gflops']:.1f} GFLOP/s (numpy {pk['numpy_sgemm']['gflops']:.1f}, "
-                            f"XLA {pk['xla_dot']['gflops']:.1f})"),
-        ("copy bandwidth", f"{pk['bandwidth_gbs']:.1f} GB/s"),
-        (f"ours  batch {b} x {n}", f"{f['ours_tok_s']:.1f} tok/s, {f['ours_total_s']:.2f} s "
-                                   f"(prefill {f['ours_prefill_s']:.2f} s, decode {f['ours_decode_tok_s']:.1f} tok/s)"),
-    ]  # fmt: skip
-    if "hf_tok_s" in f:
-        rows += [(f"HF    batch {b} x {n}", f"{f['hf_tok_s']:.1f} tok/s, {f['hf_total_s']:.2f} s"),
-                 ("ratio ours/HF", f"{f['ratio']:.2f} (median of paired runs {f.get('ratio_paired_median', 0):.2f}; "
-                                   f"batch 1: {f['ratio_batch1']:.2f})")]  # fmt: skip
-        for name in ("batch", "batch1"):
-            if f.get(f"quiet_pairs_{name}"):
-                rows.append((f"  quiet pairs, {name}", f"{f[f'quiet_pairs_{name}']}: ours "
-                             f"{f[f'ours_tok_s_quiet_{name}']:.1f} / HF {f[f'hf_tok_s_quiet_{name}']:.1f} tok/s = "
-                             f"{f[f'ratio_quiet_{name}']:.2f}"))  # fmt: skip
-    elif r.get("hf"):
-        rows.append(("HF", str(r["hf"].get("error", r["hf"]))[-300:]))
-    rows += [
-        ("ours fraction of peak", f"{100 * f['ours_frac_peak']:.1f}% (decode only "
-                                  f"{100 * f['ours_frac_peak_decode_only']:.1f}%, all FLOPs incl. prefill "
-                                  f"{100 * f['ours_frac_peak_all_flops']:.1f}%)"),
-    ]  # fmt: skip
-    if "hf_frac_peak" in f:
-        rows.append(("HF fraction of peak", f"{100 * f['hf_frac_peak']:.1f}%"))
-    rows.append(("batch 1", f"ours {f['ours_batch1_tok_s']:.1f} tok/s (decode {f['ours_batch1_decode_tok_s']:.1f}) vs "
-                            f"bandwidth roofline {f['batch1_roofline_tok_s']:.1f} tok/s = "
-                            f"{100 * f['ours_batch1_frac_roofline']:.0f}%"
-                 + (f"; HF {f['hf_batch1_tok_s']:.1f} tok/s" if "hf_batch1_tok_s" in f else "")))  # fmt: skip
-    prof_all = r["ours"].get("profile") or {}
-    for name, prof in prof_all.items():
-        if not isinstance(prof, dict) or prof.get("decode_step_ms_median") is None:
-            continue
-        rows.append((f"decode step, {name}", f"{prof['decode_step_ms_median']:.1f} ms = forward "
-                     f"{prof['decode_forward_ms_median']:.1f} + sampler {prof['decode_sampler_ms_median']:.1f} + "
-                     f"host {prof['decode_host_ms_median']:.1f}"))  # fmt: skip
-        comp = prof.get("components", {})
-        rows.append(("  forward parts alone", ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in comp.items()
-                                                      if k.endswith("_ms")) or str(comp)))  # fmt: skip
-    for m in prof_all.get("matmul_shapes", []):
-        shape = "x".join(map(str, m["shape"]))
-        rows.append((f"  dot {m['name']} {shape}", f"XLA {m['xla_gflops']:.0f} GFLOP/s ({m['xla_ms']:.2f} ms), "
-                                                   f"numpy {m['numpy_gflops']:.0f}"))  # fmt: skip
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
@@ -401,8 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) if args.out else HERE / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    print_table(result)
+    offline_report.print_table(result)
     print(f"wrote {out}")
+    try:  # the plot next to the JSON (matplotlib is in the bench extra)
+        print(f"wrote {offline_report.plot(result, out.with_suffix('.png'))}")
+    except ImportError as e:
+        print(f"no plot: {e}")
     return result
 
 

@@ -53,3 +53,4 @@ def test_quick_run_writes_result(tmp_path, capsys):
     assert prof["full_decode_steps"] > 0 and "matmuls_ms" in prof["components"], prof
     assert "hf_tok_s" not in f and r["hf"] is None
     assert "ours  batch 4 x 8" in capsys.readouterr().out
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the plot next to the JSON
