@@ -171,10 +171,13 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
             return m_new, l * alpha + p.sum(1), acc * alpha[..., None] + (p[..., None] * v).sum(1)
 
         init = (jnp.full((tb, KH, G), _NEG), jnp.zeros((tb, KH, G)), jnp.zeros((tb, KH, G, D)))
-        _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), n_chunks(ck), body, init)
+        hi = jnp.where(live.any(), n_chunks(ck), 0)  # an empty block gathers nothing
+        _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), hi, body, init)
         o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tb, H, D)
         return out.at[ti].set(o.astype(out.dtype), mode="drop")
 
+    if idx.shape[0] == tb:  # one block: no loop (an empty block writes nothing)
+        return block(0, out)
     return jax.lax.fori_loop(0, (count + tb - 1) // tb, block, out)
 
 
@@ -227,6 +230,8 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, slidin
         o = o.reshape(ig, KH, B, G, D).transpose(0, 2, 1, 3, 4).reshape(ig * B, H, D)
         return out.at[ti.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
+    if starts.shape[0] == ig:  # one group: no loop (empty items attend to no chunk)
+        return group(0, out)
     return jax.lax.fori_loop(0, (w.num_items + ig - 1) // ig, group, out)
 
 
