@@ -62,7 +62,9 @@ def _check_all_aborted(server, before: dict, n: int, what: str) -> dict:
     d = {k: after[k] - before[k] for k in after}
     assert d["success"] == 0, d  # nothing ran to completion
     assert d["aborted"] == d["admitted"] and d["admitted"] >= n * 0.9, d  # a few may be dropped before admission
-    assert d["tokens"] < n * MAX_TOKENS / 4, d
+    # stopped early: on average well before half their output (how many tokens fit in CANCEL_AFTER_S grows with the
+    # engine's speed, so this is a bound on the abort, not a speed figure)
+    assert d["tokens"] < n * MAX_TOKENS / 2, d
     b = idle["blocks"]
     record(f"{what} abandoned", n)
     record(f"{what} aborted in the engine", int(d["aborted"]))
