@@ -317,12 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=_numbers(float), default=[math.inf],
                    help="comma list of arrival rates in req/s (Poisson); inf: all at once")  # fmt: skip
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    p.add_argument(
-        "--num-prompts",
-        type=_numbers(int),
-        default=[100],
-        help="requests per pass; a comma list gives one per --max-concurrency value (sweeps)",
-    )
+    p.add_argument("--num-prompts", type=_numbers(int), default=[100], help="requests per pass, or one per concurrency")
     p.add_argument("--dataset", choices=bd.DATASETS, default="random")
     p.add_argument("--dataset-path", help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens')")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (random 1024, long 4000)")
