@@ -241,3 +241,17 @@ def test_logprobs_and_prompt_logprobs(llm):
     assert abs(first[o.token_ids[0]].logprob - ref_lp[-1, o.token_ids[0]]) < 1e-4
     assert first[o.token_ids[0]].rank == 1 and len(first) == 3
     assert abs(o.cumulative_logprob - sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids, strict=True))) < 1e-5
+
+
+def test_more_samples_than_the_queue_cap_is_a_bad_request():
+    from netra_jax.api import build_engine
+    from netra_jax.config import EngineConfig, SchedulerConfig
+
+    engine = build_engine(EngineConfig(model=str(MODEL), dtype="float32", warmup=False,
+                                       scheduler=SchedulerConfig(max_waiting=2)))  # fmt: skip
+    with pytest.raises(ValueError, match="n=3 samples can never fit the waiting queue"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=3, max_tokens=2))
+    engine.add_request("b", [5, 6, 7], SamplingParams(n=2, max_tokens=2, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pool.num_in_use == 0 and not engine.scheduler.has_unfinished()

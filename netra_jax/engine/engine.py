@@ -163,6 +163,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        if (cap := self.config.scheduler.max_waiting) is not None and params.n > cap:  # else "queue full" forever
+            raise ValueError(f"n={params.n} samples can never fit the waiting queue (max_waiting {cap})")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
