@@ -13,13 +13,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from netra_jax import parallel
-from netra_jax.config import CacheConfig, EngineConfig, ModelConfig
+from netra_jax.config import EngineConfig, ModelConfig
 from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from netra_jax.engine.request import Request, RequestStatus
-from netra_jax.engine.runner import ModelRunner
+from netra_jax.engine.runner import ModelRunner, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.ops import sampling
 from netra_jax.sampling_params import SamplingParams
@@ -56,25 +55,6 @@ class _Group:
     seqs: list[_Seq] = field(default_factory=list)
     arrival: float = 0.0
     prompt_logprobs: list | None = None
-
-
-def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
-    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory;
-    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room).
-    Under a tp-way split the budget is per device and a page costs each device only its KV heads."""
-    if cache.num_pages:
-        return cache.num_pages
-    per_page = parallel.kv_bytes_per_page_per_device(cfg, page_size, kv_dtype, tp)
-    budget = cache.kv_cache_bytes
-    if budget is None:
-        dev = jax.devices()[0]
-        stats = dev.memory_stats() if dev.platform != "cpu" else None
-        if stats and stats.get("bytes_limit"):
-            free = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-            budget = int(free * 0.85)  # leave room for activations and the compiled steps
-        else:
-            budget = 1 << 30
-    return max(2, min(budget // per_page, max_useful))
 
 
 class LLMEngine:

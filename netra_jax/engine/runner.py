@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax import parallel
-from netra_jax.config import ModelConfig
+from netra_jax.config import CacheConfig, ModelConfig
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
@@ -87,9 +87,14 @@ def pack_batch(out: SchedulerOutput, shape: BatchShape, page_size: int, pad_slot
         lidx[s] = t - 1
     ns = len(out.scheduled)
     qsl[ns + 1 :] = t
-    tokens, nt, start, length, seq, ni = build_work([sr.num_new_tokens for sr in out.scheduled], T, S)
-    buf[o + 3 * S + 1 + S * W :] = np.concatenate([tokens, [nt], start, length, seq, [ni]])
+    buf[o + 3 * S + 1 + S * W :] = _work_lists([sr.num_new_tokens for sr in out.scheduled], T, S)
     return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t)
+
+
+def _work_lists(q_lens: list[int], T: int, S: int) -> np.ndarray:
+    """The attention work lists' section of the packed array (layout read back by `_unpack`)."""
+    tokens, nt, start, length, seq, ni = build_work(q_lens, T, S)
+    return np.concatenate([tokens, [nt], start, length, seq, [ni]])
 
 
 def _unpack(packed: jax.Array, shape: BatchShape):
@@ -132,6 +137,25 @@ def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend:
     )
     logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend, mesh=mesh)
     return logits  # [T, vocab] float32
+
+
+def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
+    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory;
+    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room).
+    Under a tp-way split the budget is per device and a page costs each device only its KV heads."""
+    if cache.num_pages:
+        return cache.num_pages
+    per_page = parallel.kv_bytes_per_page_per_device(cfg, page_size, kv_dtype, tp)
+    budget = cache.kv_cache_bytes
+    if budget is None:
+        dev = jax.devices()[0]
+        stats = dev.memory_stats() if dev.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            free = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+            budget = int(free * 0.85)  # leave room for activations and the compiled steps
+        else:
+            budget = 1 << 30
+    return max(2, min(budget // per_page, max_useful))
 
 
 class ModelRunner:
@@ -210,8 +234,7 @@ class ModelRunner:
         """Compile (and run once on an all-padding batch, which writes nothing) one step variant."""
         buf = np.zeros(shape.packed_len(), np.int32)
         buf[2 * shape.num_tokens : 3 * shape.num_tokens] = self.pad_slot
-        tail = build_work([], shape.num_tokens, shape.num_seqs)
-        buf[-(shape.num_tokens + 3 * shape.num_items + 2) :] = np.concatenate([tail[0], [0], *tail[2:5], [0]])
+        buf[-(shape.num_tokens + 3 * shape.num_items + 2) :] = _work_lists([], shape.num_tokens, shape.num_seqs)
         logits, self.kv = self._jit(
             self.params, self.kv, jnp.asarray(buf), cfg=self.cfg, shape=shape, backend=self.backend
         )
