@@ -127,6 +127,12 @@ def _masked_scores(s, kpos, qpos, sliding_window, soft_cap):
     return jnp.where(mask, s, _NEG), mask
 
 
+def _pad_pages(rows: jax.Array, ppc: int) -> jax.Array:
+    """Block-table rows [n, pages] padded with page 0 to whole chunks of ppc pages (the extra keys are masked)."""
+    pad = (-rows.shape[1]) % ppc
+    return jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows
+
+
 def _first_chunk(min_pos, sliding_window, ck):
     if sliding_window is None:
         return jnp.int32(0)
@@ -140,10 +146,7 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
     G = H // KH
     ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
     ck = ppc * P
-    rows_all = lay.rows
-    pad = (-rows_all.shape[1]) % ppc
-    if pad:
-        rows_all = jnp.pad(rows_all, ((0, 0), (0, pad)))
+    rows_all = _pad_pages(lay.rows, ppc)
     tb = min(_TOKEN_BLOCK, idx.shape[0])
     if idx.shape[0] % tb:
         idx = jnp.pad(idx, (0, tb - idx.shape[0] % tb), constant_values=T)
@@ -188,10 +191,7 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, slidin
     G, B = H // KH, _QUERY_BLOCK
     ppc = max(1, _BLOCK_KEY_CHUNK // P)
     ck = ppc * P
-    bt = md.block_tables
-    pad = (-bt.shape[1]) % ppc
-    if pad:
-        bt = jnp.pad(bt, ((0, 0), (0, pad)))
+    bt = _pad_pages(md.block_tables, ppc)
     ig = min(_ITEM_GROUP, w.item_start.shape[0])
     starts, lens, seqs = w.item_start, w.item_len, w.item_seq
     if starts.shape[0] % ig:
