@@ -52,7 +52,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     tp = config.tensor_parallel_size
     if config.quantization and tp > 1:
         raise ValueError("quantization is not supported together with tensor parallelism yet")
-    cfg, params = load_model(path, config.dtype, mesh=parallel.make_mesh(tp) if tp > 1 else None)
+    mesh = parallel.make_mesh(tp) if tp > 1 else None
+    cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format)
     if config.quantization:
         params = quantize_params(params, config.quantization)
     tokenizer = Tokenizer.load(path)
@@ -70,7 +71,8 @@ class LLM:
     dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
     enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices),
-    quantization ("int8": weight-only int8 with per-channel scales)."""
+    quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
+    config.json, for benchmarks)."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class LLM:
         seed: int = 0,
         warmup: bool = True,
         compilation_cache_dir: str | None = None,
+        load_format: str = "auto",
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
@@ -108,6 +111,7 @@ class LLM:
             seed=seed,
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
+            load_format=load_format,
         )  # fmt: skip
         self.engine = build_engine(self.config)
         self._ids = itertools.count()

@@ -29,6 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights from the directory's config.json (benchmarks; outputs are noise)",
+    )
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -49,6 +55,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed,
         served_model_name=a.served_model_name,
         warmup=not a.no_warmup,
+        load_format=a.load_format,
     )  # fmt: skip
 
 

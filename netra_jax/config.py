@@ -269,6 +269,7 @@ class EngineConfig:
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
     warmup: bool = True
+    load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -26,13 +26,22 @@ import numpy as np
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader import cache as param_cache
-from netra_jax.loader import gguf_loader
+from netra_jax.loader import dummy, gguf_loader
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
 from netra_jax.loader.hf import CheckpointError, HFCheckpoint
 from netra_jax.models import weights as weight_map
 
-__all__ = ["CheckpointError", "ConfigError", "load_model", "load_config", "read_gguf_metadata", "DTYPES"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "load_model",
+    "load_config",
+    "read_gguf_metadata",
+    "DTYPES",
+    "LOAD_FORMATS",
+]
+LOAD_FORMATS = dummy.LOAD_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -83,19 +92,36 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, dtype: str = "auto", cache: bool | str | Path = True, mesh: jax.sharding.Mesh | None = None
+    path: str | Path,
+    dtype: str = "auto",
+    cache: bool | str | Path = True,
+    mesh: jax.sharding.Mesh | None = None,
+    load_format: str = "auto",
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
     path: a HF directory (config.json + *.safetensors) or a .gguf file. dtype: "auto" | "float32" | "bfloat16"
     (see the module docstring for "auto"). cache: True for the default cache directory
     (`assets.cache_dir() / "params"`), a directory to use instead, or False to always convert from the source.
-    mesh: a ("tp",) mesh from `parallel.make_mesh` to load the parameters sharded over (see the module docstring)."""
+    mesh: a ("tp",) mesh from `parallel.make_mesh` to load the parameters sharded over (see the module docstring).
+    load_format: "auto" reads the weights; "dummy" reads only config.json of a HF directory and draws random
+    parameters of the same layout on the device (`loader.dummy`, for benchmarks)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     t0 = time.perf_counter()
     cfg, source, files = _open_source(path)
     is_gguf = isinstance(source, GGUFFile)
     src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype"))
     dt = _resolve_dtype(dtype, src_dtype, is_gguf)
+    if load_format == "dummy":
+        if is_gguf:
+            raise CheckpointError(f"load_format='dummy' needs a Hugging Face directory (config.json), not {path}")
+        if mesh is not None:
+            parallel.check_tp(cfg, parallel.tp_size(mesh))
+        bias = dummy.has_attention_bias(cfg, source)
+        params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, attention_bias=bias)
+        log.info("random (dummy) %s parameters for %s in %.2fs", dt, path, time.perf_counter() - t0)
+        return cfg, params
     if mesh is not None:
         parallel.check_tp(cfg, parallel.tp_size(mesh))
         if not is_gguf:

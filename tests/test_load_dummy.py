@@ -1,0 +1,64 @@
+"""load_format="dummy": random parameters from config.json alone, with the real loader's pytree (structure, shapes,
+dtypes) for every fixture family, generated on the device, and an engine that builds and generates from them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, TINY_MODELS
+
+from netra_jax import LLM, SamplingParams
+from netra_jax.cli import add_engine_args, engine_config
+from netra_jax.loader import CheckpointError, load_model
+from netra_jax.loader.dummy import INIT_STD
+
+
+def _layout(params) -> dict:
+    return jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype).name), params)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_same_pytree_as_the_real_loader(name, dtype="bfloat16"):  # norms stay float32: both dtypes are checked
+    _, real = load_model(FIXTURES / name, dtype, cache=False)
+    cfg, fake = load_model(FIXTURES / name, dtype, load_format="dummy")
+    assert jax.tree.structure(fake) == jax.tree.structure(real)
+    assert _layout(fake) == _layout(real)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(fake))
+    layer = fake["layers"][0]
+    np.testing.assert_array_equal(np.asarray(layer["attn_norm"]), 1.0)
+    wq = np.asarray(layer["wq"], np.float32)
+    assert abs(wq.std() - INIT_STD) < 0.2 * INIT_STD and abs(wq.mean()) < 0.1 * INIT_STD
+    assert not np.array_equal(wq, np.asarray(fake["layers"][-1]["wq"], np.float32))  # one draw per leaf
+    if cfg.tie_word_embeddings:
+        np.testing.assert_array_equal(np.asarray(fake["lm_head"]), np.asarray(fake["embed"]).T)
+
+
+def test_dummy_needs_only_config_and_tokenizer(tmp_path):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "tiny-llama" / f, tmp_path / f)  # no safetensors
+    llm = LLM(str(tmp_path), load_format="dummy", warmup=False, max_model_len=64, num_kv_pages=16)
+    outs = llm.generate(["hello world", {"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=5, ignore_eos=True))
+    vocab = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert len(ids) == 5 and all(0 <= t < vocab for t in ids)
+    with pytest.raises(CheckpointError):  # and the real format still wants the weights
+        load_model(tmp_path, "float32", cache=False)
+
+
+def test_bad_load_format_and_cli_flag():
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        load_model(FIXTURES / "tiny-llama", load_format="random")
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["m", "--load-format", "dummy"])).load_format == "dummy"
+    assert engine_config(p.parse_args(["m"])).load_format == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--load-format", "npz"])
