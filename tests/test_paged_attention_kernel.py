@@ -19,13 +19,16 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from netra_jax.ops.attention import BACKENDS, AttentionMetadata, attention, paged_attention_reference, write_kv
-from netra_jax.ops.kv_write_triton import write_kv_triton
 from netra_jax.ops.paged_attention_triton import KernelConfig, choose_config, paged_attention_triton
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from kv_write_triton import write_kv_triton  # noqa: E402  (the GPU check's comparison kernel, not the runtime's)
+
 FIXTURES = Path("/work/shared/fixtures")
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# The one warning these tests mean to silence: lowering a Triton kernel for CUDA announces the backend's removal.
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
 
 
 def make_case(seqs, *, P, KH, G, D, dtype, pad_tokens=0, pad_seqs=0, seed=0, garbage=None):
@@ -69,9 +72,11 @@ DECODE = [(15, 1), (200, 1), (47, 1), (290, 1), (1, 1), (64, 1)]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
-def check(seqs, *, dtype=jnp.float32, window=None, cap=None, config=None, pad_tokens=3, pad_seqs=2, **shape):
+def check(
+    seqs, *, dtype=jnp.float32, window=None, cap=None, sinks=None, config=None, pad_tokens=3, pad_seqs=2, **shape
+):
     q, k, v, md = make_case(seqs, dtype=dtype, pad_tokens=pad_tokens, pad_seqs=pad_seqs, **shape)
-    kw = dict(scale=shape["D"] ** -0.5, sliding_window=window, soft_cap=cap)
+    kw = dict(scale=shape["D"] ** -0.5, sliding_window=window, soft_cap=cap, sinks=sinks)
     ref = paged_attention_reference(q, k, v, md, **kw)
     out = paged_attention_triton(q, k, v, md, interpret=True, config=config, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -111,6 +116,26 @@ def test_decode_only_uses_split_k():
 def test_split_k_with_prefill_rows_and_window():
     cfg = KernelConfig(block_m=32, tile=16, num_splits=4)
     check(MIXED, window=30, G=2, D=64, P=16, KH=2, config=cfg)
+
+
+def test_sinks_single_pass_and_split_k():
+    """Attention sinks (one extra softmax column per head) against the float64 dense reference, in the single-pass
+    kernel and under split-K, where exactly one partial may count the sink."""
+    from test_attention_reference import SINKS, dense
+
+    sinks = jnp.asarray(SINKS[:4])
+    for seqs, cfg in ((MIXED, None), (DECODE, KernelConfig(block_m=16, tile=16, num_splits=4))):
+        out = check(seqs, sinks=sinks, window=50, G=2, D=64, P=16, KH=2, config=cfg, pad_tokens=2, pad_seqs=1)
+        q, k, v, md = make_case(seqs, dtype=jnp.float32, pad_tokens=2, pad_seqs=1, P=16, KH=2, G=2, D=64)
+        want = dense(q, k, v, md, scale=0.125, sliding_window=50, sinks=SINKS[:4])
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_sinks_shape_is_refused():
+    q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=16, dtype=jnp.float32)
+    for backend in ("reference", "triton_interpret"):
+        with pytest.raises(ValueError, match="sinks must have shape"):
+            attention(q, k, v, md, scale=0.25, sinks=jnp.zeros(3), backend=backend)
 
 
 def test_tile_smaller_than_page():
@@ -188,7 +213,7 @@ H200 = AbstractMesh(
 
 def lower_h200(f, *args) -> str:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
         with jax.sharding.use_abstract_mesh(H200):
             return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

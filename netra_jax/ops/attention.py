@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax.ops.attention_args import check_attention_args
 from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
 
 # Two jnp paths, chosen per token by the host's work lists (see `build_work`):
@@ -139,8 +140,19 @@ def _first_chunk(min_pos, sliding_window, ck):
     return jnp.clip((min_pos - sliding_window + 1) // ck, 0, None).astype(jnp.int32)
 
 
-def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, sliding_window, soft_cap):
-    """Per-token attention for the tokens idx[:count] (others are T: dropped), written into out [T, H, D]."""
+def _softmax_init(sinks, shape):
+    """Online-softmax state (m, l) before any key: m = -inf-ish and l = 0, or, with attention sinks, the sink logit
+    already counted (m = sink, l = exp(sink - sink) = 1), so the sink joins the denominator and adds no value.
+
+    sinks: [KH, Q] float32 or None (Q = the query rows of one KV head); shape = (n, KH, Q)."""
+    if sinks is None:
+        return jnp.full(shape, _NEG), jnp.zeros(shape)
+    return jnp.broadcast_to(sinks, shape), jnp.ones(shape)
+
+
+def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, sliding_window, soft_cap, sinks):
+    """Per-token attention for the tokens idx[:count] (others are T: dropped), written into out [T, H, D].
+    sinks: [KH, G] float32 or None."""
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
     G = H // KH
@@ -173,7 +185,7 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
             return m_new, l * alpha + p.sum(1), acc * alpha[..., None] + (p[..., None] * v).sum(1)
 
-        init = (jnp.full((tb, KH, G), _NEG), jnp.zeros((tb, KH, G)), jnp.zeros((tb, KH, G, D)))
+        init = (*_softmax_init(sinks, (tb, KH, G)), jnp.zeros((tb, KH, G, D)))
         hi = jnp.where(live.any(), n_chunks(ck), 0)  # an empty block gathers nothing
         _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), hi, body, init)
         o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tb, H, D)
@@ -184,8 +196,9 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
     return jax.lax.fori_loop(0, (count + tb - 1) // tb, block, out)
 
 
-def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, sliding_window, soft_cap):
-    """Query-block attention for the host's items (runs of one sequence's tokens), written into out [T, H, D]."""
+def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, sliding_window, soft_cap, sinks):
+    """Query-block attention for the host's items (runs of one sequence's tokens), written into out [T, H, D].
+    sinks: [KH, G] float32 or None."""
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
     G, B = H // KH, _QUERY_BLOCK
@@ -224,7 +237,8 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, slidin
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + jnp.einsum("ikqc,ickd->ikqd", p, v)
 
-        init = (jnp.full((ig, KH, B * G), _NEG), jnp.zeros((ig, KH, B * G)), jnp.zeros((ig, KH, B * G, D)))
+        block_sinks = None if sinks is None else jnp.tile(sinks, (1, B))  # [KH, B*G], row b * G + g
+        init = (*_softmax_init(block_sinks, (ig, KH, B * G)), jnp.zeros((ig, KH, B * G, D)))
         _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), hi, body, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [ig, KH, B*G, D]
         o = o.reshape(ig, KH, B, G, D).transpose(0, 2, 1, 3, 4).reshape(ig * B, H, D)
@@ -244,6 +258,7 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Plain-jnp ragged paged attention with an online softmax over fixed-size key chunks.
 
@@ -253,16 +268,21 @@ def paged_attention_reference(
     depend on its batch companions: extra chunks of a longer companion are fully masked for it.
 
     q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
-    step's keys). Returns [T, q_heads, head_dim] in q's dtype; padding tokens give zeros. Math in float32.
+    step's keys); sinks: [q_heads] attention-sink logits (gpt-oss) or None: each head's softmax also spans its sink,
+    which is neither scaled nor soft-capped and carries no value. Returns [T, q_heads, head_dim] in q's dtype; padding
+    tokens give zeros. Math in float32.
     """
     T, H, D = q.shape
+    KH = k_pages.shape[2]
     lay = with_token_layout(md, T).layout
     max_len = jnp.max(md.seq_lens)
 
     def n_chunks(ck):
         return (max_len + ck - 1) // ck
 
-    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
+    sinks = None if sinks is None else sinks.reshape(KH, H // KH)
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     out = jnp.zeros((T, H, D), q.dtype)
     if md.work is None:
         idx = jnp.arange(T, dtype=jnp.int32)
@@ -295,6 +315,7 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     backend: str = "reference",
 ) -> jax.Array:
     """Ragged paged attention through the selected backend (see `BACKENDS`). Shapes as in the reference."""
@@ -302,4 +323,4 @@ def attention(
         fn = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}") from None
-    return fn(q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return fn(q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)

@@ -12,6 +12,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from netra_jax.ops.attention_args import check_attention_args
+
 # Programs wanted in flight before split-K stops paying: about two waves on a 132-SM H200 / H100.
 _TARGET_PROGRAMS = 264
 _MAX_SPLITS = 64
@@ -113,6 +115,7 @@ def _kernel(
     q_ref,  # [T, H, D]
     k_ref,  # [num_pages, page_size, KH, D]
     v_ref,  # [num_pages, page_size, KH, D]
+    sinks_ref,  # [H] float32 attention-sink logits (zeros, unread, without sinks)
     *out_refs,  # rows R = [T + block_q, KH, GP]: o [*R, Dp]; split-K: acc [NS, *R, Dp], m, den [NS, *R] (f32)
     group: int,
     group_padded: int,
@@ -121,6 +124,7 @@ def _kernel(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    has_sinks: bool,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     split = pl.program_id(2) if cfg.num_splits > 1 else 0
@@ -183,11 +187,14 @@ def _kernel(
             acc = acc * alpha[:, None] + plgpu.dot(p.astype(cdt), v, precision=prec)
             return acc, m_new, den * alpha + jnp.sum(p, axis=1)
 
-        init = (
-            jnp.zeros((BM, Dp), jnp.float32),
-            jnp.full((BM,), -jnp.inf, jnp.float32),
-            jnp.zeros((BM,), jnp.float32),
-        )
+        m0 = jnp.full((BM,), -jnp.inf, jnp.float32)
+        den0 = jnp.zeros((BM,), jnp.float32)
+        if has_sinks:  # the sink joins the softmax once (in split 0): m = sink, den = exp2(0) = 1
+            sink = plgpu.load(sinks_ref.at[head], mask=row_ok, other=0.0) * _LOG2E  # [BM] base-2 logit
+            first = split == 0
+            m0 = jnp.where(first & row_ok, sink, m0)
+            den0 = jnp.where(first & row_ok, 1.0, den0)
+        init = (jnp.zeros((BM, Dp), jnp.float32), m0, den0)
         acc, m, den = lax.fori_loop(t_lo, t_hi, body, init)
         # Outputs are padded to [T + block_q, KH, GP, Dp] so every row of a block has its own in-bounds address:
         # only the token mask is needed (the interpreter turns masked stores into read-modify-write scatters, which
@@ -224,22 +231,18 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     config: KernelConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Ragged paged attention in one Pallas kernel; same contract as `attention.paged_attention_reference`.
 
-    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]; md: AttentionMetadata.
-    Returns [T, q_heads, head_dim] in q's dtype, zeros for padding tokens. Softmax statistics in float32; f32 inputs
-    use full-precision (non-TF32) dots."""
+    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]; md: AttentionMetadata;
+    sinks: [q_heads] attention-sink logits or None. Returns [T, q_heads, head_dim] in q's dtype, zeros for padding
+    tokens. Softmax statistics in float32; f32 inputs use full-precision (non-TF32) dots."""
     T, H, D = q.shape
-    _, P, KH, Dk = k_pages.shape
-    if k_pages.shape != v_pages.shape or Dk != D:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}")
-    if H % KH:
-        raise ValueError(f"q_heads={H} is not a multiple of kv_heads={KH}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    _, P, KH, _ = k_pages.shape
+    sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
     G = H // KH
     S, max_pages = md.block_tables.shape
     if config is None:
@@ -259,6 +262,7 @@ def paged_attention_triton(
         scale=float(scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
+        has_sinks=sinks is not None,
     )
     rows = (T + config.block_m // gp, KH, gp)  # padded output rows, see the kernel's store
     if NS == 1:
@@ -278,7 +282,17 @@ def paged_attention_triton(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_attention_m{config.block_m}_t{config.tile}_s{NS}",
-    )(seq, q_start, n_q, pos0, md.block_tables.astype(jnp.int32), q, k_pages, v_pages)
+    )(
+        seq,
+        q_start,
+        n_q,
+        pos0,
+        md.block_tables.astype(jnp.int32),
+        q,
+        k_pages,
+        v_pages,
+        jnp.zeros((H,), jnp.float32) if sinks is None else sinks,
+    )
     out = res if NS == 1 else _merge_splits(*res)
     out = out[:T, :, :G, :D].reshape(T, H, D)
     valid = jnp.arange(T, dtype=jnp.int32) < md.query_start_loc[-1]  # [T] rows past the batch were never written

@@ -1,5 +1,6 @@
-"""Pallas (Triton lowering) KV-cache write: scatters this step's keys and values into their page slots in place
-(the page arrays are aliased to the outputs). Same contract as `attention.write_kv`, which XLA also does in place."""
+"""Pallas (Triton lowering) KV-cache write, kept for the GPU check to time against the runtime's write: scatters a
+step's keys and values into their page slots in place (page arrays aliased to the outputs). Same contract as
+`netra_jax.ops.attention.write_kv`, the XLA scatter the runtime uses, which donation also makes in place."""
 
 from __future__ import annotations
 
