@@ -269,6 +269,7 @@ class EngineConfig:
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
     warmup: bool = True
+    async_scheduling: bool = True  # overlap: schedule step N+1 while step N runs (engine/engine.py)
     load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
 
     def resolved_backend(self) -> str:
@@ -276,8 +277,8 @@ class EngineConfig:
             return self.attention_backend
         import jax
 
-        from netra_jax.ops.attention import BACKENDS
-
-        if jax.default_backend() == "gpu" and "triton" in BACKENDS:
-            return "triton"
+        # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
+        # sm90+ for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
+        if jax.default_backend() == "gpu":
+            return "auto"
         return "reference"

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.ops.attention_args import check_attention_args
+from netra_jax.ops.paged_attention_mosaic import (
+    paged_attention_mosaic,
+    paged_attention_mosaic_interpret,
+    supports,
+)
 from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
 
 # Two jnp paths, chosen per token by the host's work lists (see `build_work`):
@@ -292,16 +297,39 @@ def paged_attention_reference(
     return _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, **kw)
 
 
+def auto_backend(platform: str, compute_capability: str | None, *, dtype, q_heads, kv_heads, head_dim, page_size):
+    """The backend "auto" runs: the Mosaic GPU kernel on sm90+ for the shapes it takes (bf16/fp16, head_dim a
+    multiple of 64, see `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and shapes, the jnp
+    reference off GPU. compute_capability: the device's, e.g. "9.0"."""
+    if platform != "gpu":
+        return "reference"
+    hopper = compute_capability is not None and tuple(map(int, compute_capability.split("."))) >= (9, 0)
+    if hopper and supports(dtype, q_heads, kv_heads, head_dim, page_size) is None:
+        return "mosaic"
+    return "triton"
+
+
 def _auto(q, k_pages, v_pages, md, **kw):
-    """The Pallas kernel on GPU, the jnp reference elsewhere."""
-    fn = paged_attention_triton if jax.default_backend() == "gpu" else paged_attention_reference
-    return fn(q, k_pages, v_pages, md, **kw)
+    """The backend `auto_backend` picks for this device and these (static) shapes."""
+    dev = jax.devices()[0]
+    name = auto_backend(
+        jax.default_backend(),
+        getattr(dev, "compute_capability", None),
+        dtype=q.dtype,
+        q_heads=q.shape[1],
+        kv_heads=k_pages.shape[2],
+        head_dim=q.shape[2],
+        page_size=k_pages.shape[1],
+    )
+    return BACKENDS[name](q, k_pages, v_pages, md, **kw)
 
 
 BACKENDS = {
     "reference": paged_attention_reference,
     "triton": paged_attention_triton,
     "triton_interpret": paged_attention_triton_interpret,
+    "mosaic": paged_attention_mosaic,
+    "mosaic_interpret": paged_attention_mosaic_interpret,
     "auto": _auto,
 }
 

@@ -1,0 +1,357 @@
+"""Mosaic GPU (Hopper: TMA + wgmma) ragged paged attention: one kernel for decode, prefill, chunked prefill and
+mixed batches over the flat token batch, with GQA packing, sliding windows, soft-capping, sinks and split-K.
+
+Design (sm90, bf16/fp16):
+- Work items: the flat batch is cut into query blocks of BQ = 64 // G tokens of one sequence (`_block_layout`,
+  shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits); idle blocks exit.
+- wgmma M: one warpgroup owns 64 rows = (token in block) x (query head of the KV group), row r = t * G + g, so
+  decode packs the G heads of a group (G of 64 rows used) and prefill packs 64 // G tokens x G heads. The wrapper
+  gathers q into [blocks, kv_heads, 64, D] rows and scatters the rows back (an XLA gather of q and of the output).
+- KV tiles of TILE keys (64 or 128): TILE // page_size pages per tile (pages of 8..TILE) or TILE-key slices of
+  one page (larger pages), each a TMA copy of a [keys, D] box of one KV head from the runner's
+  [num_pages, page_size, kv_heads, D] cache, into swizzled SMEM, `num_stages` tiles in flight (the copy of tile
+  j + stages is issued as soon as tile j's PV wgmma has finished with its slot). QK^T and PV are wgmmas with f32
+  accumulators; the online softmax is in base 2; masking (causal, window) is by row/column index on every tile.
+- Split-K (decode with few programs, head_dim <= 128): each split writes f32 partial outputs and their
+  log-sum-exp, merged outside with the Triton kernel's `_merge_splits`. Sinks (per-head logits added to the
+  softmax denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
+Limits: bf16/fp16 only; head_dim a multiple of 64 (<= 256); G <= 64; page_size a multiple of 8 that divides TILE
+or is a multiple of it. Keys are fetched whole pages (or TILE slices) at a time, so K/V slots past a sequence's
+length on its last tile are read (and masked): they must hold finite values, as the zero-initialised cache does.
+`"auto"` uses this kernel only where these hold (see `supports`), the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from netra_jax.ops.attention_args import check_attention_args
+from netra_jax.ops.paged_attention_triton import _block_layout, _merge_splits
+
+ROWS = 64  # wgmma M of one warpgroup
+_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
+_MAX_SPLITS = 16
+_SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm90 block may use
+_LOG2E = 1.4426950408889634
+_NEG = -1e30  # masked score: finite, so a row whose keys are all masked so far gives no NaN
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Static launch configuration."""
+
+    tile: int  # keys per pipeline step: 64 or 128
+    num_stages: int  # KV tiles in flight (TMA pipeline depth), >= 1
+    num_splits: int = 1  # split-K partitions of each item's keys, merged by log-sum-exp outside the kernel
+
+    def validate(self, page_size: int, head_dim: int) -> None:
+        if self.tile not in (64, 128):
+            raise ValueError(f"MosaicConfig.tile={self.tile} must be 64 or 128")
+        if self.num_stages < 1 or self.num_splits < 1:
+            raise ValueError(f"num_stages and num_splits must be >= 1, got {self}")
+        if self.tile % page_size and page_size % self.tile:
+            raise ValueError(f"page_size={page_size} and tile={self.tile}: one must divide the other")
+        if smem_bytes(self, head_dim) > _SMEM_BUDGET:
+            raise ValueError(f"{self} needs {smem_bytes(self, head_dim)} bytes of shared memory (> {_SMEM_BUDGET})")
+
+
+def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: q rows, K/V stages, probabilities, f32 partial output (split-K), row stats."""
+    kv = cfg.num_stages * 2 * cfg.tile * head_dim * itemsize
+    o32 = ROWS * head_dim * 4 if cfg.num_splits > 1 else 0
+    return (ROWS * head_dim + ROWS * cfg.tile) * itemsize + kv + o32 + ROWS * 4
+
+
+def supports(q_dtype, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> str | None:
+    """None if the kernel handles these shapes, else the reason it does not."""
+    if jnp.dtype(q_dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(q_dtype).name} (Mosaic GPU attention takes bfloat16 or float16)"
+    if head_dim % 64 or head_dim > 256:
+        return f"head_dim={head_dim} (must be a multiple of 64, at most 256)"
+    if q_heads % kv_heads or q_heads // kv_heads > ROWS:
+        return f"q_heads={q_heads}, kv_heads={kv_heads} (need a whole GQA group of at most {ROWS} heads)"
+    if page_size % 8 or (128 % page_size and page_size % 128):
+        return f"page_size={page_size} (must be a multiple of 8 dividing 128, or a multiple of 128)"
+    return None
+
+
+def choose_config(num_tokens: int, num_seqs: int, kv_heads: int, head_dim: int, page_size: int, max_context: int):
+    """Tiles of 128 keys (64 for head_dim 256, to keep two stages and the accumulators in registers), as many
+    stages as shared memory allows (<= 4), and split-K for decode-like steps with too few programs to fill the GPU."""
+    tile = 128 if head_dim <= 128 else 64
+    if page_size % tile and tile % page_size:
+        tile = 64
+    splits = 1
+    if num_tokens <= 2 * num_seqs and head_dim <= 128:
+        splits = -(-_TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
+        splits = max(1, min(splits, _MAX_SPLITS, max_context // (2 * tile)))  # >= two tiles per split
+    stages = 4
+    while stages > 1 and smem_bytes(MosaicConfig(tile, stages, splits), head_dim) > _SMEM_BUDGET:
+        stages -= 1
+    return MosaicConfig(tile=tile, num_stages=stages, num_splits=splits)
+
+
+def _transforms(dtype):
+    """Tiling + 128-byte swizzle of a [rows, D] SMEM tile, as TMA and wgmma want it."""
+    minor = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(128))
+
+
+def _kernel(
+    seq_ref,  # [NB] int32 sequence of each block
+    nq_ref,  # [NB] int32 tokens in the block (0: idle)
+    pos0_ref,  # [NB] int32 absolute position of the block's first token
+    bt_ref,  # [S, max_pages] int32
+    q_ref,  # [NB, KH, ROWS, D] gathered query rows
+    k_ref,  # [num_pages, P, KH, D]
+    v_ref,  # [num_pages, P, KH, D]
+    o_ref,  # [NS, NB, KH, ROWS, D] q dtype (NS == 1) or f32 partials
+    lse_ref,  # [NS, NB, KH, ROWS] f32 base-2 log-sum-exp of each row's scores
+    q_smem,  # [ROWS, D]
+    k_smem,  # [stages, TILE, D]
+    v_smem,  # [stages, TILE, D]
+    p_smem,  # [ROWS, TILE] probabilities (the interpreter's wgmma reads both operands from SMEM)
+    o32_smem,  # [ROWS, D] f32 (split-K only, else None)
+    lse_smem,  # [ROWS] f32
+    q_bar,
+    k_bar,  # [stages], one arrival per TMA copy of a tile
+    v_bar,
+    *,
+    group: int,
+    cfg: MosaicConfig,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    b, kh = lax.axis_index("block"), lax.axis_index("kv_head")
+    split = lax.axis_index("split")
+    TILE, NSTAGE = cfg.tile, cfg.num_stages
+    D = q_ref.shape[-1]
+    P = k_ref.shape[1]
+    max_pages = bt_ref.shape[1]
+    chunk = min(P, TILE)  # keys per TMA copy
+    n_q = nq_ref[b]
+
+    @pl.when(n_q > 0)
+    def _():
+        seq, pos0 = seq_ref[b], pos0_ref[b]
+        kv_hi = pos0 + n_q  # keys [kv_lo, kv_hi) can be visible to this block
+        kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+        t_lo, t_hi = kv_lo // TILE, (kv_hi + TILE - 1) // TILE
+        if cfg.num_splits > 1:
+            per = (t_hi - t_lo + cfg.num_splits - 1) // cfg.num_splits
+            t_lo = t_lo + split * per
+            t_hi = jnp.minimum(t_lo + per, t_hi)
+        n_steps = jnp.maximum(t_hi - t_lo, 0)
+
+        def fetch(step, slot):
+            """TMA copies of tile t_lo + step (TILE // chunk boxes of one KV head) into a pipeline slot."""
+            for i in range(TILE // chunk):
+                key0 = (t_lo + step) * TILE + i * chunk
+                page = bt_ref[seq, jnp.minimum(key0 // P, max_pages - 1)]
+                src = (page, pl.ds(key0 % P if chunk < P else 0, chunk), kh)
+                dst = (slot, pl.ds(i * chunk, chunk))
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar)
+        for s in range(NSTAGE):
+
+            @pl.when(s < n_steps)
+            def _(s=s):
+                fetch(s, s)
+
+        plgpu.barrier_wait(q_bar)
+        # row r = t * group + g sees key k (relative to the block's first token) iff t >= k (and t < k + window)
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=plgpu.Layout.WGMMA)
+
+        def body(j, carry):
+            acc, m, den = carry  # [ROWS, D] f32, [ROWS] f32, [ROWS] f32
+            slot = lax.rem(j, NSTAGE)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, TILE), jnp.float32))  # [ROWS, TILE]
+            if soft_cap is None:
+                s = s * (scale * _LOG2E)
+            else:
+                s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+            rel = (t_lo + j) * TILE - pos0 + col  # key position relative to the block's first token
+            vis = row >= rel * group
+            if sliding_window is not None:
+                vis &= row < (rel + sliding_window) * group
+            s = jnp.where(vis, s, _NEG)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            den = den * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            pv_tile = pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))  # [ROWS, D]
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
+
+            @pl.when(j + NSTAGE < n_steps)
+            def _():
+                fetch(j + NSTAGE, slot)
+
+            return acc, m_new, den
+
+        init = (
+            plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        acc, m, den = lax.fori_loop(0, n_steps, body, init)
+        den = jnp.maximum(den, 1e-30)  # an empty split: zero output, lse about -1e30 (weight 0 in the merge)
+        out = acc / lax.broadcast_in_dim(den, acc.shape, [0])
+        lse_smem[...] = m + jnp.log(den) * _LOG2E
+        o_smem = q_smem if o32_smem is None else o32_smem
+        o_smem[...] = out.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _validate(q, k_pages, v_pages, md, sliding_window, sinks):
+    """The shared argument checks, then what this kernel needs (dtype, head_dim, group, page size)."""
+    sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if (why := supports(q.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1])) is not None:
+        raise ValueError(f"the Mosaic GPU attention kernel does not support {why}; use the Triton backend")
+    if md.block_tables.ndim != 2 or md.query_start_loc.shape != (md.seq_lens.shape[0] + 1,):
+        raise ValueError("metadata shapes: need query_start_loc [S + 1], seq_lens [S], block_tables [S, max_pages]")
+    return sinks
+
+
+def paged_attention_mosaic(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    config: MosaicConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged paged attention in one Mosaic GPU kernel; same contract as `attention.paged_attention_reference`.
+
+    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]; md: AttentionMetadata;
+    sinks: optional [q_heads] float32 logits that join each softmax's denominator. Returns [T, q_heads, head_dim] in
+    q's dtype, zeros for padding tokens. Softmax statistics and accumulators in float32."""
+    sinks = _validate(q, k_pages, v_pages, md, sliding_window, sinks)
+    T, H, D = q.shape
+    _, P, KH, _ = k_pages.shape
+    G = H // KH
+    S, max_pages = md.block_tables.shape
+    if config is None:
+        config = choose_config(T, S, KH, D, P, max_pages * P)
+    config.validate(P, D)
+    NS, bq = config.num_splits, ROWS // G
+    seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, bq)
+    NB = seq.shape[0]
+
+    # query rows [NB, KH, ROWS, D]: row t * G + g of block b is head kh * G + g of token q_start[b] + t
+    t_in = jnp.arange(bq, dtype=jnp.int32)
+    tok = jnp.clip(q_start[:, None] + t_in[None, :], 0, T - 1)  # [NB, bq]
+    live = (t_in[None, :] < n_q[:, None])[..., None, None, None]  # [NB, bq, 1, 1, 1]
+    rows = jnp.where(live, q.reshape(T, KH, G, D)[tok], 0)  # [NB, bq, KH, G, D]
+    rows = rows.transpose(0, 2, 1, 3, 4).reshape(NB, KH, bq * G, D)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - bq * G), (0, 0)))
+
+    out_dtype = q.dtype if NS == 1 else jnp.float32
+    kernel = functools.partial(
+        _kernel,
+        group=G,
+        cfg=config,
+        scale=float(scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+    )
+    tx = _transforms(q.dtype)
+    chunks = config.tile // min(P, config.tile)
+    o, lse = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((NS, NB, KH, ROWS, D), out_dtype),
+            jax.ShapeDtypeStruct((NS, NB, KH, ROWS), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((ROWS, D), q.dtype, transforms=tx),
+            plgpu.SMEM((config.num_stages, config.tile, D), q.dtype, transforms=tx),
+            plgpu.SMEM((config.num_stages, config.tile, D), q.dtype, transforms=tx),
+            plgpu.SMEM((ROWS, config.tile), q.dtype, transforms=tx),
+            plgpu.SMEM((ROWS, D), jnp.float32, transforms=_transforms(jnp.float32)) if NS > 1 else None,
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=chunks, num_barriers=config.num_stages),
+            plgpu.Barrier(num_arrivals=chunks, num_barriers=config.num_stages),
+        ],
+        grid=(NB, KH, NS),
+        grid_names=("block", "kv_head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=not interpret),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=f"ragged_paged_attention_mgpu_t{config.tile}_st{config.num_stages}_s{NS}",
+    )(seq, n_q, pos0, md.block_tables.astype(jnp.int32), rows, k_pages, v_pages)
+
+    if NS > 1:
+        lse_all = lse
+        o = _merge_splits(o, lse, jnp.ones_like(lse))  # lse is base 2, as _merge_splits' m
+        m_max = jnp.max(lse_all, axis=0)
+        lse = m_max + jnp.log2(jnp.sum(jnp.exp2(lse_all - m_max[None]), axis=0))
+    else:
+        o, lse = o[0], lse[0]
+    if sinks is not None:  # softmax over [scores, sink]: scale by 1 / (1 + exp(sink - lse))
+        sink_rows = jnp.pad(jnp.tile(sinks.reshape(KH, G), (1, bq)), ((0, 0), (0, ROWS - bq * G)))
+        o = o * jax.nn.sigmoid(lse * math.log(2.0) - sink_rows[None])[..., None]
+
+    # back to tokens: token t of sequence s sits in block first_block[s] + local // bq at row (local % bq) * G + g
+    t = jnp.arange(T, dtype=jnp.int32)
+    qsl = md.query_start_loc.astype(jnp.int32)
+    s_of = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), 0, S - 1)  # [T]
+    local = t - qsl[s_of]
+    blk = jnp.clip(qsl[s_of] // bq + s_of + local // bq, 0, NB - 1)
+    r0 = (local % bq) * G
+    heads = jnp.arange(KH)[None, :, None]
+    out = o[blk[:, None, None], heads, r0[:, None, None] + jnp.arange(G)[None, None, :]]  # [T, KH, G, D]
+    out = out.reshape(T, H, D)
+    valid = t < qsl[-1]
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def paged_attention_mosaic_interpret(q, k_pages, v_pages, md, **kw) -> jax.Array:
+    """The same kernel run by the Mosaic GPU interpreter (CPU tests)."""
+    return paged_attention_mosaic(q, k_pages, v_pages, md, interpret=True, **kw)
+
+
+__all__ = [
+    "MosaicConfig",
+    "choose_config",
+    "paged_attention_mosaic",
+    "paged_attention_mosaic_interpret",
+    "smem_bytes",
+    "supports",
+]

@@ -1,0 +1,189 @@
+"""Mosaic GPU ragged paged attention: interpreted on CPU (InterpretGPUParams) against the jnp reference and the float64
+dense reference, lowered for an abstract H200 for every engine-relevant configuration, and end to end in a model."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention_reference import SINKS, dense
+from test_paged_attention_kernel import H200, _sds, make_case
+
+from netra_jax.ops.attention import BACKENDS, auto_backend, paged_attention_reference
+from netra_jax.ops.paged_attention_mosaic import (
+    MosaicConfig,
+    choose_config,
+    paged_attention_mosaic,
+    paged_attention_mosaic_interpret,
+    smem_bytes,
+)
+
+# prefill from scratch, decodes, chunked prefills with cached context, a single-token prompt, and a sequence with no
+# new token this step (an empty query run)
+MIXED = [(0, 21), (17, 1), (40, 1), (33, 12), (0, 1), (6, 0), (70, 3)]
+DECODE = [(15, 1), (200, 1), (47, 1), (290, 1), (1, 1), (64, 1)]
+TOL = 3e-2  # bf16 inputs and output; f32 softmax and accumulation
+
+
+def check(
+    seqs, *, window=None, cap=None, sinks=None, config=None, pad_tokens=3, pad_seqs=2, dtype=jnp.bfloat16, **shape
+):
+    """The kernel (interpreted) against the jnp reference and the float64 dense reference on one random case."""
+    q, k, v, md = make_case(seqs, dtype=dtype, pad_tokens=pad_tokens, pad_seqs=pad_seqs, **shape)
+    kw = dict(scale=shape["D"] ** -0.5, sliding_window=window, soft_cap=cap)
+    if sinks is not None:
+        kw["sinks"] = jnp.asarray(sinks[: q.shape[1]])
+    out = paged_attention_mosaic_interpret(q, k, v, md, config=config, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(paged_attention_reference(q, k, v, md, **kw), np.float32)
+    want = dense(q, k, v, md, **kw)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(out, want, atol=TOL, rtol=TOL)
+    assert not out[int(md.query_start_loc[-1]) :].any(), "padding tokens must give zeros"
+
+
+@pytest.mark.parametrize(
+    "G,D,P,KH",
+    [(1, 64, 16, 2), (2, 128, 32, 1), (4, 64, 64, 1), (8, 64, 16, 1)],
+    ids=["mha", "gqa2_d128_p32", "gqa4_p64", "gqa8"],
+)
+def test_mixed_batch(G, D, P, KH):
+    check(MIXED, G=G, D=D, P=P, KH=KH)
+
+
+@pytest.mark.parametrize(
+    "window,cap,sinks",
+    [(24, None, SINKS), (9, 2.0, None), (None, 30.0, SINKS)],
+    ids=["window_sinks", "window_softcap", "softcap_sinks"],
+)
+def test_window_softcap_sinks(window, cap, sinks):
+    # (200, 3): three tokens whose window starts many pages into their sequence; (90, 20): a chunk crossing the window
+    seqs = [(200, 3), (5, 1), (90, 20), (0, 30)]
+    check(seqs, window=window, cap=cap, sinks=sinks, G=2, D=64, P=16, KH=2, pad_seqs=1)
+
+
+def test_decode_split_k_with_sinks():
+    assert choose_config(6, 6, 1, 64, 32, 32768).num_splits > 1  # six programs: the chooser splits long contexts
+    cfg = MosaicConfig(tile=64, num_stages=2, num_splits=3)  # these contexts are 1 to 5 tiles long
+    check(DECODE, sinks=SINKS, G=4, D=64, P=32, KH=1, pad_tokens=0, pad_seqs=0, config=cfg)
+
+
+def test_split_k_with_prefill_rows_window_and_empty_splits():
+    # four splits of a window's few tiles: some splits of the short sequences get no tile at all
+    check(MIXED, window=30, G=2, D=64, P=16, KH=1, config=MosaicConfig(tile=64, num_stages=2, num_splits=4))
+
+
+def test_head_dim_256_page_128():
+    """head_dim 256 takes 64-key tiles, so a 128-key page is fetched in two TMA slices."""
+    assert choose_config(4, 2, 1, 256, 128, 256).tile == 64
+    check([(150, 1), (0, 3)], G=4, D=256, P=128, KH=1, pad_tokens=1, pad_seqs=0)
+
+
+def test_fp16_one_stage():
+    check([(40, 2), (0, 5)], G=2, D=64, P=32, KH=1, dtype=jnp.float16, config=MosaicConfig(64, 1), pad_seqs=0)
+
+
+def test_rejects_what_it_cannot_run():
+    q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=64, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="float32"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125)
+    q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=80, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=80"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125)
+    q, k, v, md = make_case([(3, 2)], P=24, KH=1, G=2, D=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_size=24"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125)
+    q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125, sinks=jnp.zeros(3))
+    with pytest.raises(ValueError, match="shared memory"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125, config=MosaicConfig(128, 8))
+
+
+def test_backend_registry_and_auto_choice():
+    assert BACKENDS["mosaic"] is paged_attention_mosaic
+    assert BACKENDS["mosaic_interpret"] is paged_attention_mosaic_interpret
+    bf16 = dict(dtype=jnp.bfloat16, q_heads=32, kv_heads=8, head_dim=128, page_size=16)
+    assert auto_backend("gpu", "9.0", **bf16) == "mosaic"
+    assert auto_backend("gpu", "10.0", **bf16) == "mosaic"
+    assert auto_backend("gpu", "8.0", **bf16) == "triton"
+    assert auto_backend("gpu", "9.0", **dict(bf16, dtype=jnp.float32)) == "triton"
+    assert auto_backend("gpu", "9.0", **dict(bf16, head_dim=80)) == "triton"  # SmolLM2-style heads
+    assert auto_backend("cpu", None, **bf16) == "reference"
+
+
+# ------------------------------------------------------------------ abstract H200 lowering
+
+
+def lower_h200(f, *args) -> str:
+    """Lower for an abstract H200; Mosaic GPU must not warn at all (unlike the deprecated Triton lowering)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jax.sharding.use_abstract_mesh(H200):
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# (q_heads, kv_heads, head_dim, sliding window, soft-cap, sinks): GQA 1..8, head_dim 64..256, the served families
+MODELS = {
+    "mha-d64": (8, 8, 64, None, None, False),
+    "gqa2-d128": (16, 8, 128, None, None, False),
+    "llama3-8b": (32, 8, 128, None, None, False),
+    "gemma3-1b": (4, 1, 256, 512, None, False),
+    "gemma2-softcap": (16, 8, 256, 4096, 50.0, False),
+    "gpt-oss": (64, 8, 64, 128, None, True),
+}
+# (tokens, sequences, page size, max pages): decode batches (split-K and not), a mixed chunked-prefill step, one
+# prefill; every page size; 32k-token contexts
+STEPS = [(1, 1, 16, 2048), (256, 256, 32, 1024), (512, 64, 64, 512), (2048, 2, 128, 256)]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_lowers_for_h200(model):
+    H, KH, D, window, cap, sinks = MODELS[model]
+    splits = set()
+    for T, S, P, max_pages in STEPS:
+        f = functools.partial(paged_attention_mosaic, scale=D**-0.5, sliding_window=window, soft_cap=cap)
+        if sinks:
+            f = functools.partial(f, sinks=jnp.zeros((H,), jnp.float32))
+        txt = lower_h200(f, *_sds(T, S, H, KH, D, P, jnp.bfloat16, num_pages=4096, max_pages=max_pages))
+        assert txt.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+        cfg = choose_config(T, S, KH, D, P, max_pages * P)
+        assert smem_bytes(cfg, D) <= 220 * 1024
+        splits.add(cfg.num_splits > 1)
+    assert splits == ({True, False} if D <= 128 else {False})
+
+
+def test_lowering_is_a_real_gate():
+    """Mosaic GPU lowers the kernel body at .lower() time (no GPU needed), so GPU-only rejections fail here: a wgmma
+    whose accumulator has 32 rows (not 64 per warpgroup) is refused, the same kernel with 64 rows lowers."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def matmul_kernel(m):
+        def body(a_ref, o_ref, a_smem, bar):
+            plgpu.copy_gmem_to_smem(a_ref, a_smem, bar)
+            plgpu.barrier_wait(bar)
+
+            def mm(acc):
+                plgpu.wgmma(acc, a_smem, a_smem.transpose((1, 0)))
+                return acc[...]
+
+            o_ref[...] = pl.run_scoped(mm, plgpu.ACC((m, m), jnp.float32))
+
+        tx = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((m, m), jnp.float32),
+            scratch_types=[plgpu.SMEM((m, 64), jnp.bfloat16, transforms=tx), plgpu.Barrier()],
+        )
+
+    txt = lower_h200(matmul_kernel(64), jax.ShapeDtypeStruct((64, 64), jnp.bfloat16))
+    assert txt.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+    with pytest.raises(Exception, match="first dimension must be a multiple of 64"):
+        lower_h200(matmul_kernel(32), jax.ShapeDtypeStruct((32, 64), jnp.bfloat16))
