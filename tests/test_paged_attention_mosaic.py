@@ -4,6 +4,7 @@ dense reference, lowered for an abstract H200 for every engine-relevant configur
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 
 import jax
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_attention_reference import SINKS, dense
-from test_paged_attention_kernel import H200, _sds, make_case
+from test_paged_attention_kernel import FIXTURES, H200, _sds, make_case
 
-from netra_jax.ops.attention import BACKENDS, auto_backend, paged_attention_reference
+from netra_jax.ops.attention import BACKENDS, AttentionMetadata, auto_backend, paged_attention_reference
 from netra_jax.ops.paged_attention_mosaic import (
     MosaicConfig,
     choose_config,
@@ -87,6 +88,17 @@ def test_head_dim_256_page_128():
 
 def test_fp16_one_stage():
     check([(40, 2), (0, 5)], G=2, D=64, P=32, KH=1, dtype=jnp.float16, config=MosaicConfig(64, 1), pad_seqs=0)
+
+
+def test_invisible_slots_are_masked():
+    """Whole pages are fetched, so slots no query may see (past a sequence's length, before its window, unused pages)
+    reach shared memory: filled with large finite values, they must not change any output."""
+    seqs = [(40, 2), (5, 1), (0, 7)]
+    clean, dirty = make_case(seqs, P=16, KH=1, G=2, D=64, dtype=jnp.bfloat16, pad_tokens=2, garbage=3e4)
+    q, k, v, md = clean
+    want = paged_attention_mosaic_interpret(q, k, v, md, scale=0.125, sliding_window=12)
+    got = paged_attention_mosaic_interpret(q, dirty[1], dirty[2], md, scale=0.125, sliding_window=12)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_rejects_what_it_cannot_run():
@@ -187,3 +199,42 @@ def test_lowering_is_a_real_gate():
     assert txt.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
     with pytest.raises(Exception, match="first dimension must be a multiple of 64"):
         lower_h200(matmul_kernel(32), jax.ShapeDtypeStruct((32, 64), jnp.bfloat16))
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def test_model_steps_match_reference():
+    """A Gemma-3-shaped model (a sliding and a full layer, GQA 4) with head_dim 64 in bf16: a prefill chunk and a
+    second chunk over its cached context through attention(backend="mosaic_interpret") give the reference's logits."""
+    from netra_jax.config import ModelConfig
+    from netra_jax.loader import dummy
+    from netra_jax.models.transformer import forward, init_kv_cache
+
+    hf = json.loads((FIXTURES / "tiny-gemma3" / "config.json").read_text())
+    layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    cfg = ModelConfig.from_hf_dict(dict(hf, head_dim=64, query_pre_attn_scalar=64, **layers))
+    params = dummy.random_params(cfg, np.float32, seed=3)
+    for lp in params["layers"]:  # scores of order one, so attention is far from uniform
+        lp["wq"], lp["wk"] = lp["wq"] * 8, lp["wk"] * 8
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    P, n_pages = 16, 6
+    bt = jnp.asarray([[4, 0, 5, 2, 1, 3]], jnp.int32)  # scattered pages
+    ids = jax.random.randint(jax.random.key(0), (40,), 3, cfg.vocab_size)
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
+    kvs = {b: init_kv_cache(cfg, n_pages, P, jnp.bfloat16) for b in ("reference", "mosaic_interpret")}
+    for start, n in [(0, 21), (21, 18)]:  # chunked prefill, the second chunk past the 16-token window
+        slots = bt[0, jnp.arange(start, start + n) // P] * P + jnp.arange(start, start + n) % P
+        md = AttentionMetadata(
+            slot_mapping=slots.astype(jnp.int32),
+            query_start_loc=jnp.array([0, n], jnp.int32),
+            seq_lens=jnp.array([start + n], jnp.int32),
+            block_tables=bt,
+        )
+        pos = jnp.arange(start, start + n, dtype=jnp.int32)
+        logits = {}
+        for b in kvs:
+            logits[b], kvs[b] = fwd(params, cfg, ids[start : start + n], pos, kvs[b], md, backend=b)
+        want = np.asarray(logits["reference"], np.float32)
+        got = np.asarray(logits["mosaic_interpret"], np.float32)
+        np.testing.assert_allclose(got, want, atol=0.03 * np.abs(want).max(), rtol=0)
