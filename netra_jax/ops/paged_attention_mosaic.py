@@ -1,23 +1,26 @@
 """Mosaic GPU (Hopper: TMA + wgmma) ragged paged attention: one kernel for decode, prefill, chunked prefill and
 mixed batches over the flat token batch, with GQA packing, sliding windows, soft-capping, sinks and split-K.
 
-Design (sm90, bf16/fp16):
+Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
 - Work items: the flat batch is cut into query blocks of BQ = 64 // G tokens of one sequence (`_block_layout`,
   shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits); idle blocks exit.
-- wgmma M: one warpgroup owns 64 rows = (token in block) x (query head of the KV group), row r = t * G + g, so
-  decode packs the G heads of a group (G of 64 rows used) and prefill packs 64 // G tokens x G heads. The wrapper
-  gathers q into [blocks, kv_heads, 64, D] rows and scatters the rows back (an XLA gather of q and of the output).
-- KV tiles of TILE keys (64 or 128): TILE // page_size pages per tile (pages of 8..TILE) or TILE-key slices of
-  one page (larger pages), each a TMA copy of a [keys, D] box of one KV head from the runner's
-  [num_pages, page_size, kv_heads, D] cache, into swizzled SMEM, `num_stages` tiles in flight (the copy of tile
-  j + stages is issued as soon as tile j's PV wgmma has finished with its slot). QK^T and PV are wgmmas with f32
-  accumulators; the online softmax is in base 2; masking (causal, window) is by row/column index on every tile.
-- Split-K (decode with few programs, head_dim <= 128): each split writes f32 partial outputs and their
-  log-sum-exp, merged outside with the Triton kernel's `_merge_splits`. Sinks (per-head logits added to the
-  softmax denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
-Limits: bf16/fp16 only; head_dim a multiple of 64 (<= 256); G <= 64; page_size a multiple of 8 that divides TILE
-or is a multiple of it. Keys are fetched whole pages (or TILE slices) at a time, so K/V slots past a sequence's
-length on its last tile are read (and masked): they must hold finite values, as the zero-initialised cache does.
+- wgmma M = 64 rows = (token in block) x (query head of the KV group), row r = t * G + g: decode packs the G heads
+  of a group (G of the 64 rows used: decode is bound by KV bytes, not by the tensor cores), prefill packs 64 // G
+  tokens x G heads. The wrapper gathers q into [blocks, kv_heads, 64, D] rows and the output rows back (XLA).
+- KV tiles of TILE keys (64 or 128): TILE // page_size pages per tile or TILE-key slices of one page (pages larger
+  than TILE), each a TMA copy of a [keys, D] box of one KV head, its page read from the block table, straight from
+  the runner's [num_pages, page_size, kv_heads, D] cache (no layout change) into 128-byte-swizzled SMEM;
+  `num_stages` tiles in flight: tile j + stages is fetched into tile j's slot once tile j's PV wgmma is done.
+- Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index, online softmax
+  in base 2, P (bf16/fp16) to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the
+  CPU interpreter's wgmma takes SMEM operands only: one tested path (wgmma can read P from registers on sm90).
+- Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
+  log-sum-exp, merged outside by the Triton kernel's `_merge_splits`. Sinks (per-head logits in the softmax
+  denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
+Limits: bf16/fp16 only; head_dim a multiple of 64, at most 256; G <= 64; page_size a multiple of 8 dividing 128 or
+a multiple of 128; shared memory <= 220 KiB (the chooser picks tile and stages to fit; lowering checks sm90's 227).
+Keys are fetched whole pages (or TILE slices), so slots past a sequence's length or before its window on a fetched
+tile reach SMEM and are masked: they must hold finite values (0 x inf would poison P V), as the cache does.
 `"auto"` uses this kernel only where these hold (see `supports`), the Triton kernel otherwise.
 """
 
