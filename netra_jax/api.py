@@ -71,6 +71,7 @@ class LLM:
     dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
     enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices),
+    async_scheduling (schedule step N+1 while step N runs on the device),
     quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
     config.json, for benchmarks)."""
 
@@ -94,6 +95,7 @@ class LLM:
         warmup: bool = True,
         compilation_cache_dir: str | None = None,
         load_format: str = "auto",
+        async_scheduling: bool = True,
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
@@ -112,6 +114,7 @@ class LLM:
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
             load_format=load_format,
+            async_scheduling=async_scheduling,
         )  # fmt: skip
         self.engine = build_engine(self.config)
         self._ids = itertools.count()
@@ -127,7 +130,7 @@ class LLM:
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Per-position logits of a prompt: float32 [len(token_ids), vocab] (row i predicts token i + 1)."""
-        ids = self.engine._check_ids(token_ids)
+        ids = self.engine.inputs.check_ids(token_ids)
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
         return self.engine.runner.prompt_logits(ids)

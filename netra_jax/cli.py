@@ -30,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and pack step N+1 while step N runs on the device (hides the host's work per step)",
+    )
+    p.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
@@ -56,6 +62,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         served_model_name=a.served_model_name,
         warmup=not a.no_warmup,
         load_format=a.load_format,
+        async_scheduling=a.async_scheduling,
     )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from netra_jax.engine.engine import LLMEngine
+from netra_jax.engine.request import ContextLengthError, check_context_length
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -117,16 +118,15 @@ def sampling_params(engine: LLMEngine, req: SamplingRequest, num_logprobs: int |
         sp.validate(engine.vocab_size)
     except ValueError as e:
         raise bad(str(e), _param_of(str(e), req)) from None
-    limit = engine.max_model_len
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     for n in prompt_lens:
-        if n >= limit:
-            raise bad(f"prompt has {n} tokens; the model's context is {limit} (at least one token must be left "
-                      "to generate)", "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                      "context_length_exceeded")  # fmt: skip
-        if sp.max_tokens is not None and n + sp.max_tokens > limit:
-            raise bad(f"prompt ({n} tokens) + {param} ({sp.max_tokens}) exceeds the model's context of {limit} "
-                      "tokens", param, "context_length_exceeded")  # fmt: skip
+        try:
+            check_context_length(n, sp.max_tokens, engine.max_model_len, param)
+        except ContextLengthError as e:
+            where = (
+                e.param if e.param != "prompt" else "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            )
+            raise bad(str(e), where, "context_length_exceeded") from None
     return sp
 
 

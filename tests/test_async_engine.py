@@ -18,8 +18,12 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def aengine():
-    cfg = EngineConfig(model=str(FIXTURES / "tiny-qwen3"), dtype="float32", warmup=False,
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))  # fmt: skip
+    cfg = EngineConfig(
+        model=str(FIXTURES / "tiny-qwen3"),
+        dtype="float32",
+        warmup=False,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+    )
     ae = AsyncEngine(build_engine(cfg))
     yield ae
     ae.shutdown()
@@ -34,9 +38,9 @@ def test_concurrent_requests_match_reference(aengine):
     cases = reference("tiny-qwen3")["cases"]
 
     async def main():
-        return await asyncio.gather(*[
-            _collect(aengine, {"prompt_token_ids": c["prompt_ids"]}, GREEDY, f"r{i}") for i, c in enumerate(cases)
-        ])  # fmt: skip
+        return await asyncio.gather(
+            *[_collect(aengine, {"prompt_token_ids": c["prompt_ids"]}, GREEDY, f"r{i}") for i, c in enumerate(cases)]
+        )
 
     results = asyncio.run(main())
     for outs, case in zip(results, cases, strict=True):
@@ -65,8 +69,12 @@ def test_bad_input_raises_and_abandon_aborts(aengine):
 
 
 def test_failing_step_fails_clients():
-    cfg = EngineConfig(model=str(FIXTURES / "tiny-llama"), dtype="float32", warmup=False,
-                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))  # fmt: skip
+    cfg = EngineConfig(
+        model=str(FIXTURES / "tiny-llama"),
+        dtype="float32",
+        warmup=False,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+    )
     engine = build_engine(cfg)
 
     def boom():

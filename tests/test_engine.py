@@ -36,8 +36,9 @@ def llm():
 def solo(llm):
     """Greedy output of each prompt run alone (no companions)."""
     prompts = _prompts(32, llm.model_config.vocab_size)
-    return prompts, [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-                     for p in prompts]  # fmt: skip
+    return prompts, [
+        llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+    ]
 
 
 def _check_idle(llm):
@@ -109,8 +110,9 @@ def test_seeded_sampling_reproducible_across_batches(llm):
 
 def test_n_samples_and_top_k_one(llm):
     p = {"prompt_token_ids": reference("tiny-llama")["cases"][0]["prompt_ids"]}
-    out = llm.generate(p, SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(p, SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     samples = [tuple(o.token_ids) for o in out.outputs]
     assert len(samples) == 4 and len(set(samples)) == 4
     tok = llm.get_tokenizer()
@@ -118,8 +120,9 @@ def test_n_samples_and_top_k_one(llm):
         assert len(o.token_ids) == 12 and o.finish_reason == "length"
         assert o.text == tok.decode(o.token_ids)
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
-    top1 = llm.generate(p, SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True),
-                        use_tqdm=False)[0]  # fmt: skip
+    top1 = llm.generate(
+        p, SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=3, ignore_eos=True), use_tqdm=False
+    )[0]
     assert top1.outputs[0].token_ids == reference("tiny-llama")["cases"][0]["greedy_ids"]
     _check_idle(llm)
 
@@ -138,9 +141,11 @@ def test_stop_string_cut_exactly(llm):
     o = out.outputs[0]
     assert o.text == full[: full.index(stop)]
     assert o.finish_reason == "stop" and o.stop_reason == stop
-    inc = llm.generate({"prompt_token_ids": case["prompt_ids"]},
-                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
-                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    inc = llm.generate(
+        {"prompt_token_ids": case["prompt_ids"]},
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert inc.text == full[: full.index(stop) + len(stop)]
 
 
@@ -177,9 +182,17 @@ def test_no_compilations_after_warmup(llm):
         reqs, params = [], []
         for i in range(100):
             reqs.append({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 200))]})
-            params.append(SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5,
-                                         temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
-                                         top_k=rng.choice([0, 20]), seed=i))  # fmt: skip
+            params.append(
+                SamplingParams(
+                    max_tokens=rng.randrange(1, 40),
+                    ignore_eos=rng.random() < 0.5,
+                    temperature=rng.choice([0.0, 0.7, 1.0]),
+                    top_p=rng.choice([1.0, 0.9]),
+                    top_k=rng.choice([0, 20]),
+                    seed=i,
+                    prompt_logprobs=rng.choice([None, None, None, 0, 5]),  # from the ordinary (chunked) prefill
+                )
+            )
         for start in range(0, 100, 25):  # waves of different batch compositions
             llm.generate(reqs[start : start + 25], params[start : start + 25], use_tqdm=False)
         after_warm = list(counter.names)
@@ -188,7 +201,7 @@ def test_no_compilations_after_warmup(llm):
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(counter)
-    model_steps = [n for n in after_warm if n in ("_step", "_sample")]
+    model_steps = [n for n in after_warm if n in ("_step", "_sample", "_widen_ids")]
     assert model_steps == [], f"compiled after warm-up: {model_steps}"
     assert "_sample" in counter.names[len(after_warm) :]
 
@@ -247,8 +260,9 @@ def test_more_samples_than_the_queue_cap_is_a_bad_request():
     from netra_jax.api import build_engine
     from netra_jax.config import EngineConfig, SchedulerConfig
 
-    engine = build_engine(EngineConfig(model=str(MODEL), dtype="float32", warmup=False,
-                                       scheduler=SchedulerConfig(max_waiting=2)))  # fmt: skip
+    engine = build_engine(
+        EngineConfig(model=str(MODEL), dtype="float32", warmup=False, scheduler=SchedulerConfig(max_waiting=2))
+    )
     with pytest.raises(ValueError, match="n=3 samples can never fit the waiting queue"):
         engine.add_request("a", [5, 6, 7], SamplingParams(n=3, max_tokens=2))
     engine.add_request("b", [5, 6, 7], SamplingParams(n=2, max_tokens=2, temperature=0))

@@ -154,7 +154,7 @@ def test_token_outside_the_grammar_ends_the_sample_with_error(llm, prompts):
     with finish_reason "error" and frees its KV blocks instead of continuing unconstrained."""
     eng = llm.engine
     eng.add_request("broken", prompts[0], SamplingParams(max_tokens=8, temperature=0, structured_outputs=SO(regex="q")))
-    eng._seq_of["broken"][1].grammar.mask = lambda: np.full(16, -1, np.int32)
+    eng._sample_of["broken"][1].grammar.mask = lambda: np.full(16, -1, np.int32)
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()

@@ -224,8 +224,10 @@ class AsyncEngine:
             start = self.last_step_start
             if start is None or time.monotonic() - start <= self.step_timeout:
                 continue
-            msg = (f"engine step {self.num_steps + 1} has run for {time.monotonic() - start:.1f}s "
-                   f"(step timeout {self.step_timeout:g}s)")  # fmt: skip
+            msg = (
+                f"engine step {self.num_steps + 1} has run for {time.monotonic() - start:.1f}s "
+                f"(step timeout {self.step_timeout:g}s)"
+            )
             log.error("%s; failing %d requests", msg, len(self._queues))
             self._fail(StepTimeoutError(msg), msg)
             return

@@ -38,6 +38,33 @@ _FINISH_REASONS = {
 }
 
 
+class ContextLengthError(ValueError):
+    """A prompt (plus its max_tokens) does not fit the model's context; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_context_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, max_tokens_name: str = "max_tokens"
+) -> None:
+    """The one context-length rule (engine, scheduler and HTTP front all call it): a prompt must leave at least one
+    token to generate, and prompt + max_tokens must fit `max_model_len`. Raises ContextLengthError."""
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"prompt has {num_prompt_tokens} tokens; the model's context is {max_model_len} (at least one token "
+            "must be left to generate)",
+            "prompt",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"prompt ({num_prompt_tokens} tokens) + {max_tokens_name} ({max_tokens}) exceeds the model's context of "
+            f"{max_model_len} tokens",
+            max_tokens_name,
+        )
+
+
 def _token_list(ids: Iterable[int], what: str) -> list[int]:
     out = []
     for t in ids:
@@ -89,7 +116,9 @@ class Request:
         self._all_token_ids: list[int] = list(prompt)
 
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV a finished step has written
+        self.num_inflight_tokens = 0  # tokens scheduled in steps whose results the scheduler has not seen yet
+        self.num_placeholders = 0  # sampled tokens of those steps: counted in the sequence, not yet known
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # memo of the chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
@@ -115,6 +144,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_scheduled_end(self) -> int:
+        """Position the next scheduled chunk starts at: computed tokens plus those in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -11,12 +11,23 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from netra_jax import parallel
 from netra_jax.config import CacheConfig, ModelConfig
 from netra_jax.engine.scheduler import SchedulerOutput
+from netra_jax.engine.step_layout import (
+    PROMPT_LOGPROB_ROWS,
+    BatchShape,
+    PackedBatch,
+    empty_batch,
+    pack_batch,
+    prompt_logprob_positions,
+    unpack,
+)
 from netra_jax.models.transformer import forward, init_kv_cache
-from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
+from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work
+from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
 
@@ -35,90 +46,31 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """Static shape of one compiled step variant."""
-
-    num_tokens: int  # T
-    num_seqs: int  # S (logit rows)
-    max_pages: int  # W (block-table width)
-
-    @property
-    def num_items(self) -> int:
-        return num_items(self.num_tokens, self.num_seqs)
-
-    def packed_len(self) -> int:
-        T, S, W, N = self.num_tokens, self.num_seqs, self.max_pages, self.num_items
-        return 3 * T + (S + 1) + 2 * S + S * W + (T + 1) + (3 * N + 1)
-
-
-@dataclass
-class PackedBatch:
-    shape: BatchShape
-    host: np.ndarray  # [packed_len] int32: tokens | positions | slots | qsl | seq_lens | logits_idx | block_tables |
-    #                   attention work lists (per-token tokens, count | item starts, lengths, seqs, count)
-    num_seqs: int  # real sequences
-    num_tokens: int  # real tokens
+def _step(params, kv, packed, prev_ids=None, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):
+    """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
+    into placeholder slots (None: every token is known). Returns (logits [S, vocab] float32, kv, prompt logprobs
+    of the P prompt rows or None)."""
+    x = unpack(packed, shape)
+    tokens = x.tokens  # [T]
+    if prev_ids is not None:
+        tokens = jnp.where(x.prev_rows >= 0, prev_ids[jnp.maximum(x.prev_rows, 0)], tokens)
+    rows = x.logits_idx if not shape.prompt_rows else jnp.concatenate([x.logits_idx, x.prompt_idx])  # [S (+ P)]
+    logits, kv = forward(params, cfg, tokens, x.positions, kv, x.md, rows, backend=backend, mesh=mesh)
+    if not shape.prompt_rows:
+        return logits, kv, None
+    s = shape.num_seqs
+    return logits[:s], kv, _prompt_logprobs(logits[s:], x.prompt_target)
 
 
-def pack_batch(out: SchedulerOutput, shape: BatchShape, page_size: int, pad_slot: int) -> PackedBatch:
-    """Lay the scheduled requests out as one flat token batch in a single int32 array (one host->device copy)."""
-    T, S, W = shape.num_tokens, shape.num_seqs, shape.max_pages
-    buf = np.zeros(shape.packed_len(), np.int32)
-    tok, pos, slot = buf[:T], buf[T : 2 * T], buf[2 * T : 3 * T]
-    o = 3 * T
-    qsl = buf[o : o + S + 1]
-    seq_lens = buf[o + S + 1 : o + 2 * S + 1]
-    lidx = buf[o + 2 * S + 1 : o + 3 * S + 1]
-    bt = buf[o + 3 * S + 1 : o + 3 * S + 1 + S * W].reshape(S, W)
-    slot[:] = pad_slot
-    t = 0
-    for s, sr in enumerate(out.scheduled):
-        n, start = sr.num_new_tokens, sr.start
-        tok[t : t + n] = sr.token_ids
-        p = np.arange(start, start + n, dtype=np.int32)
-        pos[t : t + n] = p
-        blocks = np.asarray(sr.block_ids, np.int32)
-        slot[t : t + n] = blocks[p // page_size] * page_size + p % page_size
-        bt[s, : len(blocks)] = blocks
-        seq_lens[s] = start + n
-        t += n
-        qsl[s + 1] = t
-        lidx[s] = t - 1
-    ns = len(out.scheduled)
-    qsl[ns + 1 :] = t
-    buf[o + 3 * S + 1 + S * W :] = _work_lists([sr.num_new_tokens for sr in out.scheduled], T, S)
-    return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t)
-
-
-def _work_lists(q_lens: list[int], T: int, S: int) -> np.ndarray:
-    """The attention work lists' section of the packed array (layout read back by `_unpack`)."""
-    tokens, nt, start, length, seq, ni = build_work(q_lens, T, S)
-    return np.concatenate([tokens, [nt], start, length, seq, [ni]])
-
-
-def _unpack(packed: jax.Array, shape: BatchShape):
-    T, S, W, N = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.num_items
-    o = 3 * T
-    w = o + 3 * S + 1 + S * W  # work lists
-    i = w + T + 1  # items
-    md = AttentionMetadata(
-        slot_mapping=packed[2 * T : o],
-        query_start_loc=packed[o : o + S + 1],
-        seq_lens=packed[o + S + 1 : o + 2 * S + 1],
-        block_tables=packed[o + 3 * S + 1 : w].reshape(S, W),
-        work=AttentionWork(
-            tokens=packed[w : w + T], num_tokens=packed[w + T], item_start=packed[i : i + N],
-            item_len=packed[i + N : i + 2 * N], item_seq=packed[i + 2 * N : i + 3 * N], num_items=packed[i + 3 * N],
-        ),
-    )  # fmt: skip
-    return packed[:T], packed[T : 2 * T], md, packed[o + 2 * S + 1 : o + 3 * S + 1]
-
-
-def _step(params, kv, packed, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):
-    tokens, positions, md, logits_idx = _unpack(packed, shape)
-    logits, kv = forward(params, cfg, tokens, positions, kv, md, logits_idx, backend=backend, mesh=mesh)
-    return logits, kv  # [S, vocab] float32
+def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+    """vLLM's prompt logprobs of P rows: the target's logprob [P] and rank [P] (1 = most likely), and the top
+    MAX_LOGPROBS ids and logprobs [P, K]. logits: [P, vocab] float32, targets: [P] int32."""
+    m = jnp.max(logits, -1, keepdims=True)  # [P, 1]
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m), -1, keepdims=True))  # [P, 1]
+    target = jnp.take_along_axis(logits, targets[:, None], 1)  # [P, 1]
+    rank = jnp.sum(logits > target, -1).astype(jnp.int32) + 1  # [P]
+    top_vals, top_ids = lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[1]))  # [P, K]
+    return (target - lse)[:, 0], rank, top_ids.astype(jnp.int32), top_vals - lse
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend", "mesh"))
@@ -137,6 +89,11 @@ def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend:
     )
     logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend, mesh=mesh)
     return logits  # [T, vocab] float32
+
+
+def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:
+    """[S] int32 -> [size] int32, zero-padded."""
+    return jnp.zeros(size, jnp.int32).at[: ids.shape[0]].set(ids)
 
 
 def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
@@ -158,11 +115,21 @@ def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int
     return max(2, min(budget // per_page, max_useful))
 
 
+@dataclass
+class StepResult:
+    """A dispatched step: device arrays (not waited for) and the host-side pack they came from."""
+
+    logits: jax.Array  # [S, vocab] float32, the sampled rows
+    prompt_logprobs: tuple[jax.Array, ...] | None  # see _prompt_logprobs; None unless the shape has prompt rows
+    batch: PackedBatch
+
+
 class ModelRunner:
     """Owns the parameters and the paged KV cache on the device; executes one scheduled step at a time.
 
     tensor_parallel_size > 1: parameters and KV heads are split over a ("tp",) mesh of the first N devices (see
-    `netra_jax.parallel`); the step's logits come back gathered on device 0, where the sampler runs."""
+    `netra_jax.parallel`); the step's logits come back gathered on device 0, where the sampler runs.
+    overlap: steps take the previous step's sampled ids on device (see `run`); every step is compiled that way."""
 
     def __init__(
         self,
@@ -177,6 +144,7 @@ class ModelRunner:
         kv_dtype=jnp.float32,
         backend: str = "reference",
         tensor_parallel_size: int = 1,
+        overlap: bool = False,
     ):
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         if self.mesh is not None:  # a no-op for parameters the loader already placed on this mesh
@@ -188,54 +156,97 @@ class ModelRunner:
         self.buckets = token_buckets(max_num_batched_tokens)
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
+        self.overlap = overlap
         kv_sharding = None if self.mesh is None else parallel.kv_sharding(self.mesh)
         self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
         self.pad_slot = num_pages * page_size  # out of range: dropped by the KV write
         # sharded: KV out sharding = in sharding (donation reuses each device's pages), logits all-gathered
-        out = {} if self.mesh is None else {"out_shardings": (parallel.replicated(self.mesh), kv_sharding)}
-        self._jit = jax.jit(functools.partial(_step, mesh=self.mesh), static_argnames=("cfg", "shape", "backend"),
-                            donate_argnums=(1,), **out)  # fmt: skip
+        out = {}
+        if self.mesh is not None:
+            rep = parallel.replicated(self.mesh)
+            out = {"out_shardings": (rep, kv_sharding, rep)}
+        self._jit = jax.jit(
+            functools.partial(_step, mesh=self.mesh),
+            static_argnames=("cfg", "shape", "backend"),
+            donate_argnums=(1,),
+            **out,
+        )
+        self._widen = jax.jit(functools.partial(_widen_ids, size=self.max_seqs_bucket))
+        self._no_ids = self._place_ids(jnp.zeros(self.max_seqs_bucket, jnp.int32))
         self.num_steps = 0
 
     # ------------------------------------------------------------------ shapes
-    def shape_for(self, num_tokens: int) -> BatchShape:
+    def shape_for(self, num_tokens: int, prompt_logprobs: bool = False) -> BatchShape:
+        """The bucket of a step of `num_tokens` tokens; `prompt_logprobs`: the variant that also computes the
+        logprobs of up to PROMPT_LOGPROB_ROWS prompt positions."""
         T = next((b for b in self.buckets if b >= num_tokens), None)
         if T is None:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
-        return BatchShape(T, min(T, self.max_seqs_bucket), self.max_pages)
+        rows = min(T, PROMPT_LOGPROB_ROWS) if prompt_logprobs else 0
+        return BatchShape(T, min(T, self.max_seqs_bucket), self.max_pages, rows)
 
     def all_shapes(self) -> list[BatchShape]:
-        return sorted({self.shape_for(b) for b in self.buckets}, key=lambda s: s.num_tokens)
+        """Every step variant the engine can run (each bucket, with and without prompt logprob rows)."""
+        shapes = {self.shape_for(b, plp) for b in self.buckets for plp in (False, True)}
+        return sorted(shapes, key=lambda s: (s.num_tokens, s.prompt_rows))
 
     # ------------------------------------------------------------------ execution
-    def run(self, out: SchedulerOutput) -> tuple[jax.Array, PackedBatch]:
-        """Dispatch the forward for a scheduled step; returns device logits [S_bucket, vocab] (async) and the pack."""
-        shape = self.shape_for(out.num_batched_tokens)
-        pb = pack_batch(out, shape, self.page_size, self.pad_slot)
-        logits, self.kv = self._jit(
-            self.params, self.kv, jnp.asarray(pb.host), cfg=self.cfg, shape=shape, backend=self.backend
+    def run(
+        self, out: SchedulerOutput, prev_ids: jax.Array | None = None, prev_rows: dict[str, int] | None = None
+    ) -> StepResult:
+        """Dispatch the forward for a scheduled step (asynchronously: nothing here waits for the device).
+        Overlap: `prev_ids` [max_seqs_bucket] are the previous step's sampled ids still on device (`widen`) and
+        `prev_rows` maps a request id to its row there; a chunk ending on a placeholder takes that token."""
+        wants_plp = any(prompt_logprob_positions(s) for s in out.scheduled)
+        shape = self.shape_for(out.num_batched_tokens, wants_plp)
+        pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
+        logits, plp = self._dispatch(pb.host, shape, prev_ids)
+        self.num_steps += 1
+        return StepResult(logits, plp, pb)
+
+    def _dispatch(self, host: np.ndarray, shape: BatchShape, prev_ids: jax.Array | None):
+        if self.overlap:
+            prev_ids = self._no_ids if prev_ids is None else prev_ids
+        elif prev_ids is not None:
+            raise ValueError("prev_ids given to a runner built without overlap")
+        logits, self.kv, plp = self._jit(
+            self.params, self.kv, jnp.asarray(host), prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
         )
         if self.mesh is not None:  # the sampler and its inputs live on device 0
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
-        self.num_steps += 1
-        return logits, pb
+        return logits, plp
+
+    def widen(self, token_ids: jax.Array) -> jax.Array:
+        """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
+        return self._place_ids(self._widen(token_ids))
+
+    def _place_ids(self, ids: jax.Array) -> jax.Array:
+        if self.mesh is not None:
+            return jax.device_put(ids, parallel.replicated(self.mesh))
+        return jax.device_put(ids, jax.devices()[0])
 
     def prompt_logits(self, ids: list[int]) -> np.ndarray:
         """Per-position logits of one prompt: float32 [len(ids), vocab]. Uses a scratch cache (the serving pages are
-        untouched); one compiled variant per power-of-two length, compiled on first use."""
+        untouched); one compiled variant per power-of-two length, compiled on first use (the `LLM.logits` hook;
+        requests' prompt logprobs come from the ordinary step)."""
         T = max(self.page_size, 1 << (len(ids) - 1).bit_length())
         padded = np.zeros(T, np.int32)
         padded[: len(ids)] = ids
-        out = _all_logits(self.params, jnp.asarray(padded), cfg=self.cfg, page_size=self.page_size,
-                          backend=self.backend, mesh=self.mesh)  # fmt: skip
+        out = _all_logits(
+            self.params,
+            jnp.asarray(padded),
+            cfg=self.cfg,
+            page_size=self.page_size,
+            backend=self.backend,
+            mesh=self.mesh,
+        )
         return np.asarray(out[: len(ids)])
 
     def warmup_shape(self, shape: BatchShape) -> None:
-        """Compile (and run once on an all-padding batch, which writes nothing) one step variant."""
-        buf = np.zeros(shape.packed_len(), np.int32)
-        buf[2 * shape.num_tokens : 3 * shape.num_tokens] = self.pad_slot
-        buf[-(shape.num_tokens + 3 * shape.num_items + 2) :] = _work_lists([], shape.num_tokens, shape.num_seqs)
-        logits, self.kv = self._jit(
-            self.params, self.kv, jnp.asarray(buf), cfg=self.cfg, shape=shape, backend=self.backend
-        )
-        logits.block_until_ready()
+        """Compile (and run once on an all-padding batch, which writes nothing) one step variant, and the widening
+        of its sampled ids when steps overlap."""
+        logits, plp = self._dispatch(empty_batch(shape, self.pad_slot), shape, None)
+        if self.overlap:
+            ids = jax.device_put(np.zeros(shape.num_seqs, np.int32), jax.devices()[0])  # as the sampler returns
+            jax.block_until_ready(self.widen(ids))
+        jax.block_until_ready((logits, plp))

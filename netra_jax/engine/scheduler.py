@@ -1,5 +1,6 @@
 """Continuous-batching scheduler: each step gives requests new tokens so num_computed_tokens catches up to
-num_tokens (prefill, chunked prefill, decode and prefix hits are one rule); preempts by recompute when KV runs out."""
+num_tokens (prefill, chunked prefill, decode and prefix hits are one rule); preempts by recompute when KV runs out.
+Steps may overlap: a request can be scheduled again before its previous step's sampled token is known."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass, field
 
 from netra_jax.config import SchedulerConfig
 from netra_jax.engine.block_pool import BlockPool, chain_hashes
-from netra_jax.engine.request import Request, RequestStatus
+from netra_jax.engine.request import Request, RequestStatus, check_context_length
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs one step computes at most (a static step shape)
 
 
 class QueueFullError(RuntimeError):
@@ -19,13 +22,16 @@ class QueueFullError(RuntimeError):
 @dataclass
 class ScheduledRequest:
     """Compute `request.all_token_ids[start:start + num_new_tokens]` at positions start.. into `block_ids` (the
-    whole block table); `sample` is True when this reaches the end of the sequence, so a next token is drawn."""
+    whole block table); `sample` is True when this reaches the end of the sequence, so a next token is drawn.
+    With overlapped steps the last of these tokens may be a placeholder, sampled by the step still in flight
+    (`token_ids` is then one shorter than num_new_tokens). `epoch`: the request's preemption count when scheduled."""
 
     request: Request
     num_new_tokens: int
     start: int
     block_ids: list[int]
     sample: bool
+    epoch: int = 0
 
     @property
     def request_id(self) -> str:
@@ -70,6 +76,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_steps = 0
+        self._prompt_rows_left = PROMPT_LOGPROB_ROWS  # of the step being scheduled
 
     # ------------------------------------------------------------------ queries
     @property
@@ -119,6 +126,7 @@ class Scheduler:
         p, mt, bs = req.num_tokens, req.sampling_params.max_tokens, self.block_size
         kv_tokens = self.pool.num_total * bs  # the last generated token never needs a KV slot
         if mt is None:
+            check_context_length(p, None, self.max_model_len)
             limit = min(self.max_model_len, kv_tokens + 1)
             if p >= limit:
                 raise ValueError(
@@ -128,12 +136,8 @@ class Scheduler:
             return limit
         if not isinstance(mt, int) or mt < 1:
             raise ValueError(f"request {req.request_id!r}: max_tokens must be a positive integer, got {mt!r}")
+        check_context_length(p, mt, self.max_model_len)
         total = p + mt
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt ({p} tokens) + max_tokens ({mt}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
         if total - 1 > kv_tokens:
             raise ValueError(
                 f"request {req.request_id!r}: prompt ({p} tokens) + max_tokens ({mt}) needs "
@@ -147,14 +151,15 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        self._prompt_rows_left = PROMPT_LOGPROB_ROWS
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_scheduled_end, budget)
             if n <= 0:
                 i += 1
                 continue
-            need = self.pool.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+            need = self.pool.blocks_needed(req.num_scheduled_end + n) - len(req.block_ids)
             while need > self.pool.num_free_blocks:
                 victim = self._running.pop()  # most recently admitted; never one already scheduled this step
                 self._preempt(victim)
@@ -173,6 +178,19 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """New tokens to give `req` from `start`: up to the end of its sequence (placeholders included) within the
+        token budget, and within the step's prompt-logprob rows. 0 when the pending token will end it by length."""
+        end = req.num_tokens + req.num_placeholders
+        if req.num_placeholders and end >= min(req.max_total_tokens or self.max_model_len, self.max_model_len):
+            return 0
+        n = min(end - start, budget)
+        if req.sampling_params.prompt_logprobs is not None:
+            rows = min(start + n, req.num_prompt_tokens - 1) - start
+            if rows > self._prompt_rows_left:
+                n = self._prompt_rows_left
+        return n
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         pool, bs = self.pool, self.block_size
         caching = pool.enable_prefix_caching
@@ -180,8 +198,11 @@ class Scheduler:
         deferred: list[Request] = []
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
+            if req.num_placeholders:  # preempted while its last token was in flight: resumes once it is known
+                deferred.append(self._waiting.popleft())
+                continue
             hits: list[int] = []
-            if caching:
+            if caching and req.sampling_params.prompt_logprobs is None:  # (prompt logprobs need every row computed)
                 hits = pool.get_computed_blocks(req.all_token_ids, req.cache_key, req.block_hashes, record=False)
                 k = len(hits)
                 if k < (req.num_tokens - 1) // bs:  # the next block missed; defer if a running request computes it
@@ -191,9 +212,9 @@ class Scheduler:
                         deferred.append(self._waiting.popleft())
                         continue
             num_computed = len(hits) * bs
-            n = min(req.num_tokens - num_computed, budget)
+            n = self._chunk(req, num_computed, budget)
             need = pool.blocks_needed(num_computed + n) - len(hits)
-            if need + pool.num_revived(hits) > pool.num_free_blocks:
+            if n <= 0 or need + pool.num_revived(hits) > pool.num_free_blocks:
                 break
             self._waiting.popleft()
             pool.take(hits)
@@ -226,13 +247,20 @@ class Scheduler:
                 pending.update(hashes[lo:hi])
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        return ScheduledRequest(req, n, start, list(req.block_ids), start + n == req.num_tokens)
+        """Schedule n tokens of `req` and count them in flight (the sampled one as a placeholder)."""
+        start = req.num_scheduled_end
+        sample = start + n == req.num_tokens + req.num_placeholders
+        if req.sampling_params.prompt_logprobs is not None:
+            self._prompt_rows_left -= max(0, min(start + n, req.num_prompt_tokens - 1) - start)
+        req.num_inflight_tokens += n
+        req.num_placeholders += sample
+        return ScheduledRequest(req, n, start, list(req.block_ids), sample, req.num_preemptions)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.num_inflight_tokens = 0  # that work is lost; a placeholder still in flight is appended when known
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -241,12 +269,10 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the requests of `out` by what was computed, append sampled tokens to those that sampled, apply
-        token-level stop conditions and free finished requests. Returns the requests finished by this update."""
-        live = [
-            s
-            for s in out.scheduled
-            if s.request.status is RequestStatus.RUNNING and s.request.num_computed_tokens == s.start
-        ]
+        token-level stop conditions and free finished requests. Returns the requests finished by this update.
+        Results of requests finished since `out` was scheduled are dropped; a request preempted since keeps its
+        sampled token (drawn from a complete forward) but not the KV progress."""
+        live = [s for s in out.scheduled if self._requests.get(s.request_id) is s.request]
         for s in live:
             if s.sample and s.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {s.request_id!r}, which sampled this step")
@@ -254,13 +280,16 @@ class Scheduler:
         pool = self.pool
         for s in live:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if pool.enable_prefix_caching:
-                pool.cache_full_blocks(
-                    req.all_token_ids, req.block_ids, req.num_computed_tokens, req.cache_key, req.block_hashes
-                )
+            if s.epoch == req.num_preemptions:
+                req.num_inflight_tokens -= s.num_new_tokens
+                req.num_computed_tokens += s.num_new_tokens
+                if pool.enable_prefix_caching:
+                    pool.cache_full_blocks(
+                        req.all_token_ids, req.block_ids, req.num_computed_tokens, req.cache_key, req.block_hashes
+                    )
             if not s.sample:
                 continue
+            req.num_placeholders -= 1
             tokens = sampled[req.request_id]
             for t in [tokens] if isinstance(tokens, int) else tokens:
                 req.append_output(t)
