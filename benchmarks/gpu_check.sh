@@ -1,43 +1,60 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas attention kernels on a machine with jax + its CUDA plugin, flax and numpy only.
-# Usage: benchmarks/gpu_check.sh RESULTS_DIR [--dry-run] [--budget SECONDS]
-#   Installs (without dependencies) any wheels in benchmarks/wheels/, puts this checkout on PYTHONPATH and runs
-#   benchmarks/gpu_check.py, which writes RESULTS_DIR/gpu_check.json (and a log next to it). The full run stops
-#   starting new work after ~9 minutes; --dry-run uses tiny shapes, the CPU and the Pallas interpreter.
+# One command that measures netra_jax on a GPU (sections and budgets: benchmarks/gpu_check/__main__.py).
+# Usage: benchmarks/gpu_check.sh RESULTS_DIR [--dry-run] [--budget SECONDS] [--sections device,model,...]
+#   Installs the wheels in benchmarks/wheels/ (benchmarks/fetch_wheels.sh fetches them: the serving packages the GPU
+#   image lacks) into a temporary site directory with --no-index, lays netra_jax out there as pyproject installs it
+#   (models/ and serving/ as netra_jax.models and netra_jax.serving, linked to this checkout), then runs the sections,
+#   each in its own process, and writes RESULTS_DIR/<date>-gpu_check-<device>.json and .md plus gpu_check.log.
+#   The full run takes at most about 8 minutes; --dry-run runs the same sections on the CPU with tiny shapes and the
+#   Pallas interpreters (CI runs it), without installing anything.
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -* ]]; then
-  echo "usage: $0 RESULTS_DIR [--dry-run] [--budget SECONDS]" >&2
+  echo "usage: $0 RESULTS_DIR [--dry-run] [--budget SECONDS] [--sections a,b,...]" >&2
   exit 2
 fi
-RESULTS_DIR="$1"
+RESULTS_DIR="$(mkdir -p "$1" && cd "$1" && pwd)"
 shift
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
 PY="${PYTHON:-python3}"
 DRY=0
-for a in "$@"; do [[ "$a" == "--dry-run" ]] && DRY=1; done
-mkdir -p "$RESULTS_DIR"
+BUDGET=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  [[ "${args[i]}" == "--dry-run" ]] && DRY=1
+  [[ "${args[i]}" == "--budget" ]] && BUDGET="${args[i + 1]:-}"
+done
+SITE="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check-site.XXXXXX")"
+T0=$(date +%s)
 
 shopt -s nullglob
 wheels=("$HERE"/wheels/*.whl)
-if (( ${#wheels[@]} )); then
-  if (( DRY )); then
-    echo "dry run: would pip install --no-deps ${wheels[*]}"
-  else
-    "$PY" -m pip install --no-deps --no-index "${wheels[@]}"
-  fi
+if (( DRY )); then
+  echo "dry run: using this interpreter's packages (${#wheels[@]} wheels in benchmarks/wheels not installed)"
+elif (( ${#wheels[@]} )); then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+  echo "installed ${#wheels[@]} wheels into $SITE in $(( $(date +%s) - T0 ))s"
+else
+  echo "no wheels in $HERE/wheels (benchmarks/fetch_wheels.sh): the serve section needs fastapi, uvicorn, pydantic" >&2
 fi
 
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# netra_jax as pyproject.toml installs it ([tool.setuptools.package-dir]), linked to this checkout's sources
+mkdir -p "$SITE/netra_jax"
+for f in "$REPO"/netra_jax/*; do ln -s "$f" "$SITE/netra_jax/"; done
+ln -s "$REPO/models" "$SITE/netra_jax/models"
+ln -s "$REPO/serving" "$SITE/netra_jax/serving"
+export PYTHONPATH="$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-if (( DRY )); then
-  export JAX_PLATFORMS=cpu
-  LIMIT=150
-else
-  export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-  LIMIT=590
-fi
-"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
-timeout --signal=TERM "$LIMIT" "$PY" "$HERE/gpu_check.py" "$RESULTS_DIR" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+(( DRY )) && export JAX_PLATFORMS=cpu
+
+# the budget for the sections (their default sum, or --budget) plus a minute to merge, report and stop servers
+LIMIT=$(( ${BUDGET%.*} + 60 ))
+(( ${#BUDGET} )) || LIMIT=$(( DRY ? 150 : 540 ))
+cd "$RESULTS_DIR"  # not the checkout: `python -m` puts the working directory first on sys.path
+set +e
+timeout --signal=TERM --kill-after=20 "$LIMIT" "$PY" -m gpu_check "$RESULTS_DIR" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_check.log"
+rc=${PIPESTATUS[0]}
+rm -rf "$SITE"
+echo "gpu_check finished with status $rc after $(( $(date +%s) - T0 ))s"
+exit "$rc"

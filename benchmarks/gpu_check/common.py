@@ -1,0 +1,162 @@
+"""What every section shares: the section context (time budget, results written after each row, the results of the
+sections before), timing helpers, and the sizes of the full run and of the CPU dry run in one place."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes of the attention benchmarks and of the Llama-shaped model, for the device run or the dry run."""
+
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    decode_grid: tuple[tuple[int, int], ...]  # (batch, context) decode points
+    mixed_steps: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]  # (name, ((cached, new) per sequence))
+    model_batches: tuple[int, ...]  # LLM.generate throughput batches
+    prompt_len: int
+    output_len: int
+    serve_users: tuple[int, ...]
+    serve_prompts: tuple[int, ...]  # requests per concurrency level
+    hf_batches: tuple[int, ...]
+
+
+FULL = Sizes(
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    page_size=16,
+    # batch x context, at most 8 GiB of bf16 K/V (b * ctx * 4 KiB); ordered so the most telling points come first
+    decode_grid=((1, 8192), (64, 4096), (256, 1024), (16, 32768), (1, 32768), (256, 4096), (64, 32768), (16, 1024)),
+    mixed_steps=(
+        ("prefill_4x512", ((0, 512),) * 4),
+        ("chunk1024+63dec_ctx4k", ((3072, 1024),) + ((4095, 1),) * 63),
+    ),
+    model_batches=(16, 64, 256),
+    prompt_len=128,
+    output_len=128,
+    serve_users=(1, 16, 64, 256),
+    serve_prompts=(4, 32, 128, 256),
+    hf_batches=(1, 64),
+)
+
+DRY = Sizes(
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    page_size=16,
+    decode_grid=((2, 48),),
+    mixed_steps=(("prefill+decode", ((0, 9), (30, 1))),),
+    model_batches=(4,),
+    prompt_len=8,
+    output_len=4,
+    serve_users=(1, 4),
+    serve_prompts=(2, 4),
+    hf_batches=(1, 2),
+)
+
+
+def sizes(dry: bool) -> Sizes:
+    return DRY if dry else FULL
+
+
+@dataclass
+class Section:
+    """One section's run: `data` is saved to `part` after every `add`, so a section killed at its deadline keeps
+    what it measured; `prior` holds the merged results of the sections that ran before it."""
+
+    name: str
+    dry: bool
+    deadline: float  # time.time() after which no new measurement starts
+    part: Path
+    work: Path  # scratch directory shared by the sections (model directory, XLA cache)
+    prior: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sizes(self) -> Sizes:
+        return sizes(self.dry)
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self) -> None:
+        tmp = self.part.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=_jsonable))
+        tmp.replace(self.part)
+
+    def add(self, key: str, row: dict) -> dict:
+        """Append a row to the list `key`, print it and save."""
+        self.data.setdefault(key, []).append(row)
+        print(f"[{self.name}] {key}: {json.dumps(row, default=_jsonable)}", flush=True)
+        self.save()
+        return row
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        print(f"[{self.name}] {key}: {json.dumps(value, default=_jsonable)}", flush=True)
+        self.save()
+
+    def skip(self, key: str, what: dict, reason: str) -> None:
+        """Record work not done (time budget, missing backend, unsupported shape) with the reason."""
+        self.add(key, {**what, "skipped": reason})
+
+    def attempt(self, key: str, what: dict, fn: Callable[[], dict], need_s: float = 0.0) -> dict | None:
+        """Run one measurement: skipped when fewer than `need_s` seconds are left, its exception recorded as the row's
+        error (the section goes on with the next one)."""
+        if self.left() < need_s:
+            self.skip(key, what, f"time budget ({self.left():.0f}s left, needs about {need_s:.0f}s)")
+            return None
+        try:
+            return self.add(key, {**what, **fn()})
+        except Exception as e:  # one failed shape or backend is a result, not the end of the section
+            self.add(key, {**what, "error": f"{type(e).__name__}: {str(e)[:600]}"})
+            traceback.print_exc()
+            return None
+
+    def copy_gbps(self) -> float | None:
+        return (self.prior.get("device") or {}).get("copy_gbps")
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+def sig(x: float | None, digits: int = 4) -> float | None:
+    """x rounded to `digits` significant digits (None and non-finite values pass as None)."""
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def median_time(call: Callable[[int], Any], sync: Callable[[Any], Any], *, reps: int = 5, inner: int = 10) -> float:
+    """Seconds per call: the median over `reps` of the mean of `inner` back-to-back calls (call(i) may rotate inputs
+    so repeated calls do not hit the cache), synchronising once per repetition; one warm-up call first. A call slower
+    than 0.2 s (the interpreters of the dry run) is timed once more only."""
+    sync(call(0))
+    t = time.perf_counter()
+    sync(call(1))
+    if time.perf_counter() - t > 0.2:
+        reps, inner = 1, 1
+    ts = []
+    for r in range(reps):
+        t = time.perf_counter()
+        out = None
+        for i in range(inner):
+            out = call(r * inner + i)
+        sync(out)
+        ts.append((time.perf_counter() - t) / inner)
+    return statistics.median(ts)

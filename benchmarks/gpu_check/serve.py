@@ -1,0 +1,83 @@
+"""Section `serve`: `netra-jax serve` on the model section's directory (random weights, the same engine settings, so
+its warm-up reads the model section's compilations from the persistent cache), then `netra-jax bench serve`'s load
+generator at each concurrency level in turn (random prompts, ignore_eos): TTFT, TPOT, output tok/s."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+
+from gpu_check import engine_settings
+from gpu_check.common import Section, sig
+from gpu_check.model_dir import ensure_model_dir
+
+KEEP = (
+    "completed",
+    "failed",
+    "duration",
+    "output_throughput",
+    "total_token_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+)
+
+
+def one_level(url: str, users: int, prompts: int, sec: Section) -> dict:
+    from netra_jax.bench import serve as bench
+
+    sz = sec.sizes
+    args = bench.parse_args(
+        [
+            "--base-url",
+            url,
+            "--max-concurrency",
+            str(users),
+            "--num-prompts",
+            str(prompts),
+            "--dataset",
+            "random",
+            "--input-len",
+            str(sz.prompt_len),
+            "--output-len",
+            str(sz.output_len),
+            "--ignore-eos",
+            "--seed",
+            str(users),
+            "--disable-tqdm",
+            "--timeout",
+            str(max(30.0, sec.left())),
+        ]
+    )
+    res = asyncio.run(bench.run(args))
+    m = res["runs"][0]
+    row = {k: sig(m[k]) if isinstance(m.get(k), float) else m.get(k) for k in KEEP}
+    row["text_source"] = res["config"].get("text_source")
+    if m.get("errors"):
+        row["errors"] = m["errors"]
+    return row
+
+
+def run(sec: Section) -> None:
+    from netra_jax.bench.launch import launched
+
+    path = ensure_model_dir(sec.work, sec.dry)
+    server_args = shlex.join([str(path), *engine_settings.serve_flags(sec.dry)])
+    sec.set("server_args", server_args)
+    log = sec.work / "serve.log"
+    t = time.perf_counter()
+    try:
+        with launched(server_args, timeout=max(10.0, sec.left()), log_path=str(log)) as url:
+            sec.set("time_to_ready_s", sig(time.perf_counter() - t))
+            for users, n in zip(sec.sizes.serve_users, sec.sizes.serve_prompts, strict=True):
+                need = 3 if sec.dry else 15
+                sec.attempt(
+                    "levels", {"users": users, "prompts": n}, lambda u=users, n=n: one_level(url, u, n, sec), need
+                )
+    finally:
+        if log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-25:]
+            sec.set("server_log_tail", tail)
