@@ -156,11 +156,15 @@ def _kernel(
             t_hi = jnp.minimum(t_lo + per, t_hi)
         n_steps = jnp.maximum(t_hi - t_lo, 0)
 
-        def fetch(step, slot):
+        def pages_of(step):
+            """Physical pages of tile t_lo + step's TMA boxes (block-table reads; past the table: its last entry)."""
+            keys = [(t_lo + step) * TILE + i * chunk for i in range(TILE // chunk)]
+            return tuple(bt_ref[seq, jnp.minimum(key // P, max_pages - 1)] for key in keys)
+
+        def fetch(step, slot, pages):
             """TMA copies of tile t_lo + step (TILE // chunk boxes of one KV head) into a pipeline slot."""
-            for i in range(TILE // chunk):
+            for i, page in enumerate(pages):
                 key0 = (t_lo + step) * TILE + i * chunk
-                page = bt_ref[seq, jnp.minimum(key0 // P, max_pages - 1)]
                 src = (page, pl.ds(key0 % P if chunk < P else 0, chunk), kh)
                 dst = (slot, pl.ds(i * chunk, chunk))
                 plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_bar.at[slot])
@@ -171,7 +175,7 @@ def _kernel(
 
             @pl.when(s < n_steps)
             def _(s=s):
-                fetch(s, s)
+                fetch(s, s, pages_of(s))
 
         plgpu.barrier_wait(q_bar)
         # row r = t * group + g sees key k (relative to the block's first token) iff t >= k (and t < k + window)
@@ -179,7 +183,7 @@ def _kernel(
         col = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=plgpu.Layout.WGMMA)
 
         def body(j, carry):
-            acc, m, den = carry  # [ROWS, D] f32, [ROWS] f32, [ROWS] f32
+            acc, m, den, pages = carry  # [ROWS, D] f32, [ROWS] f32, [ROWS] f32, pages of tile j + NSTAGE
             slot = lax.rem(j, NSTAGE)
             plgpu.barrier_wait(k_bar.at[slot])
 
@@ -214,16 +218,18 @@ def _kernel(
 
             @pl.when(j + NSTAGE < n_steps)
             def _():
-                fetch(j + NSTAGE, slot)
+                fetch(j + NSTAGE, slot, pages)
 
-            return acc, m_new, den
+            # the next fetch's block-table reads, issued a whole tile ahead so their latency hides behind it
+            return acc, m_new, den, pages_of(j + NSTAGE + 1)
 
         init = (
             plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((ROWS,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            pages_of(NSTAGE),
         )
-        acc, m, den = lax.fori_loop(0, n_steps, body, init)
+        acc, m, den, _ = lax.fori_loop(0, n_steps, body, init)
         den = jnp.maximum(den, 1e-30)  # an empty split: zero output, lse about -1e30 (weight 0 in the merge)
         out = acc / lax.broadcast_in_dim(den, acc.shape, [0])
         lse_smem[...] = m + jnp.log(den) * _LOG2E
