@@ -6,7 +6,8 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
   shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits); idle blocks exit.
 - wgmma M = 64 rows = (token in block) x (query head of the KV group), row r = t * G + g: decode packs the G heads
   of a group (G of the 64 rows used: decode is bound by KV bytes, not by the tensor cores), prefill packs 64 // G
-  tokens x G heads. The wrapper gathers q into [blocks, kv_heads, 64, D] rows and the output rows back (XLA).
+  tokens x G heads. The wrapper gathers q into [blocks, kv_heads, 64, D] rows (XLA); a program stores 8 output
+  rows when its tokens fill at most 8 (decode), else 64, and the wrapper gathers each token's rows back.
 - KV tiles of TILE keys (64 or 128): TILE // page_size pages per tile or TILE-key slices of one page (pages larger
   than TILE), each a TMA copy of a [keys, D] box of one KV head, its page read from the block table, straight from
   the runner's [num_pages, page_size, kv_heads, D] cache (no layout change) into 128-byte-swizzled SMEM;
@@ -40,6 +41,7 @@ from netra_jax.ops.attention_args import check_attention_args
 from netra_jax.ops.paged_attention_triton import _block_layout, _merge_splits
 
 ROWS = 64  # wgmma M of one warpgroup
+_SMALL_ROWS = 8  # rows of one SMEM tile: what a decode block (one token x G <= 8 heads) stores
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
 _MAX_SPLITS = 16
 _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm90 block may use
@@ -236,7 +238,18 @@ def _kernel(
         o_smem = q_smem if o32_smem is None else o32_smem
         o_smem[...] = out.astype(o_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
+        # only rows holding tokens are read back: a decode block (G <= 8 rows) stores one 8-row tile, not 64 rows
+        small = n_q * group <= _SMALL_ROWS
+
+        @pl.when(small)
+        def _():
+            rows = pl.ds(0, _SMALL_ROWS)
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, b, kh, rows])
+
+        @pl.when(jnp.logical_not(small))
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
+
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
         plgpu.wait_smem_to_gmem(0)
 
@@ -326,29 +339,27 @@ def paged_attention_mosaic(
         kernel_name=f"ragged_paged_attention_mgpu_t{config.tile}_st{config.num_stages}_s{NS}",
     )(seq, n_q, pos0, md.block_tables.astype(jnp.int32), rows, k_pages, v_pages)
 
-    if NS > 1:
-        lse_all = lse
-        o = _merge_splits(o, lse, jnp.ones_like(lse))  # lse is base 2, as _merge_splits' m
-        m_max = jnp.max(lse_all, axis=0)
-        lse = m_max + jnp.log2(jnp.sum(jnp.exp2(lse_all - m_max[None]), axis=0))
-    else:
-        o, lse = o[0], lse[0]
-    if sinks is not None:  # softmax over [scores, sink]: scale by 1 / (1 + exp(sink - lse))
-        sink_rows = jnp.pad(jnp.tile(sinks.reshape(KH, G), (1, bq)), ((0, 0), (0, ROWS - bq * G)))
-        o = o * jax.nn.sigmoid(lse * math.log(2.0) - sink_rows[None])[..., None]
-
-    # back to tokens: token t of sequence s sits in block first_block[s] + local // bq at row (local % bq) * G + g
+    # the rows of each token, gathered before the split merge so that it reads only rows holding tokens: token t
+    # of sequence s sits in block first_block[s] + local // bq, rows (local % bq) * G + g (rows of other tokens and
+    # idle blocks are never written)
     t = jnp.arange(T, dtype=jnp.int32)
     qsl = md.query_start_loc.astype(jnp.int32)
     s_of = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), 0, S - 1)  # [T]
     local = t - qsl[s_of]
-    blk = jnp.clip(qsl[s_of] // bq + s_of + local // bq, 0, NB - 1)
-    r0 = (local % bq) * G
-    heads = jnp.arange(KH)[None, :, None]
-    out = o[blk[:, None, None], heads, r0[:, None, None] + jnp.arange(G)[None, None, :]]  # [T, KH, G, D]
-    out = out.reshape(T, H, D)
-    valid = t < qsl[-1]
-    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+    blk = jnp.clip(qsl[s_of] // bq + s_of + local // bq, 0, NB - 1)[:, None, None]  # [T, 1, 1]
+    row = ((local % bq) * G)[:, None, None] + jnp.arange(G)[None, None, :]  # [T, 1, G]
+    o = o[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G, D]
+    lse = lse[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G] base 2
+    if NS > 1:
+        o = _merge_splits(o, lse, jnp.ones_like(lse))  # lse is base 2, as _merge_splits' m
+        lse_max = jnp.max(lse, axis=0)
+        lse = lse_max + jnp.log2(jnp.sum(jnp.exp2(lse - lse_max[None]), axis=0))
+    else:
+        o, lse = o[0], lse[0]
+    if sinks is not None:  # softmax over [scores, sink]: scale by 1 / (1 + exp(sink - lse))
+        o = o * jax.nn.sigmoid(lse * math.log(2.0) - sinks.reshape(KH, G)[None])[..., None]
+    valid = t < qsl[-1]  # [T]
+    return jnp.where(valid[:, None, None], o.reshape(T, H, D), 0).astype(q.dtype)
 
 
 def paged_attention_mosaic_interpret(q, k_pages, v_pages, md, **kw) -> jax.Array:
