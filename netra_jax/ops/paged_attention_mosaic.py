@@ -2,12 +2,14 @@
 mixed batches over the flat token batch, with GQA packing, sliding windows, soft-capping, sinks and split-K.
 
 Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
-- Work items: the flat batch is cut into query blocks of BQ = 64 // G tokens of one sequence (`_block_layout`,
-  shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits); idle blocks exit.
-- wgmma M = 64 rows = (token in block) x (query head of the KV group), row r = t * G + g: decode packs the G heads
-  of a group (G of the 64 rows used: decode is bound by KV bytes, not by the tensor cores), prefill packs 64 // G
-  tokens x G heads. The wrapper gathers q into [blocks, kv_heads, 64, D] rows (XLA); a program stores 8 output
-  rows when its tokens fill at most 8 (decode), else 64, and the wrapper gathers each token's rows back.
+- Work items: the flat batch is cut into query blocks of BQ = block_rows // G tokens of one sequence
+  (`_block_layout`, shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits);
+  idle blocks exit at once.
+- wgmma M = 64 rows: row r = t * G + g (token t of the block, query head g of the KV group). A block moves
+  block_rows of them (64 for prefill: 64 // G tokens x G heads; 8 for decode steps: one token's G <= 8 heads, the
+  other rows of the 64 are never loaded and never stored, since rows do not mix in either wgmma). The wrapper
+  gathers q into [blocks, kv_heads, block_rows, D] (XLA); a program stores 8 output rows when its tokens fill at
+  most 8, and the wrapper gathers each token's rows back (before any split-K merge).
 - KV tiles of TILE keys (64 or 128): TILE // page_size pages per tile or TILE-key slices of one page (pages larger
   than TILE), each a TMA copy of a [keys, D] box of one KV head, its page read from the block table, straight from
   the runner's [num_pages, page_size, kv_heads, D] cache (no layout change) into 128-byte-swizzled SMEM;
@@ -57,10 +59,13 @@ class MosaicConfig:
     tile: int  # keys per pipeline step: 64 or 128
     num_stages: int  # KV tiles in flight (TMA pipeline depth), >= 1
     num_splits: int = 1  # split-K partitions of each item's keys, merged by log-sum-exp outside the kernel
+    block_rows: int = ROWS  # query rows a block moves in and out: (block_rows // G tokens) x G heads; 8 for decode
 
-    def validate(self, page_size: int, head_dim: int) -> None:
+    def validate(self, page_size: int, head_dim: int, group: int) -> None:
         if self.tile not in (64, 128):
             raise ValueError(f"MosaicConfig.tile={self.tile} must be 64 or 128")
+        if self.block_rows not in (8, 16, 32, 64) or self.block_rows < group:
+            raise ValueError(f"MosaicConfig.block_rows={self.block_rows} must be 8, 16, 32 or 64 and >= G={group}")
         if self.num_stages < 1 or self.num_splits < 1:
             raise ValueError(f"num_stages and num_splits must be >= 1, got {self}")
         if self.tile % page_size and page_size % self.tile:
@@ -89,20 +94,26 @@ def supports(q_dtype, q_heads: int, kv_heads: int, head_dim: int, page_size: int
     return None
 
 
-def choose_config(num_tokens: int, num_seqs: int, kv_heads: int, head_dim: int, page_size: int, max_context: int):
+def choose_config(
+    num_tokens: int, num_seqs: int, group: int, kv_heads: int, head_dim: int, page_size: int, max_context: int
+) -> MosaicConfig:
     """Tiles of 128 keys (64 for head_dim 256, to keep two stages and the accumulators in registers), as many
-    stages as shared memory allows (<= 4), and split-K for decode-like steps with too few programs to fill the GPU."""
+    stages as shared memory allows (<= 4); decode-like steps (about a token per sequence) move 8-row query blocks
+    (G rows used, not 64) and split each context when there are too few programs to fill the GPU."""
     tile = 128 if head_dim <= 128 else 64
     if page_size % tile and tile % page_size:
         tile = 64
-    splits = 1
-    if num_tokens <= 2 * num_seqs and head_dim <= 128:
+    splits, block_rows = 1, ROWS
+    decode = num_tokens <= 2 * num_seqs
+    if decode:
+        block_rows = min(ROWS, 8 * -(-group // 8))
+    if decode and head_dim <= 128:
         splits = -(-_TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
         splits = max(1, min(splits, _MAX_SPLITS, max_context // (2 * tile)))  # >= two tiles per split
     stages = 4
     while stages > 1 and smem_bytes(MosaicConfig(tile, stages, splits), head_dim) > _SMEM_BUDGET:
         stages -= 1
-    return MosaicConfig(tile=tile, num_stages=stages, num_splits=splits)
+    return MosaicConfig(tile=tile, num_stages=stages, num_splits=splits, block_rows=block_rows)
 
 
 def _transforms(dtype):
@@ -116,12 +127,12 @@ def _kernel(
     nq_ref,  # [NB] int32 tokens in the block (0: idle)
     pos0_ref,  # [NB] int32 absolute position of the block's first token
     bt_ref,  # [S, max_pages] int32
-    q_ref,  # [NB, KH, ROWS, D] gathered query rows
+    q_ref,  # [NB, KH, BR, D] gathered query rows (BR = block_rows)
     k_ref,  # [num_pages, P, KH, D]
     v_ref,  # [num_pages, P, KH, D]
-    o_ref,  # [NS, NB, KH, ROWS, D] q dtype (NS == 1) or f32 partials
-    lse_ref,  # [NS, NB, KH, ROWS] f32 base-2 log-sum-exp of each row's scores
-    q_smem,  # [ROWS, D]
+    o_ref,  # [NS, NB, KH, BR, D] q dtype (NS == 1) or f32 partials
+    lse_ref,  # [NS, NB, KH, BR] f32 base-2 log-sum-exp of each row's scores
+    q_smem,  # [ROWS, D]: rows past BR are never written (their garbage rows are never stored)
     k_smem,  # [stages, TILE, D]
     v_smem,  # [stages, TILE, D]
     p_smem,  # [ROWS, TILE] probabilities (the interpreter's wgmma reads both operands from SMEM)
@@ -139,7 +150,7 @@ def _kernel(
 ):
     b, kh = lax.axis_index("block"), lax.axis_index("kv_head")
     split = lax.axis_index("split")
-    TILE, NSTAGE = cfg.tile, cfg.num_stages
+    TILE, NSTAGE, BR = cfg.tile, cfg.num_stages, cfg.block_rows
     D = q_ref.shape[-1]
     P = k_ref.shape[1]
     max_pages = bt_ref.shape[1]
@@ -172,7 +183,7 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem.at[pl.ds(0, BR)], q_bar)
         for s in range(NSTAGE):
 
             @pl.when(s < n_steps)
@@ -238,19 +249,16 @@ def _kernel(
         o_smem = q_smem if o32_smem is None else o32_smem
         o_smem[...] = out.astype(o_smem.dtype)
         plgpu.commit_smem()
-        # only rows holding tokens are read back: a decode block (G <= 8 rows) stores one 8-row tile, not 64 rows
-        small = n_q * group <= _SMALL_ROWS
+        # only rows holding tokens are read back: a block whose tokens fill at most 8 rows stores one 8-row tile
+        for n in sorted({_SMALL_ROWS, BR}):
+            stored = pl.ds(0, n)
+            fits = n_q * group <= _SMALL_ROWS if n == _SMALL_ROWS else n_q * group > _SMALL_ROWS
 
-        @pl.when(small)
-        def _():
-            rows = pl.ds(0, _SMALL_ROWS)
-            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, b, kh, rows])
+            @pl.when(fits)
+            def _(stored=stored):
+                plgpu.copy_smem_to_gmem(o_smem.at[stored], o_ref.at[split, b, kh, stored])
 
-        @pl.when(jnp.logical_not(small))
-        def _():
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
-
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, BR)], lse_ref.at[split, b, kh])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -290,19 +298,20 @@ def paged_attention_mosaic(
     G = H // KH
     S, max_pages = md.block_tables.shape
     if config is None:
-        config = choose_config(T, S, KH, D, P, max_pages * P)
-    config.validate(P, D)
-    NS, bq = config.num_splits, ROWS // G
+        config = choose_config(T, S, G, KH, D, P, max_pages * P)
+    config.validate(P, D, G)
+    NS, BR = config.num_splits, config.block_rows
+    bq = BR // G  # tokens per block
     seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, bq)
     NB = seq.shape[0]
 
-    # query rows [NB, KH, ROWS, D]: row t * G + g of block b is head kh * G + g of token q_start[b] + t
+    # query rows [NB, KH, BR, D]: row t * G + g of block b is head kh * G + g of token q_start[b] + t
     t_in = jnp.arange(bq, dtype=jnp.int32)
     tok = jnp.clip(q_start[:, None] + t_in[None, :], 0, T - 1)  # [NB, bq]
     live = (t_in[None, :] < n_q[:, None])[..., None, None, None]  # [NB, bq, 1, 1, 1]
     rows = jnp.where(live, q.reshape(T, KH, G, D)[tok], 0)  # [NB, bq, KH, G, D]
     rows = rows.transpose(0, 2, 1, 3, 4).reshape(NB, KH, bq * G, D)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - bq * G), (0, 0)))
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, BR - bq * G), (0, 0)))
 
     out_dtype = q.dtype if NS == 1 else jnp.float32
     kernel = functools.partial(
@@ -318,8 +327,8 @@ def paged_attention_mosaic(
     o, lse = plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct((NS, NB, KH, ROWS, D), out_dtype),
-            jax.ShapeDtypeStruct((NS, NB, KH, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((NS, NB, KH, BR, D), out_dtype),
+            jax.ShapeDtypeStruct((NS, NB, KH, BR), jnp.float32),
         ),
         scratch_types=[
             plgpu.SMEM((ROWS, D), q.dtype, transforms=tx),
@@ -336,7 +345,7 @@ def paged_attention_mosaic(
         grid_names=("block", "kv_head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=not interpret),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"ragged_paged_attention_mgpu_t{config.tile}_st{config.num_stages}_s{NS}",
+        kernel_name=f"ragged_paged_attention_mgpu_r{BR}_t{config.tile}_st{config.num_stages}_s{NS}",
     )(seq, n_q, pos0, md.block_tables.astype(jnp.int32), rows, k_pages, v_pages)
 
     # the rows of each token, gathered before the split merge so that it reads only rows holding tokens: token t
