@@ -109,6 +109,8 @@ def test_rejects_what_it_cannot_run():
     q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=64, dtype=jnp.float32)
     with pytest.raises(ValueError, match="float32"):
         paged_attention_mosaic_interpret(q, k, v, md, scale=0.125)
+    with pytest.raises(ValueError, match="one dtype for both"):
+        paged_attention_mosaic_interpret(q.astype(jnp.bfloat16), k, v, md, scale=0.125)
     q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=80, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim=80"):
         paged_attention_mosaic_interpret(q, k, v, md, scale=0.125)
@@ -125,11 +127,12 @@ def test_rejects_what_it_cannot_run():
 def test_backend_registry_and_auto_choice():
     assert BACKENDS["mosaic"] is paged_attention_mosaic
     assert BACKENDS["mosaic_interpret"] is paged_attention_mosaic_interpret
-    bf16 = dict(dtype=jnp.bfloat16, q_heads=32, kv_heads=8, head_dim=128, page_size=16)
+    bf16 = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, q_heads=32, kv_heads=8, head_dim=128, page_size=16)
     assert auto_backend("gpu", "9.0", **bf16) == "mosaic"
     assert auto_backend("gpu", "10.0", **bf16) == "mosaic"
     assert auto_backend("gpu", "8.0", **bf16) == "triton"
-    assert auto_backend("gpu", "9.0", **dict(bf16, dtype=jnp.float32)) == "triton"
+    assert auto_backend("gpu", "9.0", **dict(bf16, dtype=jnp.float32, kv_dtype=jnp.float32)) == "triton"
+    assert auto_backend("gpu", "9.0", **dict(bf16, kv_dtype=jnp.float32)) == "triton"  # a float32 cache
     assert auto_backend("gpu", "9.0", **dict(bf16, head_dim=80)) == "triton"  # SmolLM2-style heads
     assert auto_backend("cpu", None, **bf16) == "reference"
 

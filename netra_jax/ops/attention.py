@@ -297,14 +297,16 @@ def paged_attention_reference(
     return _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, **kw)
 
 
-def auto_backend(platform: str, compute_capability: str | None, *, dtype, q_heads, kv_heads, head_dim, page_size):
-    """The backend "auto" runs: the Mosaic GPU kernel on sm90+ for the shapes it takes (bf16/fp16, head_dim a
-    multiple of 64, see `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and shapes, the jnp
-    reference off GPU. compute_capability: the device's, e.g. "9.0"."""
+def auto_backend(
+    platform: str, compute_capability: str | None, *, dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size
+) -> str:
+    """The backend "auto" runs: the Mosaic GPU kernel on sm90+ for the dtypes and shapes it takes (bf16/fp16 queries
+    and cache, head_dim a multiple of 64, see `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and
+    shapes, the jnp reference off GPU. compute_capability: the device's, e.g. "9.0"."""
     if platform != "gpu":
         return "reference"
     hopper = compute_capability is not None and tuple(map(int, compute_capability.split("."))) >= (9, 0)
-    if hopper and supports(dtype, q_heads, kv_heads, head_dim, page_size) is None:
+    if hopper and supports(dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size) is None:
         return "mosaic"
     return "triton"
 
@@ -316,6 +318,7 @@ def _auto(q, k_pages, v_pages, md, **kw):
         jax.default_backend(),
         getattr(dev, "compute_capability", None),
         dtype=q.dtype,
+        kv_dtype=k_pages.dtype,
         q_heads=q.shape[1],
         kv_heads=k_pages.shape[2],
         head_dim=q.shape[2],

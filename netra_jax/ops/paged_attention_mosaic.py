@@ -81,10 +81,12 @@ def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     return (ROWS * head_dim + ROWS * cfg.tile) * itemsize + kv + o32 + ROWS * 4
 
 
-def supports(q_dtype, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> str | None:
-    """None if the kernel handles these shapes, else the reason it does not."""
+def supports(q_dtype, kv_dtype, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> str | None:
+    """None if the kernel handles these dtypes and shapes, else the reason it does not."""
     if jnp.dtype(q_dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(q_dtype).name} (Mosaic GPU attention takes bfloat16 or float16)"
+    if jnp.dtype(kv_dtype) != jnp.dtype(q_dtype):
+        return f"a {jnp.dtype(kv_dtype).name} KV cache with {jnp.dtype(q_dtype).name} queries (one dtype for both)"
     if head_dim % 64 or head_dim > 256:
         return f"head_dim={head_dim} (must be a multiple of 64, at most 256)"
     if q_heads % kv_heads or q_heads // kv_heads > ROWS:
@@ -265,9 +267,10 @@ def _kernel(
 def _validate(q, k_pages, v_pages, md, sliding_window, sinks):
     """The shared argument checks, then what this kernel needs (dtype, head_dim, group, page size)."""
     sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
-        raise ValueError(f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-    if (why := supports(q.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1])) is not None:
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype}, {v_pages.dtype}")
+    why = supports(q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1])
+    if why is not None:
         raise ValueError(f"the Mosaic GPU attention kernel does not support {why}; use the Triton backend")
     if md.block_tables.ndim != 2 or md.query_start_loc.shape != (md.seq_lens.shape[0] + 1,):
         raise ValueError("metadata shapes: need query_start_loc [S + 1], seq_lens [S], block_tables [S, max_pages]")
