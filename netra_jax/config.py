@@ -278,7 +278,7 @@ class EngineConfig:
         import jax
 
         # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
-        # sm90+ for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
+        # Hopper for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
         if jax.default_backend() == "gpu":
             return "auto"
         return "reference"

@@ -129,7 +129,7 @@ def test_backend_registry_and_auto_choice():
     assert BACKENDS["mosaic_interpret"] is paged_attention_mosaic_interpret
     bf16 = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, q_heads=32, kv_heads=8, head_dim=128, page_size=16)
     assert auto_backend("gpu", "9.0", **bf16) == "mosaic"
-    assert auto_backend("gpu", "10.0", **bf16) == "mosaic"
+    assert auto_backend("gpu", "10.0", **bf16) == "triton"  # Blackwell has no wgmma
     assert auto_backend("gpu", "8.0", **bf16) == "triton"
     assert auto_backend("gpu", "9.0", **dict(bf16, dtype=jnp.float32, kv_dtype=jnp.float32)) == "triton"
     assert auto_backend("gpu", "9.0", **dict(bf16, kv_dtype=jnp.float32)) == "triton"  # a float32 cache

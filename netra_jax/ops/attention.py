@@ -300,12 +300,13 @@ def paged_attention_reference(
 def auto_backend(
     platform: str, compute_capability: str | None, *, dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size
 ) -> str:
-    """The backend "auto" runs: the Mosaic GPU kernel on sm90+ for the dtypes and shapes it takes (bf16/fp16 queries
-    and cache, head_dim a multiple of 64, see `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and
-    shapes, the jnp reference off GPU. compute_capability: the device's, e.g. "9.0"."""
+    """The backend "auto" runs: the Mosaic GPU kernel on Hopper (sm90: its wgmma exists there only, not on
+    Blackwell) for the dtypes and shapes it takes (bf16/fp16 queries and cache, head_dim a multiple of 64, see
+    `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and shapes, the jnp reference off GPU.
+    compute_capability: the device's, e.g. "9.0"."""
     if platform != "gpu":
         return "reference"
-    hopper = compute_capability is not None and tuple(map(int, compute_capability.split("."))) >= (9, 0)
+    hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
     if hopper and supports(dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size) is None:
         return "mosaic"
     return "triton"
