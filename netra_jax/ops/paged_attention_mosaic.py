@@ -14,8 +14,8 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
   than TILE), each a TMA copy of a [keys, D] box of one KV head, its page read from the block table, straight from
   the runner's [num_pages, page_size, kv_heads, D] cache (no layout change) into 128-byte-swizzled SMEM;
   `num_stages` tiles in flight: tile j + stages is fetched into tile j's slot once tile j's PV wgmma is done.
-- Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index, online softmax
-  in base 2, P (bf16/fp16) to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the
+- Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index (only on tiles
+  crossing the block's diagonal or its window's edge: a uniform branch), online softmax in base 2, P (bf16/fp16) to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the
   CPU interpreter's wgmma takes SMEM operands only: one tested path (wgmma can read P from registers on sm90).
 - Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
   log-sum-exp, merged outside by the Triton kernel's `_merge_splits`. Sinks (per-head logits in the softmax
@@ -193,7 +193,11 @@ def _kernel(
                 fetch(s, s, pages_of(s))
 
         plgpu.barrier_wait(q_bar)
-        # row r = t * group + g sees key k (relative to the block's first token) iff t >= k (and t < k + window)
+        # row r = t * group + g sees key k (relative to the block's first token) iff t >= k (and t < k + window).
+        # Tiles from `diag` on hold keys past the first token; tiles before `window_edge` keys before the last
+        # token's window: only those are masked, the others are seen whole by every row.
+        diag = (pos0 + 1) // TILE
+        window_edge = 0 if sliding_window is None else -((sliding_window - pos0 - n_q) // TILE)
         row = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=plgpu.Layout.WGMMA)
         col = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=plgpu.Layout.WGMMA)
 
@@ -211,11 +215,16 @@ def _kernel(
                 s = s * (scale * _LOG2E)
             else:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
-            rel = (t_lo + j) * TILE - pos0 + col  # key position relative to the block's first token
-            vis = row >= rel * group
-            if sliding_window is not None:
-                vis &= row < (rel + sliding_window) * group
-            s = jnp.where(vis, s, _NEG)
+
+            def mask(s):
+                rel = (t_lo + j) * TILE - pos0 + col  # key position relative to the block's first token
+                vis = row >= rel * group
+                if sliding_window is not None:
+                    vis &= row < (rel + sliding_window) * group
+                return jnp.where(vis, s, _NEG)
+
+            tile = t_lo + j
+            s = lax.cond((tile >= diag) | (tile < window_edge), mask, lambda s: s, s)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
