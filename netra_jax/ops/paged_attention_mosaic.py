@@ -15,8 +15,9 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
   the runner's [num_pages, page_size, kv_heads, D] cache (no layout change) into 128-byte-swizzled SMEM;
   `num_stages` tiles in flight: tile j + stages is fetched into tile j's slot once tile j's PV wgmma is done.
 - Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index (only on tiles
-  crossing the block's diagonal or its window's edge: a uniform branch), online softmax in base 2, P (bf16/fp16) to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the
-  CPU interpreter's wgmma takes SMEM operands only: one tested path (wgmma can read P from registers on sm90).
+  crossing the block's diagonal or its window's edge: a uniform branch), online softmax in base 2, P (bf16/fp16)
+  to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the CPU interpreter's wgmma
+  takes SMEM operands only: one tested path (wgmma can read P from registers on sm90).
 - Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
   log-sum-exp, merged outside by the Triton kernel's `_merge_splits`. Sinks (per-head logits in the softmax
   denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
