@@ -178,6 +178,16 @@ def test_lowers_for_h200(model):
     assert splits == ({True, False} if D <= 128 else {False})
 
 
+def test_p_in_registers_lowers_and_needs_a_gpu():
+    """The register-P variant (a knob to measure on the device) lowers for sm90; the interpreter cannot run it."""
+    cfg = MosaicConfig(tile=128, num_stages=2, p_in_registers=True)
+    f = functools.partial(paged_attention_mosaic, scale=0.1, sliding_window=100, config=cfg)
+    assert "mosaic_gpu_v2" in lower_h200(f, *_sds(512, 8, 32, 8, 128, 16, jnp.bfloat16))
+    q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="GPU only"):
+        paged_attention_mosaic_interpret(q, k, v, md, scale=0.125, config=cfg)
+
+
 def test_lowering_is_a_real_gate(monkeypatch):
     """Mosaic GPU lowers the kernel body at .lower() time (no GPU needed), so GPU-only rejections fail here: a wgmma
     whose accumulator has 32 rows (not 64 per warpgroup) is refused, the same kernel with 64 rows lowers."""

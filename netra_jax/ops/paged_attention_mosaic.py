@@ -17,7 +17,8 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
 - Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index (only on tiles
   crossing the block's diagonal or its window's edge: a uniform branch), online softmax in base 2, P (bf16/fp16)
   to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the CPU interpreter's wgmma
-  takes SMEM operands only: one tested path (wgmma can read P from registers on sm90).
+  takes SMEM operands only: one tested path (MosaicConfig.p_in_registers=True reads P from registers, FA3's way;
+  it lowers, but only a device run can check its numbers).
 - Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
   log-sum-exp, merged outside by the Triton kernel's `_merge_splits`. Sinks (per-head logits in the softmax
   denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
@@ -61,6 +62,7 @@ class MosaicConfig:
     num_stages: int  # KV tiles in flight (TMA pipeline depth), >= 1
     num_splits: int = 1  # split-K partitions of each item's keys, merged by log-sum-exp outside the kernel
     block_rows: int = ROWS  # query rows a block moves in and out: (block_rows // G tokens) x G heads; 8 for decode
+    p_in_registers: bool = False  # P V wgmma reads P from registers (FA3's way; GPU only, checked on the device)
 
     def validate(self, page_size: int, head_dim: int, group: int) -> None:
         if self.tile not in (64, 128):
@@ -230,16 +232,21 @@ def _kernel(
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             den = den * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if cfg.p_in_registers:
+                p16 = p.astype(q_smem.dtype)
+                plgpu.barrier_wait(v_bar.at[slot])
+                acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            else:
+                p_smem[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
 
-            pv_tile = pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))  # [ROWS, D]
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))  # [ROWS, D]
 
             @pl.when(j + NSTAGE < n_steps)
             def _():
@@ -313,6 +320,8 @@ def paged_attention_mosaic(
     if config is None:
         config = choose_config(T, S, G, KH, D, P, max_pages * P)
     config.validate(P, D, G)
+    if interpret and config.p_in_registers:
+        raise ValueError("p_in_registers runs on a GPU only: the interpreter's wgmma reads both operands from SMEM")
     NS, BR = config.num_splits, config.block_rows
     bq = BR // G  # tokens per block
     seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, bq)
