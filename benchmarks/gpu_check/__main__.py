@@ -21,12 +21,12 @@ from gpu_check import report
 
 # name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
 SECTIONS = (
-    ("device", 25, 10, "jax"),
-    ("correctness", 50, 30, "jax"),
-    ("attention", 100, 40, "jax"),
-    ("model", 120, 40, "jax"),
-    ("serve", 90, 40, "client"),
-    ("peers", 70, 5, "torch"),
+    ("device", 20, 10, "jax"),
+    ("correctness", 45, 30, "jax"),
+    ("attention", 90, 40, "jax"),
+    ("model", 150, 40, "jax"),
+    ("serve", 85, 40, "client"),
+    ("peers", 60, 5, "torch"),
 )
 EXIT_MARGIN = (20.0, 3.0)  # seconds before a section's kill time at which it stops starting work (device, dry)
 JAX_MEM_FRACTION = "0.9"

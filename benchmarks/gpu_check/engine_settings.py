@@ -1,6 +1,7 @@
 """The engine settings the model and serve sections share, as `LLM` keyword arguments and as `netra-jax serve` flags:
 the same settings compile the same step shapes, so the serve section's server finds the model section's
-compilations in the persistent XLA cache."""
+compilations in the persistent XLA cache. The model section builds without warm-up and warms up itself, shape by
+shape under a time cap (`model.warm_up`); the server warms up only when that finished (then from the cache)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ FULL = {
 # compiles each in about a second)
 DRY = FULL | {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16, "max_model_len": 64}
 DRY["num_kv_pages"] = 32
-DRY["warmup"] = False  # compiling every bucket takes about a minute on a 2-core CPU: the dry run compiles lazily
 
 
 def settings(dry: bool) -> dict:
@@ -43,20 +43,20 @@ def llm_kwargs(dry: bool) -> dict:
     from netra_jax import LLM
 
     accepted = inspect.signature(LLM.__init__).parameters
-    return {k: v for k, v in settings(dry).items() if k in accepted} | {"load_format": "dummy"}
+    return {k: v for k, v in settings(dry).items() if k in accepted} | {"load_format": "dummy", "warmup": False}
 
 
-def serve_flags(dry: bool) -> list[str]:
-    """The same settings as `netra-jax serve` flags (those its parser does not know are left out)."""
+def serve_flags(dry: bool, warmup: bool) -> list[str]:
+    """The same settings as `netra-jax serve` flags (those its parser does not know are left out); `warmup`: let the
+    server compile every step variant before /ready answers."""
     from netra_jax.cli import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     known = parser._option_string_actions
-    flags = ["--load-format", "dummy"]
+    flags = ["--load-format", "dummy"] + ([] if warmup else ["--no-warmup"])
     for k, v in settings(dry).items():
-        flag = "--no-warmup" if k == "warmup" else "--" + k.replace("_", "-")
-        if flag not in known or v is False and flag != "--no-warmup" or k == "warmup" and v:
-            continue
-        flags += [flag] if isinstance(v, bool) else [flag, str(v)]
+        flag = "--" + k.replace("_", "-")
+        if flag in known:
+            flags += [flag] if v is True else [flag, str(v)]
     return flags

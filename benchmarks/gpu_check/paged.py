@@ -5,6 +5,7 @@ over the gathered pages."""
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ def backend(name: str, dry: bool):
 
 
 def unsupported(name: str, dtype, heads: int, kv_heads: int, head_dim: int, page_size: int) -> str | None:
-    """The reason a backend refuses these shapes, when it says so up front (the Mosaic kernel's `supports`)."""
+    """The reason a backend refuses these shapes, when it says so up front (the Mosaic kernel's `supports`, called
+    by its parameter names: q and KV in one dtype here)."""
     if name != "mosaic":
         return None
     try:
@@ -37,7 +39,14 @@ def unsupported(name: str, dtype, heads: int, kv_heads: int, head_dim: int, page
     except ImportError as e:
         return f"netra_jax.ops.paged_attention_mosaic does not import: {e}"
     check = getattr(mod, "supports", None)
-    return check(dtype, heads, kv_heads, head_dim, page_size) if check else None
+    if check is None:
+        return None
+    known = {"q_dtype": dtype, "kv_dtype": dtype, "dtype": dtype, "q_heads": heads, "kv_heads": kv_heads}
+    known |= {"head_dim": head_dim, "page_size": page_size}
+    params = inspect.signature(check).parameters
+    if not set(params) <= set(known):
+        return None  # a signature this check does not know: the call itself will tell
+    return check(**{k: known[k] for k in params})
 
 
 def make_batch(seqs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0, copies=1):
@@ -87,5 +96,5 @@ def dense_attention(q, k_pages, v_pages, md, *, scale, q_len: int, context: int)
     if q_len > 1:  # query j sits at position context - q_len + j
         qpos = context - q_len + jnp.arange(q_len)[:, None]
         mask = (jnp.arange(context)[None, :] <= qpos)[None, None]  # [1, 1, q_len, context]
-    out = jax.nn.dot_product_attention(qb, k, v, mask=mask, scale=scale)
+    out = jax.nn.dot_product_attention(qb, k, v, mask=mask, scale=scale, implementation="xla")
     return out.reshape(q.shape)

@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from gpu_check.common import sizes
+
 GOALS = {"decode_frac_copy_bw": 0.70, "batch1_mbu": 0.70, "output_tok_s_100_users": 12000}
 
 
@@ -139,7 +141,9 @@ def markdown(merged: dict) -> str:
     ]
     lines += ["## 1. Correctness against the jnp reference (f32 on the device)", ""]
     lines += _table(["backend", "dtype", "case", "max abs err", "rel err", "ok", "note"], corr)
-    lines += ["## 2. Paged attention (bf16, 32 q / 8 kv heads, head_dim 128, pages of 16)", "", "Decode:", ""]
+    sz = sizes(merged["dry_run"])
+    shape = f"{sz.heads} q / {sz.kv_heads} kv heads, head_dim {sz.head_dim}, pages of {sz.page_size}"
+    lines += [f"## 2. Paged attention (bf16, {shape})", "", "Decode:", ""]
     lines += attention_table(merged, "decode") + ["Mixed steps:", ""] + attention_table(merged, "mixed")
     kvw = [
         [r.get("impl"), r.get("tokens"), r.get("us"), r.get("written_ok"), _why(r)]
@@ -150,14 +154,27 @@ def markdown(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ready_text(ready: dict) -> str:
+    warm = ready.get("warmup") or {}
+    build = f"build {_fmt(ready.get('build_s'))} s"
+    if warm.get("complete"):
+        return f"{_fmt(ready.get('time_to_ready_s'))} s ({build})"
+    return (
+        f"not reached: the warm-up compiled {warm.get('compiled', '-')} of {warm.get('step_variants', '-')} step "
+        f"variants in {_fmt(warm.get('seconds'))} s before its cap (full warm-up estimated at "
+        f"{_fmt(warm.get('estimated_full_s'))} s; {build})"
+    )
+
+
 def model_lines(merged: dict) -> list[str]:
     m = merged["sections"].get("model") or {}
     hf = {r.get("batch"): r for r in _rows(merged, "peers", "hf_generate")}
     ready = m.get("ready") or {}
     comp = m.get("compiles_after_warmup") or {}
-    lines = ["## 3. Llama-3-8B-shaped model, random bf16 weights, `LLM.generate`", ""]
+    what = "dry run: a tiny Llama in float32" if merged["dry_run"] else "random bf16 weights"
+    lines = [f"## 3. Llama-3-8B-shaped model ({what}), `LLM.generate`", ""]
     lines += [
-        f"Time to ready (build + warm-up): {_fmt(ready.get('time_to_ready_s'))} s; attention backend "
+        f"Time to ready (build + warm-up): {ready_text(ready)}. Attention backend "
         f"{ready.get('attention_backend')}; compilations after warm-up: {comp.get('total', '-')} "
         f"({comp.get('model_steps', '-')} of the model step or sampler). Engine: `{m.get('engine')}`.",
         "",

@@ -26,32 +26,25 @@ KEEP = (
 )
 
 
-def one_level(url: str, users: int, prompts: int, sec: Section) -> dict:
+def one_level(url: str, users: int, prompts: int, sec: Section, warm: bool) -> dict:
+    """One closed-loop pass; without a server warm-up, `users` requests go first (left out of the statistics) so
+    the step variants of this level compile before it is timed."""
     from netra_jax.bench import serve as bench
 
     sz = sec.sizes
-    args = bench.parse_args(
-        [
-            "--base-url",
-            url,
-            "--max-concurrency",
-            str(users),
-            "--num-prompts",
-            str(prompts),
-            "--dataset",
-            "random",
-            "--input-len",
-            str(sz.prompt_len),
-            "--output-len",
-            str(sz.output_len),
-            "--ignore-eos",
-            "--seed",
-            str(users),
-            "--disable-tqdm",
-            "--timeout",
-            str(max(30.0, sec.left())),
-        ]
-    )
+    flags = {
+        "--base-url": url,
+        "--max-concurrency": users,
+        "--num-prompts": prompts,
+        "--dataset": "random",
+        "--input-len": sz.prompt_len,
+        "--output-len": sz.output_len,
+        "--seed": users,
+        "--timeout": max(30.0, sec.left()),
+        "--warmup": 0 if warm else users,
+    }
+    argv = [str(x) for kv in flags.items() for x in kv] + ["--ignore-eos", "--disable-tqdm"]
+    args = bench.parse_args(argv)
     res = asyncio.run(bench.run(args))
     m = res["runs"][0]
     row = {k: sig(m[k]) if isinstance(m.get(k), float) else m.get(k) for k in KEEP}
@@ -65,7 +58,10 @@ def run(sec: Section) -> None:
     from netra_jax.bench.launch import launched
 
     path = ensure_model_dir(sec.work, sec.dry)
-    server_args = shlex.join([str(path), *engine_settings.serve_flags(sec.dry)])
+    # warm up only when the model section's warm-up finished: its compilations are then in the persistent cache
+    warm = bool(((sec.prior.get("model") or {}).get("ready") or {}).get("warmup", {}).get("complete"))
+    sec.set("server_warmup", warm)
+    server_args = shlex.join([str(path), *engine_settings.serve_flags(sec.dry, warm)])
     sec.set("server_args", server_args)
     log = sec.work / "serve.log"
     t = time.perf_counter()
@@ -75,7 +71,7 @@ def run(sec: Section) -> None:
             for users, n in zip(sec.sizes.serve_users, sec.sizes.serve_prompts, strict=True):
                 need = 3 if sec.dry else 15
                 sec.attempt(
-                    "levels", {"users": users, "prompts": n}, lambda u=users, n=n: one_level(url, u, n, sec), need
+                    "levels", {"users": users, "prompts": n}, lambda u=users, n=n: one_level(url, u, n, sec, warm), need
                 )
     finally:
         if log.is_file():
