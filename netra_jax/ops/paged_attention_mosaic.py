@@ -3,7 +3,7 @@ mixed batches over the flat token batch, with GQA packing, sliding windows, soft
 
 Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
 - Work items: the flat batch is cut into query blocks of BQ = block_rows // G tokens of one sequence
-  (`_block_layout`, shared with the Triton kernel), G = query heads per KV head. Grid = (blocks, kv_heads, splits);
+  (`attention_blocks`, the Triton kernel's layout), G = query heads per KV head. Grid = (blocks, kv_heads, splits);
   idle blocks exit at once.
 - wgmma M = 64 rows: row r = t * G + g (token t of the block, query head g of the KV group). A block moves
   block_rows of them (64 for prefill: 64 // G tokens x G heads; 8 for decode steps: one token's G <= 8 heads, the
@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from netra_jax.ops.attention_args import check_attention_args
-from netra_jax.ops.paged_attention_triton import _block_layout, _merge_splits
+from netra_jax.ops.attention_blocks import block_layout, gather_block_rows, token_rows
+from netra_jax.ops.paged_attention_triton import _merge_splits
 
 ROWS = 64  # wgmma M of one warpgroup
 _SMALL_ROWS = 8  # rows of one SMEM tile: what a decode block (one token x G <= 8 heads) stores
@@ -324,16 +325,10 @@ def paged_attention_mosaic(
         raise ValueError("p_in_registers runs on a GPU only: the interpreter's wgmma reads both operands from SMEM")
     NS, BR = config.num_splits, config.block_rows
     bq = BR // G  # tokens per block
-    seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, bq)
+    seq, q_start, n_q, pos0 = block_layout(md, T, bq)
     NB = seq.shape[0]
 
-    # query rows [NB, KH, BR, D]: row t * G + g of block b is head kh * G + g of token q_start[b] + t
-    t_in = jnp.arange(bq, dtype=jnp.int32)
-    tok = jnp.clip(q_start[:, None] + t_in[None, :], 0, T - 1)  # [NB, bq]
-    live = (t_in[None, :] < n_q[:, None])[..., None, None, None]  # [NB, bq, 1, 1, 1]
-    rows = jnp.where(live, q.reshape(T, KH, G, D)[tok], 0)  # [NB, bq, KH, G, D]
-    rows = rows.transpose(0, 2, 1, 3, 4).reshape(NB, KH, bq * G, D)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, BR - bq * G), (0, 0)))
+    rows = gather_block_rows(q, q_start, n_q, KH, BR)  # [NB, KH, BR, D]
 
     out_dtype = q.dtype if NS == 1 else jnp.float32
     kernel = functools.partial(
@@ -370,15 +365,9 @@ def paged_attention_mosaic(
         kernel_name=f"ragged_paged_attention_mgpu_r{BR}_t{config.tile}_st{config.num_stages}_s{NS}",
     )(seq, n_q, pos0, md.block_tables.astype(jnp.int32), rows, k_pages, v_pages)
 
-    # the rows of each token, gathered before the split merge so that it reads only rows holding tokens: token t
-    # of sequence s sits in block first_block[s] + local // bq, rows (local % bq) * G + g (rows of other tokens and
-    # idle blocks are never written)
-    t = jnp.arange(T, dtype=jnp.int32)
-    qsl = md.query_start_loc.astype(jnp.int32)
-    s_of = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), 0, S - 1)  # [T]
-    local = t - qsl[s_of]
-    blk = jnp.clip(qsl[s_of] // bq + s_of + local // bq, 0, NB - 1)[:, None, None]  # [T, 1, 1]
-    row = ((local % bq) * G)[:, None, None] + jnp.arange(G)[None, None, :]  # [T, 1, G]
+    # each token's rows, gathered before the split merge so that it reads only rows holding tokens (the rows of
+    # other tokens and of idle blocks are never written)
+    blk, row = token_rows(md.query_start_loc, T, NB, bq, G)
     o = o[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G, D]
     lse = lse[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G] base 2
     if NS > 1:
@@ -389,7 +378,7 @@ def paged_attention_mosaic(
         o, lse = o[0], lse[0]
     if sinks is not None:  # softmax over [scores, sink]: scale by 1 / (1 + exp(sink - lse))
         o = o * jax.nn.sigmoid(lse * math.log(2.0) - sinks.reshape(KH, G)[None])[..., None]
-    valid = t < qsl[-1]  # [T]
+    valid = jnp.arange(T) < md.query_start_loc[-1]  # [T]
     return jnp.where(valid[:, None, None], o.reshape(T, H, D), 0).astype(q.dtype)
 
 
