@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         left = total - (time.time() - t_start)
         later = sum(budgets[n] for n, *_ in plan[i + 1 :])
         timeout = min(left, budgets[name] + max(0.0, left - budgets[name] - later))  # unused time rolls forward
-        if timeout < (2 if dry else 10):
+        no_gpu = not dry and name != "device" and "no GPU visible" in str(merged["sections"]["device"].get("error"))
+        if no_gpu:
+            merged["sections"][name] = {"status": "skipped", "error": "no GPU visible to jax"}
+        elif timeout < (2 if dry else 10):
             merged["sections"][name] = {"status": "skipped", "error": f"time budget ({left:.0f}s left in all)"}
         else:
             merged["sections"][name] = run_section(name, kind, timeout, dry, work, merged)

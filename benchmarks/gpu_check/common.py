@@ -60,7 +60,7 @@ DRY = Sizes(
     mixed_steps=(("prefill+decode", ((0, 9), (30, 1))),),
     model_batches=(4,),
     prompt_len=8,
-    output_len=4,
+    output_len=8,
     serve_users=(1, 4),
     serve_prompts=(2, 4),
     hf_batches=(1, 2),
@@ -140,6 +140,16 @@ def sig(x: float | None, digits: int = 4) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return float(f"{x:.{digits}g}")
+
+
+def decode_rate(first: Callable[[int], float], full: Callable[[int], float], n: int, reps: int = 2) -> dict:
+    """Batch-1 decode speed without the prompt: (n - 1) tokens over the time between generating 1 token and n
+    tokens (first(i), full(i): seconds of one such generate on fresh prompt i), the fastest of `reps` each."""
+    t1 = min(first(i) for i in range(reps))
+    tn = min(full(reps + i) for i in range(reps))
+    if tn <= t1:
+        raise ValueError(f"{n} tokens took no longer than 1 ({tn:.4f}s vs {t1:.4f}s): below the timing noise")
+    return {"first_token_s": sig(t1), "decode_tok_s": sig((n - 1) / (tn - t1))}
 
 
 def median_time(call: Callable[[int], Any], sync: Callable[[Any], Any], *, reps: int = 5, inner: int = 10) -> float:

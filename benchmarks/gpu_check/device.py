@@ -59,5 +59,7 @@ def matmul_tflops(m: int) -> float:
 
 def run(sec: Section) -> None:
     sec.set("env", describe())
+    if not sec.dry and jax.default_backend() != "gpu":
+        raise RuntimeError(f"no GPU visible to jax (backend {jax.default_backend()}); use --dry-run on a CPU machine")
     sec.set("copy_gbps", sig(copy_bandwidth((8 << 20) if sec.dry else (4 << 30))))
     sec.set("matmul_tflops", sig(max(matmul_tflops(m) for m in ((256,) if sec.dry else (4096, 8192)))))

@@ -19,7 +19,7 @@ import time
 import jax
 
 from gpu_check import engine_settings
-from gpu_check.common import Section, sig
+from gpu_check.common import Section, decode_rate, sig
 from gpu_check.model_dir import ensure_model_dir, kv_bytes_per_token, model_config, weight_bytes
 
 
@@ -56,10 +56,15 @@ def batch1(sec: Section, llm, cfg: dict) -> dict:
     n = sz.output_len
     reqs = prompts(1, sz.prompt_len, cfg["vocab_size"], seed=1)
     timed_generate(llm, reqs, 2)  # first-use costs (host buffers, sampler variant) stay out
-    t1 = min(timed_generate(llm, prompts(1, sz.prompt_len, cfg["vocab_size"], seed=s), 1)[0] for s in (2, 3))
-    tn, got = timed_generate(llm, prompts(1, sz.prompt_len, cfg["vocab_size"], seed=4), n)
-    tok_s = (got - 1) / max(tn - t1, 1e-9)
-    row = {"prompt_tokens": sz.prompt_len, "output_tokens": got, "first_token_s": sig(t1), "decode_tok_s": sig(tok_s)}
+
+    def gen(max_tokens: int, seed: int) -> float:
+        secs, got = timed_generate(llm, prompts(1, sz.prompt_len, cfg["vocab_size"], seed=seed), max_tokens)
+        assert got == max_tokens, (got, max_tokens)
+        return secs
+
+    row = {"prompt_tokens": sz.prompt_len, "output_tokens": n}
+    row |= decode_rate(lambda i: gen(1, 10 + i), lambda i: gen(n, 10 + i), n)
+    tok_s = row["decode_tok_s"]
     per_token = weight_bytes(cfg) + kv_bytes_per_token(cfg) * (sz.prompt_len + n // 2)
     row["bytes_per_token_gb"] = sig(per_token / 1e9)
     if sec.copy_gbps():
