@@ -47,7 +47,8 @@ def compare(fn, seqs, opts: dict, dtype, sz, seed: int) -> dict:
         sinks = jax.random.normal(jax.random.key(seed + 7), (sz.heads,), jnp.float32)
     got = _jitted(fn, tuple(kw.items()))(q, kp, vp, md, sinks=sinks)
     f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
-    want = _jitted(paged_attention_reference, tuple(kw.items()))(*f32, md, sinks=sinks)
+    with jax.default_matmul_precision("highest"):  # a GPU's f32 dots may otherwise run as TF32
+        want = _jitted(paged_attention_reference, tuple(kw.items()))(*f32, md, sinks=sinks)
     got, want = np.asarray(got.astype(jnp.float32), np.float64), np.asarray(want, np.float64)
     err = got - want
     return {
