@@ -184,7 +184,7 @@ class LLMEngine:
             entry = self._state_of(s.request) if s.sample and not s.request.is_finished else None
             rows.append(None if entry is None else self._row(entry[1]))
         batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_seqs, self.vocab_size)
-        out = sampling.sample(step.run.logits, jax.device_put(batch.arrays), key=batch.key)
+        out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, *(step.run.prompt_logprobs or ())):
             if a is not None:
                 a.copy_to_host_async()

@@ -210,15 +210,16 @@ class ModelRunner:
         elif prev_ids is not None:
             raise ValueError("prev_ids given to a runner built without overlap")
         logits, self.kv, plp = self._jit(
-            self.params, self.kv, jnp.asarray(host), prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
-        )
+            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
+        )  # host: numpy, moved by the call (one host->device copy)
         if self.mesh is not None:  # the sampler and its inputs live on device 0
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
         return logits, plp
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
         """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
-        return self._place_ids(self._widen(token_ids))
+        ids = self._widen(token_ids)  # on the sampler's device
+        return ids if self.mesh is None else self._place_ids(ids)
 
     def _place_ids(self, ids: jax.Array) -> jax.Array:
         if self.mesh is not None:
