@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from gpu_check import report
+from gpu_check.common import SERVER_PID
 
 # name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
 SECTIONS = (
@@ -29,6 +31,7 @@ SECTIONS = (
     ("peers", 60, 5, "torch"),
 )
 EXIT_MARGIN = (20.0, 3.0)  # seconds before a section's kill time at which it stops starting work (device, dry)
+STOP_GRACE_S = 30.0  # after SIGTERM at a section's limit: time to stop its server and save, then SIGKILL
 JAX_MEM_FRACTION = "0.9"
 
 
@@ -43,6 +46,37 @@ def section_env(kind: str, dry: bool, work: Path) -> dict[str, str]:
     return env
 
 
+def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM (the section saves and stops what it started), then SIGKILL after `grace` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stop_server(work: Path) -> None:
+    """Stop a server the serve section launched and could not stop itself (it runs in its own session)."""
+    pid_file = work / SERVER_PID
+    if not pid_file.is_file():
+        return
+    pid = int(pid_file.read_text())
+    pid_file.unlink()
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        t = time.time()
+        while time.time() - t < wait:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
 def run_section(name: str, kind: str, timeout: float, dry: bool, work: Path, merged: dict) -> dict:
     """Run one section in a child process with `timeout` seconds; its saved results plus how it ended."""
     part = work / f"{name}.json"
@@ -55,13 +89,14 @@ def run_section(name: str, kind: str, timeout: float, dry: bool, work: Path, mer
     cmd += ["--dry-run"] if dry else []
     t0 = time.time()
     print(f"\n===== section {name} ({timeout:.0f}s)", flush=True)
-    status = "ok"
+    proc = subprocess.Popen(cmd, env=section_env(kind, dry, work))
     try:
-        proc = subprocess.run(cmd, env=section_env(kind, dry, work), timeout=timeout)
-        rc = proc.returncode
+        rc = proc.wait(timeout=timeout)
         status = "ok" if rc == 0 else f"exit status {rc}"
     except subprocess.TimeoutExpired:
-        rc, status = None, f"killed after its {timeout:.0f}s budget (results kept up to then)"
+        stop(proc)
+        status = f"stopped at its {timeout:.0f}s budget (results kept up to then)"
+    stop_server(work)
     data = json.loads(part.read_text()) if part.is_file() else {}
     if status != "ok" and "error" not in data:
         data["error"] = status
@@ -100,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         left = total - (time.time() - t_start)
         later = sum(budgets[n] for n, *_ in plan[i + 1 :])
         timeout = min(left, budgets[name] + max(0.0, left - budgets[name] - later))  # unused time rolls forward
-        no_gpu = not dry and name != "device" and "no GPU visible" in str(merged["sections"]["device"].get("error"))
+        device_error = str((merged["sections"].get("device") or {}).get("error"))
+        no_gpu = not dry and name != "device" and "no GPU visible" in device_error
         if no_gpu:
             merged["sections"][name] = {"status": "skipped", "error": "no GPU visible to jax"}
         elif timeout < (2 if dry else 10):

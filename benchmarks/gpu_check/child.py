@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import sys
 import traceback
 import warnings
@@ -13,7 +14,12 @@ from pathlib import Path
 from gpu_check.common import Section
 
 
+def _stop(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum} at the section's time limit")
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _stop)  # unwind (a launched server is stopped, the results saved) instead of dying
     name, part, prior, work, deadline = argv[:5]
     sec = Section(
         name=name,

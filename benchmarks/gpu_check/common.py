@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+SERVER_PID = "serve.pid"  # in the work directory while the serve section's server runs
+
 
 @dataclass(frozen=True)
 class Sizes:

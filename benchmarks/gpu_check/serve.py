@@ -5,11 +5,12 @@ generator at each concurrency level in turn (random prompts, ignore_eos): TTFT, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import shlex
 import time
 
 from gpu_check import engine_settings
-from gpu_check.common import Section, sig
+from gpu_check.common import SERVER_PID, Section, sig
 from gpu_check.model_dir import ensure_model_dir
 
 KEEP = (
@@ -64,15 +65,15 @@ def run(sec: Section) -> None:
     server_args = shlex.join([str(path), *engine_settings.serve_flags(sec.dry, warm)])
     sec.set("server_args", server_args)
     log = sec.work / "serve.log"
+    pid_file = sec.work / SERVER_PID  # the runner stops a server this process could not (killed at its limit)
     t = time.perf_counter()
     try:
-        with launched(server_args, timeout=max(10.0, sec.left()), log_path=str(log)) as url:
+        with launched(server_args, timeout=max(10.0, sec.left()), log_path=str(log), pid_file=str(pid_file)) as url:
             sec.set("time_to_ready_s", sig(time.perf_counter() - t))
             for users, n in zip(sec.sizes.serve_users, sec.sizes.serve_prompts, strict=True):
-                need = 3 if sec.dry else 15
-                sec.attempt(
-                    "levels", {"users": users, "prompts": n}, lambda u=users, n=n: one_level(url, u, n, sec, warm), need
-                )
+                level = functools.partial(one_level, url, users, n, sec, warm)
+                sec.attempt("levels", {"users": users, "prompts": n}, level, need_s=3 if sec.dry else 15)
+        pid_file.unlink(missing_ok=True)  # stopped: nothing left for the runner to stop
     finally:
         if log.is_file():
             tail = log.read_text(errors="replace").splitlines()[-25:]
