@@ -48,9 +48,9 @@ export PYTHONPATH="$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 (( DRY )) && export JAX_PLATFORMS=cpu
 
-# the budget for the sections (their default sum, or --budget) plus a minute to merge, report and stop servers
-LIMIT=$(( ${BUDGET%.*} + 60 ))
-(( ${#BUDGET} )) || LIMIT=$(( DRY ? 150 : 540 ))
+# a backstop: the sections' budget (their sum, 450 s on the device and 165 s in the dry run, or --budget) plus time
+# to stop a section at its limit, merge and report
+if (( ${#BUDGET} )); then LIMIT=$(( ${BUDGET%.*} + 90 )); else LIMIT=$(( DRY ? 255 : 540 )); fi
 cd "$RESULTS_DIR"  # not the checkout: `python -m` puts the working directory first on sys.path
 set +e
 timeout --signal=TERM --kill-after=20 "$LIMIT" "$PY" -m gpu_check "$RESULTS_DIR" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_check.log"
