@@ -120,6 +120,22 @@ def warm_up(engine, first: list[int], cap_s: float) -> dict:
     return out
 
 
+def resolved_backend(configured: str | None, cfg: dict, dtype: str) -> str | None:
+    """The kernel "auto" runs for this model on this device (`ops.attention.auto_backend`), else `configured`."""
+    from netra_jax.ops import attention
+
+    if configured != "auto" or not hasattr(attention, "auto_backend"):
+        return configured
+    dev = jax.devices()[0]
+    shapes = {"q_heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"]}
+    shapes |= {"head_dim": cfg["head_dim"], "page_size": engine_settings.settings(False)["page_size"]}
+    try:
+        cc = getattr(dev, "compute_capability", None)
+        return attention.auto_backend(jax.default_backend(), cc, dtype=dtype, kv_dtype=dtype, **shapes)
+    except TypeError as e:  # another signature: say so rather than guess
+        return f"auto ({e})"
+
+
 def run(sec: Section) -> None:
     from netra_jax import LLM
 
@@ -137,7 +153,8 @@ def run(sec: Section) -> None:
         warm = warm_up(llm.engine, step_sizes(sec, kwargs), cap)
     except AttributeError as e:  # the engine's internals moved: its own, uncapped warm-up
         warm = {"complete": True, "seconds": sig(llm.engine.warmup()), "capped_warmup_unavailable": str(e)}
-    ready = {"build_s": sig(build), "warmup": warm, "attention_backend": getattr(llm.engine.runner, "backend", None)}
+    backend = resolved_backend(getattr(llm.engine.runner, "backend", None), cfg, kwargs["dtype"])
+    ready = {"build_s": sig(build), "warmup": warm, "attention_backend": backend}
     ready["time_to_ready_s"] = sig(build + warm["seconds"]) if warm["complete"] else None
     ready["kv_capacity_tokens"] = llm.engine.kv_capacity_tokens
     ready["weights_gb"] = sig(weight_bytes(cfg) / 1e9)
