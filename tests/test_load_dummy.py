@@ -1,10 +1,14 @@
 """load_format="dummy": random parameters from config.json alone, with the real loader's pytree (structure, shapes,
-dtypes) for every fixture family, generated on the device, and an engine that builds and generates from them."""
+dtypes) for every fixture family, generated on the device, sharded like the real loader under tensor parallelism,
+and an engine that builds and generates from them."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,3 +66,29 @@ def test_bad_load_format_and_cli_flag():
     assert engine_config(p.parse_args(["m"])).load_format == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--load-format", "npz"])
+
+
+_SHARDED = """
+import jax
+from netra_jax import parallel
+from netra_jax.loader import load_model
+
+assert len(jax.devices()) == 4
+for name, tp in (("tiny-llama", 4),):  # 2 KV heads over 4 devices: each stored twice, as the real loader does
+    path = f"{fixtures}/" + name
+    mesh = parallel.make_mesh(tp)
+    _, real = load_model(path, "float32", cache=False, mesh=mesh)
+    _, fake = load_model(path, "float32", load_format="dummy", mesh=mesh)
+    assert jax.tree.structure(real) == jax.tree.structure(fake), name
+    for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(fake), strict=True):
+        assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec), (name, a.shape, b.shape)
+        assert a.sharding.mesh.devices.tolist() == b.sharding.mesh.devices.tolist()
+print("ok")
+"""
+
+
+def test_sharded_like_the_real_loader_under_tensor_parallelism():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    code = _SHARDED.format(fixtures=FIXTURES)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
