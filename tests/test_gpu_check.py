@@ -24,7 +24,6 @@ def _env(tmp_path: Path, guard: bool = True) -> dict:
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
         "HOME": str(tmp_path),
         "PYTHON": sys.executable,
-        "GPU_CHECK_BENCHMARKS": str(BENCH),
     }
     if guard:  # tests/gpu_image/sitecustomize.py: only the GPU image's packages and the carried wheels import
         env["PYTHONPATH"] = str(REPO / "tests" / "gpu_image")
