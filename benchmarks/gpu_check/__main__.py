@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             merged["sections"][name] = run_section(name, kind, timeout, dry, work, merged)
         merged["elapsed_s"] = round(time.time() - t_start, 1)
         stem = report.write(merged, out_dir)
+    if a.work_dir is None:  # the model directory, the XLA cache and the server log (its tail is in the JSON)
+        shutil.rmtree(work, ignore_errors=True)
     print(f"\nwrote {stem}.json and {stem}.md")
     print(report.summary(merged), flush=True)
     return 0 if all(not s.get("error") for s in merged["sections"].values()) else 1
