@@ -92,10 +92,6 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_total * self.pool.block_size
 
-    @property
-    def structured(self):
-        return self.inputs.structured
-
     def warmup(self) -> float:
         """Compile every step variant (token buckets, with and without prompt logprob rows) and the sampler
         variants; returns seconds spent."""

@@ -126,7 +126,8 @@ def test_watchdog_fails_clients_of_a_step_stuck_in_native_code():
 
     t0 = time.monotonic()
     outs = asyncio.run(main())
-    assert len(outs) == 2 and time.monotonic() - t0 < 5
+    # steps 1 and 2 finished (overlapped, step 2 returns only step 1's token: its own comes with step 3)
+    assert len(outs) == (1 if engine.overlap else 2) and time.monotonic() - t0 < 5
     assert not ae.is_alive and ae.loop_running  # dead, and the thread is still inside the step
     release.set()
     ae.shutdown(timeout=10)

@@ -83,7 +83,10 @@ def test_512_streaming_clients(server):
     record("load: RSS after wave 1 / wave 2 (MiB)", [rss1 >> 10, rss2 >> 10])
     record("load: XLA compilations after warm-up", idle2["xla_compilations"] - compiles0)
     assert not errors, errors[:5]
-    assert idle2["blocks"] == idle1["blocks"] and idle2["invariant"] == "ok"
+    # no block leaked; how the free ones split between plain and prefix-cached depends on when each request's
+    # blocks came back (overlapped scheduling learns of a finish one step later), so only their sum must match
+    free1, free2 = (d["blocks"]["free"] + d["blocks"]["cached"] for d in (idle1, idle2))
+    assert free2 == free1 == idle2["blocks"]["total"] and idle2["invariant"] == "ok"
     assert idle2["blocks"]["in_use"] == 0
     assert rss2 - rss1 < RSS_TOLERANCE_KIB, (rss1, rss2)
     assert idle2["xla_compilations"] == compiles0, idle2["recent_compilations"]
