@@ -154,6 +154,10 @@ class ModelRunner:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
         self.buckets = token_buckets(max_num_batched_tokens)
+        # steps computing prompt logprobs (prefill chunks of the requests asking for them: rare) pad to one of two
+        # buckets, so warm-up compiles two more variants instead of doubling them all
+        smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, self.buckets[-1]))
+        self.prompt_logprob_buckets = tuple(sorted({smallest, self.buckets[-1]}))
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap
@@ -178,16 +182,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ shapes
     def shape_for(self, num_tokens: int, prompt_logprobs: bool = False) -> BatchShape:
         """The bucket of a step of `num_tokens` tokens; `prompt_logprobs`: the variant that also computes the
-        logprobs of up to PROMPT_LOGPROB_ROWS prompt positions."""
-        T = next((b for b in self.buckets if b >= num_tokens), None)
+        logprobs of up to PROMPT_LOGPROB_ROWS prompt positions (one of `prompt_logprob_buckets`)."""
+        buckets = self.prompt_logprob_buckets if prompt_logprobs else self.buckets
+        T = next((b for b in buckets if b >= num_tokens), None)
         if T is None:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
         rows = min(T, PROMPT_LOGPROB_ROWS) if prompt_logprobs else 0
         return BatchShape(T, min(T, self.max_seqs_bucket), self.max_pages, rows)
 
     def all_shapes(self) -> list[BatchShape]:
-        """Every step variant the engine can run (each bucket, with and without prompt logprob rows)."""
-        shapes = {self.shape_for(b, plp) for b in self.buckets for plp in (False, True)}
+        """Every step variant the engine can run (each bucket, and the prompt-logprob buckets with their rows)."""
+        shapes = {self.shape_for(b) for b in self.buckets}
+        shapes |= {self.shape_for(b, prompt_logprobs=True) for b in self.prompt_logprob_buckets}
         return sorted(shapes, key=lambda s: (s.num_tokens, s.prompt_rows))
 
     # ------------------------------------------------------------------ execution
