@@ -312,12 +312,12 @@ def profile_steps(llm, prompts, max_tokens: int, reset_cache) -> dict:
     cur: dict = {}
     orig_run, orig_sample, orig_step = eng.runner.run, sampling.sample, eng.step
 
-    def run(out):
+    def run(out, *prev):
         t0 = time.perf_counter()
-        logits, pb = orig_run(out)
-        logits.block_until_ready()
-        cur.update(forward=time.perf_counter() - t0, tokens=pb.num_tokens, seqs=pb.num_seqs)
-        return logits, pb
+        res = orig_run(out, *prev)
+        res.logits.block_until_ready()
+        cur.update(forward=time.perf_counter() - t0, tokens=res.batch.num_tokens, seqs=res.batch.num_seqs)
+        return res
 
     def sample(*a, **kw):
         t0 = time.perf_counter()
