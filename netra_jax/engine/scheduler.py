@@ -15,6 +15,14 @@ from netra_jax.engine.request import Request, RequestStatus, check_context_lengt
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs one step computes at most (a static step shape)
 
 
+def prompt_logprob_rows(req: Request, start: int, n: int) -> range:
+    """Positions of [start, start + n) whose logits give a prompt logprob (each predicts the next prompt token);
+    empty unless the request asks for prompt logprobs."""
+    if req.sampling_params.prompt_logprobs is None:
+        return range(0)
+    return range(start, min(start + n, req.num_prompt_tokens - 1))
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at `SchedulerConfig.max_waiting`; the caller should retry later."""
 
@@ -185,10 +193,8 @@ class Scheduler:
         if req.num_placeholders and end >= min(req.max_total_tokens or self.max_model_len, self.max_model_len):
             return 0
         n = min(end - start, budget)
-        if req.sampling_params.prompt_logprobs is not None:
-            rows = min(start + n, req.num_prompt_tokens - 1) - start
-            if rows > self._prompt_rows_left:
-                n = self._prompt_rows_left
+        if len(prompt_logprob_rows(req, start, n)) > self._prompt_rows_left:
+            n = self._prompt_rows_left
         return n
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -250,8 +256,7 @@ class Scheduler:
         """Schedule n tokens of `req` and count them in flight (the sampled one as a placeholder)."""
         start = req.num_scheduled_end
         sample = start + n == req.num_tokens + req.num_placeholders
-        if req.sampling_params.prompt_logprobs is not None:
-            self._prompt_rows_left -= max(0, min(start + n, req.num_prompt_tokens - 1) - start)
+        self._prompt_rows_left -= len(prompt_logprob_rows(req, start, n))
         req.num_inflight_tokens += n
         req.num_placeholders += sample
         return ScheduledRequest(req, n, start, list(req.block_ids), sample, req.num_preemptions)

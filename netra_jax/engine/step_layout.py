@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from netra_jax.engine.scheduler import PROMPT_LOGPROB_ROWS, SchedulerOutput
+from netra_jax.engine.scheduler import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
 
 __all__ = ["PROMPT_LOGPROB_ROWS", "BatchShape", "PackedBatch", "StepLayout", "pack_batch", "unpack"]
@@ -151,12 +151,9 @@ def _fill(shape: BatchShape, q_lens: list[int], pad_slot: int) -> tuple[np.ndarr
     return buf, lay
 
 
-def prompt_logprob_positions(sr) -> range:
-    """Prompt positions of a scheduled chunk whose logprob rows are wanted: each predicts the next prompt token."""
-    req = sr.request
-    if req.sampling_params.prompt_logprobs is None:
-        return range(0)
-    return range(sr.start, min(sr.start + sr.num_new_tokens, req.num_prompt_tokens - 1))
+def prompt_logprob_positions(sr: ScheduledRequest) -> range:
+    """Prompt positions of a scheduled chunk whose logprob rows are wanted."""
+    return prompt_logprob_rows(sr.request, sr.start, sr.num_new_tokens)
 
 
 def pack_batch(
