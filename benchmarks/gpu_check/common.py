@@ -48,8 +48,8 @@ FULL = Sizes(
     model_batches=(16, 64, 256),
     prompt_len=128,
     output_len=128,
-    serve_users=(1, 16, 64, 256),
-    serve_prompts=(4, 32, 128, 256),
+    serve_users=(1, 16, 64, 100, 256),  # 100: the level of the goal (NVIDIA NIM's Llama-3.1-8B figure)
+    serve_prompts=(4, 32, 128, 200, 256),
     hf_batches=(1, 64),
 )
 
