@@ -42,6 +42,25 @@ def test_same_pytree_as_the_real_loader(name, dtype="bfloat16"):  # norms stay f
         np.testing.assert_array_equal(np.asarray(fake["lm_head"]), np.asarray(fake["embed"]).T)
 
 
+def test_llama_with_attention_bias_has_all_four_biases(tmp_path):
+    """A Llama checkpoint with attention_bias: true carries q/k/v and o_proj biases (as transformers builds it); the
+    dummy layout must have the same four the real loader reads."""
+    from safetensors.numpy import load_file, save_file
+
+    src = FIXTURES / "tiny-llama"
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text()) | {"attention_bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_proj.weight") and ".self_attn." in n]:
+        tensors[name.replace(".weight", ".bias")] = np.ones(tensors[name].shape[0], tensors[name].dtype)
+    save_file(tensors, tmp_path / "model.safetensors")
+    _, real = load_model(tmp_path, "float32", cache=False)
+    _, fake = load_model(tmp_path, "float32", load_format="dummy")
+    assert {"bq", "bk", "bv", "bo"} <= set(real["layers"][0])
+    assert _layout(fake) == _layout(real)
+
+
 def test_dummy_needs_only_config_and_tokenizer(tmp_path):
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "tiny-llama" / f, tmp_path / f)  # no safetensors

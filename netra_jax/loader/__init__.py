@@ -118,8 +118,7 @@ def load_model(
             raise CheckpointError(f"load_format='dummy' needs a Hugging Face directory (config.json), not {path}")
         if mesh is not None:
             parallel.check_tp(cfg, parallel.tp_size(mesh))
-        bias = dummy.has_attention_bias(cfg, source)
-        params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, attention_bias=bias)
+        params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, biased=dummy.attention_biases(cfg, source))
         log.info("random (dummy) %s parameters for %s in %.2fs", dt, path, time.perf_counter() - t0)
         return cfg, params
     if mesh is not None:

@@ -24,8 +24,9 @@ LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02  # the HF initializer_range of Llama-style models
 
 
-def hf_tensor_shapes(cfg: ModelConfig, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a Hugging Face checkpoint of this config (projections stored [out, in])."""
+def hf_tensor_shapes(cfg: ModelConfig, biased: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a Hugging Face checkpoint of this config (projections stored [out, in]); `biased`
+    names the attention projections that carry a bias (see `attention_biases`)."""
     H, V, I, D = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
     qs, ks = cfg.q_size, cfg.kv_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -44,9 +45,8 @@ def hf_tensor_shapes(cfg: ModelConfig, attention_bias: bool = False) -> dict[str
             p + "mlp.up_proj.weight": (I, H),
             p + "mlp.down_proj.weight": (H, I),
         }
-        if attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (qs,), p + "self_attn.k_proj.bias": (ks,)}
-            shapes |= {p + "self_attn.v_proj.bias": (ks,)}
+        bias_size = {"q_proj": qs, "k_proj": ks, "v_proj": ks, "o_proj": H}
+        shapes |= {p + f"self_attn.{name}.bias": (bias_size[name],) for name in biased}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         if cfg.gemma_norms:
@@ -54,14 +54,17 @@ def hf_tensor_shapes(cfg: ModelConfig, attention_bias: bool = False) -> dict[str
     return shapes
 
 
-def has_attention_bias(cfg: ModelConfig, hf_config: dict[str, Any]) -> bool:
-    """Whether a checkpoint of this config carries q/k/v biases (Qwen2 always does; others say attention_bias)."""
-    return cfg.family == "qwen2" or bool(hf_config.get("attention_bias", False))
+def attention_biases(cfg: ModelConfig, hf_config: dict[str, Any]) -> tuple[str, ...]:
+    """The attention projections whose bias a checkpoint of this config carries: Qwen2's q/k/v always; with
+    `attention_bias: true` (Llama, Mistral, ...) all four, o_proj included, as transformers builds them."""
+    if hf_config.get("attention_bias", False):
+        return ("q_proj", "k_proj", "v_proj", "o_proj")
+    return ("q_proj", "k_proj", "v_proj") if cfg.family == "qwen2" else ()
 
 
-def param_layout(cfg: ModelConfig, dtype, tp: int = 1, attention_bias: bool = False) -> dict:
+def param_layout(cfg: ModelConfig, dtype, tp: int = 1, biased: tuple[str, ...] = ()) -> dict:
     """The parameter pytree as `jax.ShapeDtypeStruct` leaves (KV heads expanded for a tp-way split, as loaded)."""
-    shapes = hf_tensor_shapes(cfg, attention_bias)
+    shapes = hf_tensor_shapes(cfg, biased)
     zero = np.zeros((), np.float32)
 
     def get(name: str) -> np.ndarray:
@@ -84,12 +87,12 @@ def random_params(
     cfg: ModelConfig,
     dtype,
     mesh: jax.sharding.Mesh | None = None,
-    attention_bias: bool = False,
+    biased: tuple[str, ...] = (),
     seed: int = 0,
 ) -> dict:
     """Random parameters on the device (or sharded over `mesh`) with the layout of `param_layout`."""
     tp = parallel.tp_size(mesh)
-    layout = param_layout(cfg, dtype, tp, attention_bias)
+    layout = param_layout(cfg, dtype, tp, biased)
     if mesh is None:
         one = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, layout)
