@@ -192,6 +192,27 @@ def test_prompt_logprobs_from_ordinary_steps(pair):
         np.testing.assert_allclose([v.logprob for v in a.values()], [v.logprob for v in b.values()], atol=1e-5)
 
 
+def test_prompt_logprobs_stream_whole_with_n_samples():
+    """n = 2: only the first sample computes the prompt's rows (at most 256 a step), so its sibling streams tokens
+    first; no streamed output may carry a partly filled prompt_logprobs list, and the last one has every row."""
+    llm = LLM(
+        FIXTURES / "tiny-llama",
+        dtype="float32",
+        warmup=False,
+        max_num_seqs=6,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
+    prompt = {"prompt_token_ids": [(i * 7) % 200 + 3 for i in range(450)]}
+    outs = list(llm.stream(prompt, SamplingParams(max_tokens=3, n=2, prompt_logprobs=1)))
+    assert outs[0].prompt_logprobs is None  # the sibling's first token came before the last prompt rows
+    for out in outs:
+        assert out.prompt_logprobs is None or all(e is not None for e in out.prompt_logprobs[1:])
+    final = outs[-1].prompt_logprobs
+    assert outs[-1].finished and final[0] is None and len(final) == 450 and all(e is not None for e in final[1:])
+    _check_idle(llm)
+
+
 def test_aborts_in_flight_leak_nothing(pair):
     llm = pair[1]
     engine = llm.engine
