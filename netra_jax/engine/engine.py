@@ -93,8 +93,8 @@ class LLMEngine:
         return self.pool.num_total * self.pool.block_size
 
     def warmup(self) -> float:
-        """Compile every step variant (token buckets, with and without prompt logprob rows) and the sampler
-        variants; returns seconds spent."""
+        """Compile every step variant (each token bucket, and the two prompt-logprob buckets with their rows) and
+        the sampler variants; returns seconds spent."""
         t0 = time.perf_counter()
         shapes = self.runner.all_shapes()
         for shape in shapes:
