@@ -6,11 +6,11 @@ scatter against the Pallas (Triton) kernel kept in benchmarks/kv_write_triton.py
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kv_write_triton import write_kv_triton  # benchmarks/kv_write_triton.py
 
 from gpu_check.common import Section, median_time, sig
 from gpu_check.paged import GPU_BACKENDS, backend, dense_attention, make_batch, unsupported
@@ -54,8 +54,8 @@ def measure_step(sec: Section, kind: str, name: str, seqs) -> None:
     scale = sz.head_dim**-0.5
     for bname in GPU_BACKENDS:
         what = {**base, "impl": bname}
-        fn, missing = backend(bname, sec.dry)
-        reason = missing or unsupported(bname, DTYPE, sz.heads, sz.kv_heads, sz.head_dim, sz.page_size)
+        fn = backend(bname, sec.dry)
+        reason = unsupported(bname, DTYPE, sz.heads, sz.kv_heads, sz.head_dim, sz.page_size)
         if reason:
             sec.skip(kind, what, reason)
             continue
@@ -72,16 +72,8 @@ def measure_step(sec: Section, kind: str, name: str, seqs) -> None:
 
 
 def kv_write_impls(dry: bool) -> dict:
-    impls = {"xla_scatter": write_kv}
-    try:
-        mod = importlib.import_module("kv_write_triton")  # benchmarks/kv_write_triton.py
-    except ImportError:
-        try:
-            mod = importlib.import_module("netra_jax.ops.kv_write_triton")  # where it lived before
-        except ImportError:
-            return impls
-    impls["pallas_triton"] = functools.partial(mod.write_kv_triton, interpret=dry)
-    return impls
+    """The runtime's KV write (XLA's scatter) and the Pallas Triton kernel kept in benchmarks/ to compare with."""
+    return {"xla_scatter": write_kv, "pallas_triton": functools.partial(write_kv_triton, interpret=dry)}
 
 
 def measure_kv_write(sec: Section) -> None:

@@ -62,12 +62,12 @@ def compare(fn, seqs, opts: dict, dtype, sz, seed: int) -> dict:
 def run(sec: Section) -> None:
     sz = sec.sizes
     for name in GPU_BACKENDS:
-        fn, missing = backend(name, sec.dry)
+        fn = backend(name, sec.dry)
         for dtype in (jnp.bfloat16, jnp.float32):
             dname = jnp.dtype(dtype).name
             for i, (case, seqs, opts) in enumerate(cases(sec.dry)):
                 what = {"backend": name, "dtype": dname, "case": case}
-                reason = missing or unsupported(name, dtype, sz.heads, sz.kv_heads, sz.head_dim, sz.page_size)
+                reason = unsupported(name, dtype, sz.heads, sz.kv_heads, sz.head_dim, sz.page_size)
                 if reason:
                     sec.skip("results", what, reason)
                     continue

@@ -5,10 +5,6 @@ shape under a time cap (`model.warm_up`); the server warms up only when that fin
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import inspect
-
 FULL = {
     "dtype": "bfloat16",
     "max_num_seqs": 256,
@@ -17,6 +13,7 @@ FULL = {
     "page_size": 16,
     "num_kv_pages": 8192,  # 131072 tokens, 16 GiB of bf16 K/V for the 8B shape: 256 sequences x 512 tokens
     "attention_backend": "auto",
+    "async_scheduling": True,
 }
 # the dry run: as few step buckets and sampler batch sizes as still exercise chunked prefill and batching (the CPU
 # compiles each in about a second)
@@ -25,38 +22,19 @@ DRY["num_kv_pages"] = 32
 
 
 def settings(dry: bool) -> dict:
-    """The settings, with async scheduling switched on where this checkout's engine has it."""
-    s = dict(DRY if dry else FULL)
-    if has_async_scheduling():
-        s["async_scheduling"] = True
-    return s
-
-
-def has_async_scheduling() -> bool:
-    from netra_jax.config import EngineConfig
-
-    return any(f.name == "async_scheduling" for f in dataclasses.fields(EngineConfig))
+    return dict(DRY if dry else FULL)
 
 
 def llm_kwargs(dry: bool) -> dict:
-    """Keyword arguments for `netra_jax.LLM` (those it does not take are left out)."""
-    from netra_jax import LLM
-
-    accepted = inspect.signature(LLM.__init__).parameters
-    return {k: v for k, v in settings(dry).items() if k in accepted} | {"load_format": "dummy", "warmup": False}
+    """Keyword arguments for `netra_jax.LLM`."""
+    return settings(dry) | {"load_format": "dummy", "warmup": False}
 
 
 def serve_flags(dry: bool, warmup: bool) -> list[str]:
-    """The same settings as `netra-jax serve` flags (those its parser does not know are left out); `warmup`: let the
-    server compile every step variant before /ready answers."""
-    from netra_jax.cli import add_engine_args
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    known = parser._option_string_actions
+    """The same settings as `netra-jax serve` flags; `warmup`: let the server compile every step variant before
+    /ready answers."""
     flags = ["--load-format", "dummy"] + ([] if warmup else ["--no-warmup"])
     for k, v in settings(dry).items():
         flag = "--" + k.replace("_", "-")
-        if flag in known:
-            flags += [flag] if v is True else [flag, str(v)]
+        flags += [flag] if v is True else [flag, str(v)]
     return flags

@@ -124,16 +124,13 @@ def resolved_backend(configured: str | None, cfg: dict, dtype: str) -> str | Non
     """The kernel "auto" runs for this model on this device (`ops.attention.auto_backend`), else `configured`."""
     from netra_jax.ops import attention
 
-    if configured != "auto" or not hasattr(attention, "auto_backend"):
+    if configured != "auto":
         return configured
     dev = jax.devices()[0]
     shapes = {"q_heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"]}
     shapes |= {"head_dim": cfg["head_dim"], "page_size": engine_settings.settings(False)["page_size"]}
-    try:
-        cc = getattr(dev, "compute_capability", None)
-        return attention.auto_backend(jax.default_backend(), cc, dtype=dtype, kv_dtype=dtype, **shapes)
-    except TypeError as e:  # another signature: say so rather than guess
-        return f"auto ({e})"
+    cc = getattr(dev, "compute_capability", None)
+    return attention.auto_backend(jax.default_backend(), cc, dtype=dtype, kv_dtype=dtype, **shapes)
 
 
 def run(sec: Section) -> None:
@@ -149,11 +146,8 @@ def run(sec: Section) -> None:
     # leave time for the measurements: at most half of what is left (the dry run: a few seconds, so that the
     # capped path runs too)
     cap = 4.0 if sec.dry else max(10.0, 0.5 * sec.left() - 20)
-    try:
-        warm = warm_up(llm.engine, step_sizes(sec, kwargs), cap)
-    except AttributeError as e:  # the engine's internals moved: its own, uncapped warm-up
-        warm = {"complete": True, "seconds": sig(llm.engine.warmup()), "capped_warmup_unavailable": str(e)}
-    backend = resolved_backend(getattr(llm.engine.runner, "backend", None), cfg, kwargs["dtype"])
+    warm = warm_up(llm.engine, step_sizes(sec, kwargs), cap)
+    backend = resolved_backend(llm.engine.runner.backend, cfg, kwargs["dtype"])
     ready = {"build_s": sig(build), "warmup": warm, "attention_backend": backend}
     ready["time_to_ready_s"] = sig(build + warm["seconds"]) if warm["complete"] else None
     ready["kv_capacity_tokens"] = llm.engine.kv_capacity_tokens

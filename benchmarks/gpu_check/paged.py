@@ -4,14 +4,12 @@ over the gathered pages."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.ops.attention import BACKENDS, AttentionMetadata
+from netra_jax.ops.paged_attention_mosaic import supports
 
 # GPU backend -> the same kernel through its interpreter (what the CPU dry run calls)
 GPU_BACKENDS = {"mosaic": "mosaic_interpret", "triton": "triton_interpret"}
@@ -22,31 +20,15 @@ def backend_name(name: str, dry: bool) -> str:
 
 
 def backend(name: str, dry: bool):
-    """(fn, None) for a registered backend, (None, reason) for one this checkout does not have."""
-    key = backend_name(name, dry)
-    if key not in BACKENDS:
-        return None, f"backend {key!r} is not registered in netra_jax.ops.attention.BACKENDS"
-    return BACKENDS[key], None
+    """The attention function of a GPU backend (its interpreter in the dry run)."""
+    return BACKENDS[backend_name(name, dry)]
 
 
 def unsupported(name: str, dtype, heads: int, kv_heads: int, head_dim: int, page_size: int) -> str | None:
-    """The reason a backend refuses these shapes, when it says so up front (the Mosaic kernel's `supports`, called
-    by its parameter names: q and KV in one dtype here)."""
+    """The reason a backend refuses these shapes up front (the Mosaic kernel's `supports`; q and KV in one dtype)."""
     if name != "mosaic":
         return None
-    try:
-        mod = importlib.import_module("netra_jax.ops.paged_attention_mosaic")
-    except ImportError as e:
-        return f"netra_jax.ops.paged_attention_mosaic does not import: {e}"
-    check = getattr(mod, "supports", None)
-    if check is None:
-        return None
-    known = {"q_dtype": dtype, "kv_dtype": dtype, "dtype": dtype, "q_heads": heads, "kv_heads": kv_heads}
-    known |= {"head_dim": head_dim, "page_size": page_size}
-    params = inspect.signature(check).parameters
-    if not set(params) <= set(known):
-        return None  # a signature this check does not know: the call itself will tell
-    return check(**{k: known[k] for k in params})
+    return supports(dtype, dtype, heads, kv_heads, head_dim, page_size)
 
 
 def make_batch(seqs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0, copies=1):
