@@ -77,9 +77,6 @@ class OutputProcessor:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
         elif sample.grammar.done:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        else:
-            return
-        sample.finished = True
 
     def _check_stop_strings(self, sample: SampleState, n_new: int, already_finished: bool) -> None:
         sp = sample.request.sampling_params
@@ -101,7 +98,6 @@ class OutputProcessor:
             req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED_STOPPED, "stop", s
         else:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, s)
-        sample.finished = True
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's RequestOutput now: every sample's text so far (a possible partial stop string held back

@@ -24,7 +24,6 @@ class SampleState:
     tokens_emitted: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finished: bool = False
     grammar: GrammarMatcher | None = None  # structured output: masks each step, ends the request when complete
 
 
