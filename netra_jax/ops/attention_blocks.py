@@ -1,5 +1,5 @@
-"""Query blocks of a ragged token batch for the Mosaic GPU attention kernel: each block holds up to `bq` tokens of
-one sequence (the Triton kernel's `_block_layout`), laid out as rows t * G + g (token t, query head g of a KV group).
+"""What the Pallas attention kernels (Triton and Mosaic GPU) share: query blocks of a ragged token batch (each up to
+`bq` tokens of one sequence, rows t * G + g for token t and query head g of a KV group), and the split-K merge.
 
 Sequence s owns blocks first_block[s] = qsl[s] // bq + s onwards, so T // bq + S blocks cover any batch."""
 
@@ -8,12 +8,41 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from netra_jax.ops.paged_attention_triton import _block_layout
+# Programs wanted in flight before split-K stops paying: about two waves on a 132-SM H200 / H100.
+TARGET_PROGRAMS = 264
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp2 is the cheaper instruction
 
 
-def block_layout(md, num_tokens: int, bq: int):
-    """(sequence, first flat token, tokens (0 = idle block), position of the first token): int32 [num_blocks] each."""
-    return _block_layout(md.query_start_loc, md.seq_lens, num_tokens, bq)
+def block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int):
+    """Map a static number of query blocks onto the ragged batch; each block holds tokens of one sequence only.
+
+    Sequence s owns blocks [qsl[s] // block_q + s, ...): at least cdiv(q_len, block_q) of them, so
+    num_blocks = T // block_q + S covers every batch. Returns int32 arrays [num_blocks] of (sequence index,
+    first flat token, number of valid tokens (0 = idle block), absolute position of the first token)."""
+    S = seq_lens.shape[0]
+    num_blocks = num_tokens // block_q + S
+    qsl = query_start_loc.astype(jnp.int32)  # [S + 1]
+    q_len = qsl[1:] - qsl[:-1]  # [S]
+    first_block = qsl[:-1] // block_q + jnp.arange(S, dtype=jnp.int32)  # [S] strictly increasing
+    b = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
+    method = "compare_all" if num_blocks * S <= (1 << 22) else "sort"  # one fusion instead of a loop on GPU
+    seq = jnp.searchsorted(first_block, b, side="right", method=method).astype(jnp.int32)  # [NB]
+    seq = jnp.clip(seq - 1, 0, S - 1)
+    local = b - first_block[seq]  # [NB] block index within its sequence
+    n_q = jnp.clip(q_len[seq] - local * block_q, 0, block_q)  # [NB]
+    q_start = qsl[seq] + local * block_q  # [NB]
+    pos0 = seq_lens[seq].astype(jnp.int32) - q_len[seq] + local * block_q  # [NB]
+    return seq, q_start, n_q, pos0
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, den: jax.Array) -> jax.Array:
+    """Combine split-K partials. acc: [NS, ...rows, Dp] unnormalised; m, den: [NS, ...rows]. Returns [...rows, Dp]."""
+    m_max = jnp.max(m, axis=0)  # [...rows]
+    w = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0)[None])  # [NS, ...rows] (m is base 2)
+    w = jnp.where(jnp.isfinite(m), w, 0.0)
+    l_tot = jnp.sum(w * den, axis=0)  # [...rows]
+    o = jnp.sum(w[..., None] * acc, axis=0)  # [..., Dp]
+    return jnp.where(l_tot[..., None] > 0, o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
 
 
 def gather_block_rows(q: jax.Array, q_start: jax.Array, n_q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
@@ -44,4 +73,4 @@ def token_rows(query_start_loc: jax.Array, num_tokens: int, num_blocks: int, bq:
     return blk, row
 
 
-__all__ = ["block_layout", "gather_block_rows", "token_rows"]
+__all__ = ["LOG2E", "TARGET_PROGRAMS", "block_layout", "gather_block_rows", "merge_splits", "token_rows"]

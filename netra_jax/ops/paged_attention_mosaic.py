@@ -3,8 +3,8 @@ mixed batches over the flat token batch, with GQA packing, sliding windows, soft
 
 Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
 - Work items: the flat batch is cut into query blocks of BQ = block_rows // G tokens of one sequence
-  (`attention_blocks`, the Triton kernel's layout), G = query heads per KV head. Grid = (blocks, kv_heads, splits);
-  idle blocks exit at once.
+  (`attention_blocks.block_layout`, shared with the Triton kernel), G = query heads per KV head.
+  Grid = (blocks, kv_heads, splits); idle blocks exit at once.
 - wgmma M = 64 rows: row r = t * G + g (token t of the block, query head g of the KV group). A block moves
   block_rows of them (64 for prefill: 64 // G tokens x G heads; 8 for decode steps: one token's G <= 8 heads, the
   other rows of the 64 are never loaded and never stored, since rows do not mix in either wgmma). The wrapper
@@ -20,7 +20,7 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
   takes SMEM operands only: one tested path (MosaicConfig.p_in_registers=True reads P from registers, FA3's way;
   it lowers, but only a device run can check its numbers).
 - Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
-  log-sum-exp, merged outside by the Triton kernel's `_merge_splits`. Sinks (per-head logits in the softmax
+  log-sum-exp, merged outside by `attention_blocks.merge_splits`. Sinks (per-head logits in the softmax
   denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
 Limits: bf16/fp16 only; head_dim a multiple of 64, at most 256; G <= 64; page_size a multiple of 8 dividing 128 or
 a multiple of 128; shared memory <= 220 KiB (the chooser picks tile and stages to fit; lowering checks sm90's 227).
@@ -42,15 +42,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from netra_jax.ops.attention_args import check_attention_args
-from netra_jax.ops.attention_blocks import block_layout, gather_block_rows, token_rows
-from netra_jax.ops.paged_attention_triton import _merge_splits
+from netra_jax.ops.attention_blocks import (
+    LOG2E,
+    TARGET_PROGRAMS,
+    block_layout,
+    gather_block_rows,
+    merge_splits,
+    token_rows,
+)
 
 ROWS = 64  # wgmma M of one warpgroup
 _SMALL_ROWS = 8  # rows of one SMEM tile: what a decode block (one token x G <= 8 heads) stores
-_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100 / H200
 _MAX_SPLITS = 16
 _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm90 block may use
-_LOG2E = 1.4426950408889634
 _NEG = -1e30  # masked score: finite, so a row whose keys are all masked so far gives no NaN
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -114,7 +118,7 @@ def choose_config(
     if decode:
         block_rows = min(ROWS, 8 * -(-group // 8))
     if decode and head_dim <= 128:
-        splits = -(-_TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
+        splits = -(-TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
         splits = max(1, min(splits, _MAX_SPLITS, max_context // (2 * tile)))  # >= two tiles per split
     stages = 4
     while stages > 1 and smem_bytes(MosaicConfig(tile, stages, splits), head_dim) > _SMEM_BUDGET:
@@ -216,9 +220,9 @@ def _kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, TILE), jnp.float32))  # [ROWS, TILE]
             if soft_cap is None:
-                s = s * (scale * _LOG2E)
+                s = s * (scale * LOG2E)
             else:
-                s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+                s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
 
             def mask(s):
                 rel = (t_lo + j) * TILE - pos0 + col  # key position relative to the block's first token
@@ -265,7 +269,7 @@ def _kernel(
         acc, m, den, _ = lax.fori_loop(0, n_steps, body, init)
         den = jnp.maximum(den, 1e-30)  # an empty split: zero output, lse about -1e30 (weight 0 in the merge)
         out = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-        lse_smem[...] = m + jnp.log(den) * _LOG2E
+        lse_smem[...] = m + jnp.log(den) * LOG2E
         o_smem = q_smem if o32_smem is None else o32_smem
         o_smem[...] = out.astype(o_smem.dtype)
         plgpu.commit_smem()
@@ -325,7 +329,7 @@ def paged_attention_mosaic(
         raise ValueError("p_in_registers runs on a GPU only: the interpreter's wgmma reads both operands from SMEM")
     NS, BR = config.num_splits, config.block_rows
     bq = BR // G  # tokens per block
-    seq, q_start, n_q, pos0 = block_layout(md, T, bq)
+    seq, q_start, n_q, pos0 = block_layout(md.query_start_loc, md.seq_lens, T, bq)
     NB = seq.shape[0]
 
     rows = gather_block_rows(q, q_start, n_q, KH, BR)  # [NB, KH, BR, D]
@@ -371,7 +375,7 @@ def paged_attention_mosaic(
     o = o[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G, D]
     lse = lse[:, blk, jnp.arange(KH)[None, :, None], row]  # [NS, T, KH, G] base 2
     if NS > 1:
-        o = _merge_splits(o, lse, jnp.ones_like(lse))  # lse is base 2, as _merge_splits' m
+        o = merge_splits(o, lse, jnp.ones_like(lse))  # lse is base 2, as merge_splits' m
         lse_max = jnp.max(lse, axis=0)
         lse = lse_max + jnp.log2(jnp.sum(jnp.exp2(lse - lse_max[None]), axis=0))
     else:

@@ -13,12 +13,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from netra_jax.ops.attention_args import check_attention_args
+from netra_jax.ops.attention_blocks import LOG2E, TARGET_PROGRAMS, block_layout, merge_splits
 
-# Programs wanted in flight before split-K stops paying: about two waves on a 132-SM H200 / H100.
-_TARGET_PROGRAMS = 264
 _MAX_SPLITS = 64
 _SMEM_BUDGET = 160 * 1024
-_LOG2E = 1.4426950408889634
 
 
 def _next_pow2(n: int) -> int:
@@ -72,7 +70,7 @@ def choose_config(
     if num_tokens <= 2 * num_seqs:
         block_m = max(16, gp)
         programs = max(1, num_seqs * kv_heads)
-        splits = _next_pow2(-(-_TARGET_PROGRAMS // programs))
+        splits = _next_pow2(-(-TARGET_PROGRAMS // programs))
         splits = min(splits, _MAX_SPLITS, _prev_pow2(max_context // (2 * tile)))  # >= two tiles per split
     else:
         block_m, splits = max(64, gp), 1
@@ -82,28 +80,6 @@ def choose_config(
         stages -= 1
     warps = 8 if block_m * dp >= 64 * 256 else 4  # keep the f32 accumulator of wide heads out of local memory
     return KernelConfig(block_m=block_m, tile=tile, num_splits=splits, num_warps=warps, num_stages=stages)
-
-
-def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int):
-    """Map a static number of query blocks onto the ragged batch; each block holds tokens of one sequence only.
-
-    Sequence s owns blocks [qsl[s] // block_q + s, ...): at least cdiv(q_len, block_q) of them, so
-    num_blocks = T // block_q + S covers every batch. Returns int32 arrays [num_blocks] of (sequence index,
-    first flat token, number of valid tokens (0 = idle block), absolute position of the first token)."""
-    S = seq_lens.shape[0]
-    num_blocks = num_tokens // block_q + S
-    qsl = query_start_loc.astype(jnp.int32)  # [S + 1]
-    q_len = qsl[1:] - qsl[:-1]  # [S]
-    first_block = qsl[:-1] // block_q + jnp.arange(S, dtype=jnp.int32)  # [S] strictly increasing
-    b = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
-    method = "compare_all" if num_blocks * S <= (1 << 22) else "sort"  # one fusion instead of a loop on GPU
-    seq = jnp.searchsorted(first_block, b, side="right", method=method).astype(jnp.int32)  # [NB]
-    seq = jnp.clip(seq - 1, 0, S - 1)
-    local = b - first_block[seq]  # [NB] block index within its sequence
-    n_q = jnp.clip(q_len[seq] - local * block_q, 0, block_q)  # [NB]
-    q_start = qsl[seq] + local * block_q  # [NB]
-    pos0 = seq_lens[seq].astype(jnp.int32) - q_len[seq] + local * block_q  # [NB]
-    return seq, q_start, n_q, pos0
 
 
 def _kernel(
@@ -172,9 +148,9 @@ def _kernel(
             k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(cdt)  # [TILE, Dp]
             s = plgpu.dot(q, k, trans_b=True, precision=prec)  # [BM, TILE] f32
             if soft_cap is None:
-                s = s * (scale * _LOG2E)  # base-2 logits: exp2 is the cheaper instruction
+                s = s * (scale * LOG2E)  # base-2 logits: exp2 is the cheaper instruction
             else:
-                s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+                s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
             vis = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]  # [BM, TILE]
             if sliding_window is not None:
                 vis &= kpos[None, :] > q_pos[:, None] - sliding_window
@@ -190,7 +166,7 @@ def _kernel(
         m0 = jnp.full((BM,), -jnp.inf, jnp.float32)
         den0 = jnp.zeros((BM,), jnp.float32)
         if has_sinks:  # the sink joins the softmax once (in split 0): m = sink, den = exp2(0) = 1
-            sink = plgpu.load(sinks_ref.at[head], mask=row_ok, other=0.0) * _LOG2E  # [BM] base-2 logit
+            sink = plgpu.load(sinks_ref.at[head], mask=row_ok, other=0.0) * LOG2E  # [BM] base-2 logit
             first = split == 0
             m0 = jnp.where(first & row_ok, sink, m0)
             den0 = jnp.where(first & row_ok, 1.0, den0)
@@ -210,16 +186,6 @@ def _kernel(
             plgpu.store(acc_ref.at[(split, *o_idx)], acc, mask=t_ok)
             plgpu.store(m_ref.at[split, q_start + t_in, kh, g], m, mask=t_in < n_q)
             plgpu.store(den_ref.at[split, q_start + t_in, kh, g], den, mask=t_in < n_q)
-
-
-def _merge_splits(acc: jax.Array, m: jax.Array, den: jax.Array) -> jax.Array:
-    """Combine split-K partials. acc: [NS, ...rows, Dp] unnormalised; m, den: [NS, ...rows]. Returns [...rows, Dp]."""
-    m_max = jnp.max(m, axis=0)  # [...rows]
-    w = jnp.exp2(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0)[None])  # [NS, ...rows] (m is base 2)
-    w = jnp.where(jnp.isfinite(m), w, 0.0)
-    l_tot = jnp.sum(w * den, axis=0)  # [...rows]
-    o = jnp.sum(w[..., None] * acc, axis=0)  # [..., Dp]
-    return jnp.where(l_tot[..., None] > 0, o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
 
 
 def paged_attention_triton(
@@ -250,7 +216,7 @@ def paged_attention_triton(
     gp = _next_pow2(G)
     config.validate(gp)
     Dp = _next_pow2(max(D, 16))
-    seq, q_start, n_q, pos0 = _block_layout(md.query_start_loc, md.seq_lens, T, config.block_m // gp)
+    seq, q_start, n_q, pos0 = block_layout(md.query_start_loc, md.seq_lens, T, config.block_m // gp)
     NB, NS = seq.shape[0], config.num_splits
 
     kernel = functools.partial(
@@ -293,7 +259,7 @@ def paged_attention_triton(
         v_pages,
         jnp.zeros((H,), jnp.float32) if sinks is None else sinks,
     )
-    out = res if NS == 1 else _merge_splits(*res)
+    out = res if NS == 1 else merge_splits(*res)
     out = out[:T, :, :G, :D].reshape(T, H, D)
     valid = jnp.arange(T, dtype=jnp.int32) < md.query_start_loc[-1]  # [T] rows past the batch were never written
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
