@@ -213,6 +213,39 @@ def test_prompt_logprobs_stream_whole_with_n_samples():
     _check_idle(llm)
 
 
+@pytest.mark.parametrize("which", ["sync", "overlap"])
+def test_an_error_inside_a_step_leaves_no_request_stuck(pair, which, monkeypatch):
+    """An exception while a step's tokens are being processed (here the output processor's, once) propagates, and
+    the steps whose results were not applied are unscheduled: every request then runs to its end and nothing leaks."""
+    llm = pair[which == "overlap"]
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i, p in enumerate(_prompts(6, llm.model_config.vocab_size, seed=8)):
+        engine.add_request(f"e{i}", p, sp)
+    real = engine.outputs.append_token
+    calls = 0
+
+    def flaky(*args, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 9:
+            raise RuntimeError("detokenizer failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine.outputs, "append_token", flaky)
+    with pytest.raises(RuntimeError, match="detokenizer failure"):
+        for _ in range(50):
+            engine.step()
+    finished = set()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    engine.step()  # settles a last overlapped step, if any
+    assert finished == {f"e{i}" for i in range(6)}
+    _check_idle(llm)
+
+
 def test_aborts_in_flight_leak_nothing(pair):
     llm = pair[1]
     engine = llm.engine

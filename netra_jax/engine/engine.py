@@ -147,22 +147,30 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of the requests that changed (new tokens or finished).
-        Overlapped, these are the tokens of the step dispatched by the previous call."""
-        if not self.overlap:
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
-                return []
-            cur = self._dispatch(sched, None)
-            self._sample(cur)
-            return self._process(cur)
+        Overlapped, these are the tokens of the step dispatched by the previous call. If it raises, the steps whose
+        results were not applied are unscheduled (`Scheduler.cancel`), so their requests run again on the next call
+        instead of waiting forever for tokens that will never come."""
         prev, self._in_flight = self._in_flight, None
-        sched = self.scheduler.schedule()
-        cur = None if sched.is_empty else self._dispatch(sched, prev)
-        outputs = self._process(prev) if prev is not None else []
-        if cur is not None:
-            self._sample(cur)
-            self._in_flight = cur
-        return outputs
+        scheduled = [] if prev is None else [prev.sched]
+        try:
+            sched = self.scheduler.schedule()
+            scheduled.append(sched)
+            if not self.overlap:
+                if sched.is_empty:
+                    return []
+                cur = self._dispatch(sched, None)
+                self._sample(cur)
+                return self._process(cur)
+            cur = None if sched.is_empty else self._dispatch(sched, prev)
+            outputs = self._process(prev) if prev is not None else []
+            if cur is not None:
+                self._sample(cur)
+                self._in_flight = cur
+            return outputs
+        except BaseException:
+            for out in scheduled:
+                self.scheduler.cancel(out)
+            raise
 
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
         """Pack and dispatch the forward; placeholder tokens come from `prev`'s sampled ids on device."""

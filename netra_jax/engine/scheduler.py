@@ -56,6 +56,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous schedule()
+    settled: bool = False  # its results were applied (update_from_output) or its scheduling undone (cancel)
 
     @property
     def is_empty(self) -> bool:
@@ -281,6 +282,7 @@ class Scheduler:
         for s in live:
             if s.sample and s.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {s.request_id!r}, which sampled this step")
+        out.settled = True
         finished = []
         pool = self.pool
         for s in live:
@@ -306,6 +308,21 @@ class Scheduler:
                     finished.append(req)
                     break
         return finished
+
+    def cancel(self, out: SchedulerOutput) -> None:
+        """Undo the scheduling of a step whose results will never be applied (an error between schedule() and
+        update_from_output): its tokens are no longer in flight and its placeholders are dropped, so its requests
+        are scheduled again from what was computed (their KV slots are simply written again). No-op once settled."""
+        if out.settled:
+            return
+        out.settled = True
+        for s in out.scheduled:
+            req = s.request
+            if self._requests.get(s.request_id) is not req:  # finished or aborted since
+                continue
+            if s.epoch == req.num_preemptions:  # (a preemption already dropped the in-flight count)
+                req.num_inflight_tokens -= s.num_new_tokens
+            req.num_placeholders -= s.sample
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus, int | None] | None:
         sp = req.sampling_params
