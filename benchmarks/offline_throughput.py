@@ -38,12 +38,39 @@ import offline_report  # noqa: E402
 import roofline as rl  # noqa: E402
 
 SUBJECTS = [
-    "photosynthesis", "gravity", "a black hole", "the water cycle", "inflation", "a prime number", "DNA",
-    "the Roman Empire", "machine learning", "a volcano", "the stock market", "democracy", "an atom", "a rainbow",
-    "the internet", "climate change", "a vaccine", "the moon", "electricity", "a galaxy", "recycling", "jazz music",
-    "the French Revolution", "a computer virus", "an earthquake", "the immune system", "a hurricane", "chess",
-    "the Pythagorean theorem", "coffee", "the Great Wall of China", "a honeybee colony",
-]  # fmt: skip
+    "photosynthesis",
+    "gravity",
+    "a black hole",
+    "the water cycle",
+    "inflation",
+    "a prime number",
+    "DNA",
+    "the Roman Empire",
+    "machine learning",
+    "a volcano",
+    "the stock market",
+    "democracy",
+    "an atom",
+    "a rainbow",
+    "the internet",
+    "climate change",
+    "a vaccine",
+    "the moon",
+    "electricity",
+    "a galaxy",
+    "recycling",
+    "jazz music",
+    "the French Revolution",
+    "a computer virus",
+    "an earthquake",
+    "the immune system",
+    "a hurricane",
+    "chess",
+    "the Pythagorean theorem",
+    "coffee",
+    "the Great Wall of China",
+    "a honeybee colony",
+]
 FORMS = ["What is {}? Answer briefly.", "Explain {} to a ten-year-old."]
 
 
@@ -58,7 +85,8 @@ def questions(n: int) -> list[str]:
 def find_hf_python(explicit: str | None) -> str | None:
     cands = [explicit, os.environ.get("NETRA_HF_PYTHON"), str(HERE / ".hfvenv" / "bin" / "python")]
     cache = os.environ.get("NETRA_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "netra_jax")  # fmt: skip
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "netra_jax"
+    )
     cands.append(os.path.join(cache, "hfvenv", "bin", "python"))
     for c in cands:
         if c and os.access(c, os.X_OK):
@@ -75,8 +103,13 @@ def find_hf_python(explicit: str | None) -> str | None:
 def summarize(runs: list[dict], batch: int, max_tokens: int) -> dict:
     keys = [k for k in runs[0] if isinstance(runs[0][k], float)]
     med = {k: statistics.median(r[k] for r in runs) for k in keys}
-    return {"batch": batch, "max_tokens": max_tokens, "repeats": len(runs), "median": med,
-            "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in runs]}  # fmt: skip
+    return {
+        "batch": batch,
+        "max_tokens": max_tokens,
+        "repeats": len(runs),
+        "median": med,
+        "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in runs],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- ours
@@ -90,10 +123,18 @@ class Ours:
 
         self.args, self.prompt_ids = args, prompt_ids
         with rl.Phase(phases, "ours_build") as ph:
-            self.llm = LLM(args.model, dtype=args.dtype, max_num_seqs=len(prompt_ids),
-                           max_num_batched_tokens=args.max_num_batched_tokens, warmup=True)  # fmt: skip
-        self.info = {"build_s": ph.rec["wall_s"], "backend": getattr(self.llm.engine.runner, "backend", None),
-                     "jax_backend": jax.default_backend()}  # fmt: skip
+            self.llm = LLM(
+                args.model,
+                dtype=args.dtype,
+                max_num_seqs=len(prompt_ids),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                warmup=True,
+            )
+        self.info = {
+            "build_s": ph.rec["wall_s"],
+            "backend": getattr(self.llm.engine.runner, "backend", None),
+            "jax_backend": jax.default_backend(),
+        }
         self.prompts = [{"prompt_token_ids": p} for p in prompt_ids]
         self.output_ids: list[list[int]] = []
         with rl.Phase(phases, "ours_warmup_generate"):
@@ -109,8 +150,9 @@ class Ours:
         from netra_jax import SamplingParams
 
         self.reset_cache()
-        return self.llm.generate(ps, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                                 use_tqdm=False)  # fmt: skip
+        return self.llm.generate(
+            ps, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False
+        )
 
     def run(self, name: str) -> dict:
         ps, n = (self.prompts, self.args.max_tokens) if name == "batch" else (self.prompts[:1], self.args.batch1_tokens)
@@ -122,14 +164,20 @@ class Ours:
         prefill = max(o.metrics.first_token_time for o in outs) - w0  # until every request has its first token
         if name == "batch":
             self.output_ids = [list(o.outputs[0].token_ids) for o in outs]
-        return {"total_s": dt, "tok_s": n_out / dt, "prefill_s": prefill,
-                "decode_tok_s": (n_out - len(ps)) / max(dt - prefill, 1e-9)}  # fmt: skip
+        return {
+            "total_s": dt,
+            "tok_s": n_out / dt,
+            "prefill_s": prefill,
+            "decode_tok_s": (n_out - len(ps)) / max(dt - prefill, 1e-9),
+        }
 
     def profile(self) -> dict:
         out = {}
         lens = [len(p) for p in self.prompt_ids]
-        for name, ps, n, ctx in (("batch", self.prompts, self.args.max_tokens, statistics.mean(lens)),
-                                 ("batch1", self.prompts[:1], self.args.batch1_tokens, lens[0])):  # fmt: skip
+        for name, ps, n, ctx in (
+            ("batch", self.prompts, self.args.max_tokens, statistics.mean(lens)),
+            ("batch1", self.prompts[:1], self.args.batch1_tokens, lens[0]),
+        ):
             out[name] = rl.profile_steps(self.llm, ps, n, self.reset_cache)
             try:
                 out[name]["components"] = rl.component_times(self.llm, len(ps), int(ctx + n / 2), self.args.repeats)
@@ -153,9 +201,14 @@ def hf_worker(inp: str) -> None:
     t0 = time.perf_counter()
     kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     model = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
-    info = {"load_s": time.perf_counter() - t0, "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
-            "num_params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    info = {
+        "load_s": time.perf_counter() - t0,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "attn_implementation": model.config._attn_implementation,
+        "num_params": sum(p.numel() for p in model.parameters()),
+    }
     pad, eos = job["pad_id"], job["eos_ids"]
     last: dict = {}
 
@@ -165,9 +218,18 @@ def hf_worker(inp: str) -> None:
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                                 min_new_tokens=n, pad_token_id=pad, eos_token_id=eos, temperature=None,
-                                 top_p=None, top_k=None)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
         dt = time.perf_counter() - t0
         assert out.shape[1] == L + n, out.shape
         if len(prompts) > 1:
@@ -193,14 +255,29 @@ class HFClient:
     def __init__(self, args, hf_python: str, prompt_ids, eos_ids: list[int]):
         self.dir = tempfile.TemporaryDirectory()
         inp = os.path.join(self.dir.name, "job.json")
-        Path(inp).write_text(json.dumps({"model": str(args.model), "prompt_ids": prompt_ids,
-                                         "max_tokens": args.max_tokens, "batch1_tokens": args.batch1_tokens,
-                                         "pad_id": eos_ids[0], "eos_ids": eos_ids}))  # fmt: skip
+        Path(inp).write_text(
+            json.dumps(
+                {
+                    "model": str(args.model),
+                    "prompt_ids": prompt_ids,
+                    "max_tokens": args.max_tokens,
+                    "batch1_tokens": args.batch1_tokens,
+                    "pad_id": eos_ids[0],
+                    "eos_ids": eos_ids,
+                }
+            )
+        )
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
         self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
         self.python = hf_python
-        self.proc = subprocess.Popen([hf_python, __file__, "--hf-worker", inp], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [hf_python, __file__, "--hf-worker", inp],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env=env,
+        )
         rl.Phase.children.append(self.proc.pid)
 
     def _ask(self, cmd: str | None) -> dict:
@@ -284,18 +361,32 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}
-    result: dict = {"benchmark": "offline_throughput", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "machine": rl.machine_info(), "phases": phases}  # fmt: skip
+    result: dict = {
+        "benchmark": "offline_throughput",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": rl.machine_info(),
+        "phases": phases,
+    }
     tok = Tokenizer.load(args.model)
     convs = [[{"role": "user", "content": q}] for q in questions(args.num_prompts)]
-    prompt_ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
-                  for c in convs]  # fmt: skip
-    result["settings"] = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
-                          "max_tokens": args.max_tokens, "batch1_tokens": args.batch1_tokens,
-                          "max_num_seqs": args.num_prompts, "max_num_batched_tokens": args.max_num_batched_tokens,
-                          "repeats": args.repeats, "quick": args.quick, "temperature": 0, "ignore_eos": True,
-                          "prompt_lens": [len(p) for p in prompt_ids],
-                          "questions": questions(args.num_prompts)}  # fmt: skip
+    prompt_ids = [
+        tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False) for c in convs
+    ]
+    result["settings"] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "batch1_tokens": args.batch1_tokens,
+        "max_num_seqs": args.num_prompts,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "temperature": 0,
+        "ignore_eos": True,
+        "prompt_lens": [len(p) for p in prompt_ids],
+        "questions": questions(args.num_prompts),
+    }
     peaks = measure_peaks(args, phases, "peaks_before")
     eos = list(tok.eos_token_ids or [])
     hf_python = None if args.no_hf else find_hf_python(args.hf_python)
@@ -315,15 +406,19 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     with rl.Phase(phases, f"{who}_{name}_{i}") as ph:
                         r = eng.run(name)
-                    runs.setdefault((who, name), []).append(dict(r, load1=ph.rec["load1"],
-                                                                 others_cores=ph.rec["others_cores"]))  # fmt: skip
+                    runs.setdefault((who, name), []).append(
+                        dict(r, load1=ph.rec["load1"], others_cores=ph.rec["others_cores"])
+                    )
         if hf_client:
             hf = hf_client.close()
             hf_client = None
             result["agreement"] = agreement(ours.output_ids, hf.pop("output_ids"), eos)
             for name in ("batch", "batch1"):
-                hf[name] = summarize(runs[("hf", name)], len(prompt_ids) if name == "batch" else 1,
-                                     args.max_tokens if name == "batch" else args.batch1_tokens)  # fmt: skip
+                hf[name] = summarize(
+                    runs[("hf", name)],
+                    len(prompt_ids) if name == "batch" else 1,
+                    args.max_tokens if name == "batch" else args.batch1_tokens,
+                )
                 pairs = zip(runs[("ours", name)], runs[("hf", name)], strict=True)
                 hf[name]["paired_ratios"] = [round(o["tok_s"] / h["tok_s"], 3) for o, h in pairs]
     except RuntimeError as e:
@@ -333,8 +428,11 @@ def main(argv: list[str] | None = None) -> dict:
             hf_client.proc.kill()
     res_ours = dict(ours.info)
     for name in ("batch", "batch1"):
-        res_ours[name] = summarize(runs[("ours", name)], len(prompt_ids) if name == "batch" else 1,
-                                   args.max_tokens if name == "batch" else args.batch1_tokens)  # fmt: skip
+        res_ours[name] = summarize(
+            runs[("ours", name)],
+            len(prompt_ids) if name == "batch" else 1,
+            args.max_tokens if name == "batch" else args.batch1_tokens,
+        )
     if args.profile:
         with rl.Phase(phases, "ours_profile"):
             res_ours["profile"] = ours.profile()

@@ -112,11 +112,17 @@ class Phase:
         dt = time.perf_counter() - self.t0
         c1 = _cpu_busy(tuple(self.children))
         other = (c1[0] - self.c0[0]) - (c1[1] - self.c0[1])
-        self.rec = {"wall_s": round(dt, 3), "load1": round(os.getloadavg()[0], 2),
-                    "others_cores": round(max(0.0, other) / dt, 2) if dt > 0 else None}  # fmt: skip
+        self.rec = {
+            "wall_s": round(dt, 3),
+            "load1": round(os.getloadavg()[0], 2),
+            "others_cores": round(max(0.0, other) / dt, 2) if dt > 0 else None,
+        }
         self.log[self.name] = self.rec
-        print(f"[{self.name}] {dt:.1f} s, load {self.rec['load1']}, others {self.rec['others_cores']} cores",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[{self.name}] {dt:.1f} s, load {self.rec['load1']}, others {self.rec['others_cores']} cores",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- model costs
@@ -209,26 +215,38 @@ def figures(cfg, itemsize: int, prompt_ids, args, peaks: dict, ours: dict, hf: d
     f = {
         "costs_batch": decode_step_costs(cfg, len(prompt_ids), ctx, itemsize),
         "costs_batch1": decode_step_costs(cfg, 1, ctx1, itemsize),
-        "ours_tok_s": ob["tok_s"], "ours_total_s": ob["total_s"], "ours_decode_tok_s": ob["decode_tok_s"],
+        "ours_tok_s": ob["tok_s"],
+        "ours_total_s": ob["total_s"],
+        "ours_decode_tok_s": ob["decode_tok_s"],
         "ours_prefill_s": ob["prefill_s"],
         "ours_frac_peak": ob["tok_s"] * fpt / peak,
         "ours_frac_peak_decode_only": ob["decode_tok_s"] * fpt / peak,
         "ours_frac_peak_all_flops": run_flops / ob["total_s"] / peak,
-        "ours_batch1_tok_s": o1["tok_s"], "ours_batch1_decode_tok_s": o1["decode_tok_s"],
+        "ours_batch1_tok_s": o1["tok_s"],
+        "ours_batch1_decode_tok_s": o1["decode_tok_s"],
         "batch1_roofline_tok_s": bw / bytes1,
         "ours_batch1_frac_roofline": o1["decode_tok_s"] / (bw / bytes1),
-    }  # fmt: skip
+    }
     if hf and "batch" in hf:
         hb, h1 = hf["batch"]["median"], hf["batch1"]["median"]
-        f.update(hf_tok_s=hb["tok_s"], hf_total_s=hb["total_s"], ratio=ob["tok_s"] / hb["tok_s"],
-                 hf_frac_peak=hb["tok_s"] * fpt / peak, hf_frac_peak_all_flops=run_flops / hb["total_s"] / peak,
-                 hf_batch1_tok_s=h1["tok_s"], ratio_batch1=o1["tok_s"] / h1["tok_s"],
-                 hf_batch1_frac_roofline=h1["tok_s"] / (bw / bytes1))  # fmt: skip
+        f.update(
+            hf_tok_s=hb["tok_s"],
+            hf_total_s=hb["total_s"],
+            ratio=ob["tok_s"] / hb["tok_s"],
+            hf_frac_peak=hb["tok_s"] * fpt / peak,
+            hf_frac_peak_all_flops=run_flops / hb["total_s"] / peak,
+            hf_batch1_tok_s=h1["tok_s"],
+            ratio_batch1=o1["tok_s"] / h1["tok_s"],
+            hf_batch1_frac_roofline=h1["tok_s"] / (bw / bytes1),
+        )
         if hf["batch"].get("paired_ratios"):
             f["ratio_paired_median"] = statistics.median(hf["batch"]["paired_ratios"])
         for name in ("batch", "batch1"):  # pairs in which other processes used under QUIET_CORES
-            quiet = [(o["tok_s"], h["tok_s"]) for o, h in zip(ours[name]["runs"], hf[name]["runs"], strict=False)
-                     if max(o.get("others_cores") or 0, h.get("others_cores") or 0) < QUIET_CORES]  # fmt: skip
+            quiet = [
+                (o["tok_s"], h["tok_s"])
+                for o, h in zip(ours[name]["runs"], hf[name]["runs"], strict=False)
+                if max(o.get("others_cores") or 0, h.get("others_cores") or 0) < QUIET_CORES
+            ]
             f[f"quiet_pairs_{name}"] = len(quiet)
             if quiet:
                 f[f"ours_tok_s_quiet_{name}"] = statistics.median(o for o, _ in quiet)
@@ -283,8 +301,16 @@ def component_times(llm, batch: int, context: int, repeats: int = 3) -> dict:
     def attn_all(kv, q, md):
         acc = jnp.zeros((), jnp.float32)
         for i in range(cfg.num_layers):
-            o = attention(q, kv.k[i], kv.v[i], md, scale=cfg.attn_scale, sliding_window=cfg.layer_window(i),
-                          soft_cap=cfg.attn_logit_softcap, backend=runner.backend)  # fmt: skip
+            o = attention(
+                q,
+                kv.k[i],
+                kv.v[i],
+                md,
+                scale=cfg.attn_scale,
+                sliding_window=cfg.layer_window(i),
+                soft_cap=cfg.attn_logit_softcap,
+                backend=runner.backend,
+            )
             acc += o.sum()
         return acc
 
@@ -353,8 +379,15 @@ def profile_steps(llm, prompts, max_tokens: int, reset_cache) -> dict:
     if full:
         host = [s["step"] - s["forward"] - s.get("sampler", 0.0) for s in full]
         out["decode_host_ms_median"] = round(1e3 * statistics.median(host), 3)
-    out["other_steps"] = [{"tokens": s["tokens"], "seqs": s["seqs"], "step_ms": round(1e3 * s["step"], 2),
-                           "forward_ms": round(1e3 * s["forward"], 2)} for s in rest][:16]  # fmt: skip
+    out["other_steps"] = [
+        {
+            "tokens": s["tokens"],
+            "seqs": s["seqs"],
+            "step_ms": round(1e3 * s["step"], 2),
+            "forward_ms": round(1e3 * s["forward"], 2),
+        }
+        for s in rest
+    ][:16]
     return out
 
 
@@ -365,8 +398,14 @@ def decode_matmul_shapes(cfg, batch: int, repeats: int = 5) -> list[dict]:
     import jax.numpy as jnp
 
     h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"wq": (h, cfg.q_size), "wk/wv": (h, cfg.kv_size), "wo": (cfg.q_size, h), "gate_up": (h, 2 * i),
-              "down": (i, h), "lm_head": (h, cfg.vocab_size)}  # fmt: skip
+    shapes = {
+        "wq": (h, cfg.q_size),
+        "wk/wv": (h, cfg.kv_size),
+        "wo": (cfg.q_size, h),
+        "gate_up": (h, 2 * i),
+        "down": (i, h),
+        "lm_head": (h, cfg.vocab_size),
+    }
     rng = np.random.default_rng(0)
     dot = jax.jit(jnp.dot)
     out = []
@@ -377,6 +416,14 @@ def decode_matmul_shapes(cfg, batch: int, repeats: int = 5) -> list[dict]:
         flops = 2.0 * batch * k * n
         t_xla = _median_time(lambda ja=ja, jb=jb: dot(ja, jb).block_until_ready(), repeats)[0]
         t_np = _median_time(lambda a=a, b=b: a @ b, repeats)[0]
-        out.append({"name": name, "shape": [batch, k, n], "xla_ms": 1e3 * t_xla, "numpy_ms": 1e3 * t_np,
-                    "xla_gflops": flops / t_xla / 1e9, "numpy_gflops": flops / t_np / 1e9})  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "shape": [batch, k, n],
+                "xla_ms": 1e3 * t_xla,
+                "numpy_ms": 1e3 * t_np,
+                "xla_gflops": flops / t_xla / 1e9,
+                "numpy_gflops": flops / t_np / 1e9,
+            }
+        )
     return out

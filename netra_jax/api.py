@@ -103,9 +103,13 @@ class LLM:
             model=str(model) if model else "",
             dtype=dtype,
             max_model_len=max_model_len,
-            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_cache_bytes=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+            cache=CacheConfig(
+                page_size=page_size,
+                num_pages=num_kv_pages,
+                kv_cache_bytes=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
@@ -115,7 +119,7 @@ class LLM:
             warmup=warmup,
             load_format=load_format,
             async_scheduling=async_scheduling,
-        )  # fmt: skip
+        )
         self.engine = build_engine(self.config)
         self._ids = itertools.count()
 
@@ -211,8 +215,9 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)  # fmt: skip
+            text = tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -49,8 +49,11 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         dtype=a.dtype,
         max_model_len=a.max_model_len,
         cache=CacheConfig(
-            page_size=a.page_size, num_pages=a.num_kv_pages, kv_cache_bytes=a.kv_cache_memory,
-            gpu_memory_utilization=a.gpu_memory_utilization, enable_prefix_caching=a.enable_prefix_caching,
+            page_size=a.page_size,
+            num_pages=a.num_kv_pages,
+            kv_cache_bytes=a.kv_cache_memory,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            enable_prefix_caching=a.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting
@@ -63,7 +66,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         warmup=not a.no_warmup,
         load_format=a.load_format,
         async_scheduling=a.async_scheduling,
-    )  # fmt: skip
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

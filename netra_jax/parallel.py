@@ -31,9 +31,16 @@ KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
 
 # parameter name -> PartitionSpec (vocab-split names are resolved in `param_specs`)
 _LAYER_SPECS = {
-    "wq": P(None, TP), "wk": P(None, TP), "wv": P(None, TP), "bq": P(TP), "bk": P(TP), "bv": P(TP),
-    "wo": P(TP, None), "w_gate_up": P(None, None, TP), "w_down": P(TP, None),
-}  # fmt: skip
+    "wq": P(None, TP),
+    "wk": P(None, TP),
+    "wv": P(None, TP),
+    "bq": P(TP),
+    "bk": P(TP),
+    "bv": P(TP),
+    "wo": P(TP, None),
+    "w_gate_up": P(None, None, TP),
+    "w_down": P(TP, None),
+}
 
 
 # ------------------------------------------------------------------------------------------ mesh and config
@@ -218,8 +225,9 @@ class ShardedHFReader:
         def read(idx):
             h, k, i = idx
             parts = [(gate, g), (up, u)][k]
-            return np.stack([np.ascontiguousarray(self._take(n, a, (i, h)).T).astype(self.dtype)
-                             for n, a in parts], axis=1)  # fmt: skip
+            return np.stack(
+                [np.ascontiguousarray(self._take(n, a, (i, h)).T).astype(self.dtype) for n, a in parts], axis=1
+            )
 
         return _Leaf((hidden, 2, inter), read)
 
@@ -255,8 +263,12 @@ class ShardedHFReader:
                 "w_gate_up": self.gate_up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H),
                 "w_down": self.linear(p + "mlp.down_proj.weight", H, I),
             }
-            for short, name, dim, m in (("bq", "q_proj", qs, None), ("bk", "k_proj", ks, kv_map),
-                                        ("bv", "v_proj", ks, kv_map), ("bo", "o_proj", H, None)):  # fmt: skip
+            for short, name, dim, m in (
+                ("bq", "q_proj", qs, None),
+                ("bk", "k_proj", ks, kv_map),
+                ("bv", "v_proj", ks, kv_map),
+                ("bo", "o_proj", H, None),
+            ):
                 if self.has(p + f"self_attn.{name}.bias"):
                     lp[short] = self.bias(p + f"self_attn.{name}.bias", dim, m)
             if cfg.qk_norm:

@@ -37,8 +37,10 @@ class StructuredOutputsParams:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {given or 'none'}")  # fmt: skip
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         if isinstance(self.json, str):

@@ -56,8 +56,9 @@ class StructuredOutputs:
             import llguidance
 
             n = max(self.vocab_size, self.tokenizer.backend.get_vocab_size(with_added_tokens=True))
-            self._lltok = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=n,
-                                                 eos_token=self.eos_token_ids or None)  # fmt: skip
+            self._lltok = llguidance.LLTokenizer(
+                self.tokenizer.backend.to_str(), n_vocab=n, eos_token=self.eos_token_ids or None
+            )
         return self._lltok
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:

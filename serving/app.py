@@ -82,8 +82,9 @@ def _engine_error(e: BaseException, retry_after: int) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFullError):
-        return APIError(429, f"server is busy: {e}; retry later", code="queue_full",
-                        headers={"Retry-After": str(retry_after)})  # fmt: skip
+        return APIError(
+            429, f"server is busy: {e}; retry later", code="queue_full", headers={"Retry-After": str(retry_after)}
+        )
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not running: {e}", code="engine_dead")
     if isinstance(e, StructuredOutputError):  # the schema failed to compile when the engine admitted the request
@@ -107,8 +108,16 @@ def create_app(
     """An app serving `engine` as the model `served_model_name`. `chat_template`: Jinja source replacing the
     checkpoint's (requests cannot supply one). `ready`: warm-up finished (default: the engine's `ready` flag)."""
     metrics = ServerMetrics(engine)
-    st = ServerState(engine, served_model_name, metrics, TokenText(engine.engine.tokenizer), chat_template,
-                     ready or (lambda: engine.engine.ready), retry_after, created=int(time.time()))  # fmt: skip
+    st = ServerState(
+        engine,
+        served_model_name,
+        metrics,
+        TokenText(engine.engine.tokenizer),
+        chat_template,
+        ready or (lambda: engine.engine.ready),
+        retry_after,
+        created=int(time.time()),
+    )
     app = FastAPI(title="netra_jax", version="0.1.0")
     app.state.server = st
     install_error_handlers(app, metrics.count_error)
@@ -116,13 +125,21 @@ def create_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, on_error=metrics.count_error)
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     def check_model(model: str | None) -> None:
         if model is not None and model != st.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {st.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_serving() -> None:
         if not engine.is_alive:
@@ -130,8 +147,9 @@ def create_app(
         if st.draining:
             raise APIError(503, "server is shutting down", code="shutting_down")
         if not st.ready():
-            raise APIError(503, "model is warming up; retry shortly", code="warming_up",
-                           headers={"Retry-After": str(retry_after)})  # fmt: skip
+            raise APIError(
+                503, "model is warming up; retry shortly", code="warming_up", headers={"Retry-After": str(retry_after)}
+            )
 
     # ------------------------------------------------------------------ probes and metadata
     @app.get("/health")
@@ -152,8 +170,12 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def card() -> ModelCard:
-        return ModelCard(id=st.model_name, created=st.created, root=str(st.llm.config.model or st.model_name),
-                         max_model_len=st.llm.max_model_len)  # fmt: skip
+        return ModelCard(
+            id=st.model_name,
+            created=st.created,
+            root=str(st.llm.config.model or st.model_name),
+            max_model_len=st.llm.max_model_len,
+        )
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -203,8 +225,9 @@ def create_app(
         async def close() -> None:  # also when the client left before the body started
             gen.close()
 
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
-                                 background=BackgroundTask(close))  # fmt: skip
+        return StreamingResponse(
+            body, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(close)
+        )
 
     @app.post("/v1/completions", response_model=None, openapi_extra=_doc(CompletionRequest))
     async def completions(raw: Request) -> Response | CompletionResponse:
@@ -218,14 +241,26 @@ def create_app(
         echo = None
         if req.echo:
             echo = [t if t is not None else st.llm.tokenizer.decode(ids, req.skip_special_tokens) for t, ids in prompts]
-        gen = Generation(engine, [{"prompt": t, "prompt_token_ids": ids} if t else ids for t, ids in prompts], sp,
-                         rid, metrics)  # fmt: skip
+        gen = Generation(
+            engine, [{"prompt": t, "prompt_token_ids": ids} if t else ids for t, ids in prompts], sp, rid, metrics
+        )
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
-            ctx = StreamContext(rid, int(time.time()), st.model_name, sp.n, st.tokens, req.logprobs, req.include_usage,
-                                req.continuous_usage, metrics, echo, req.return_token_ids)  # fmt: skip
+            ctx = StreamContext(
+                rid,
+                int(time.time()),
+                st.model_name,
+                sp.n,
+                st.tokens,
+                req.logprobs,
+                req.include_usage,
+                req.continuous_usage,
+                metrics,
+                echo,
+                req.return_token_ids,
+            )
             return sse(completion_stream(gen, res[0], res[1], ctx), gen)
         choices = []
         for i, out in enumerate(res):
@@ -235,8 +270,13 @@ def create_app(
                 if req.logprobs is not None and o.logprobs is not None:
                     lps = completion_logprobs(o.logprobs, st.tokens, req.logprobs, len(head))
                 reason, stop_reason = finish(o)
-                choice = CompletionChoice(index=i * sp.n + o.index, text=head + o.text, logprobs=lps,
-                                          finish_reason=reason, stop_reason=stop_reason)  # fmt: skip
+                choice = CompletionChoice(
+                    index=i * sp.n + o.index,
+                    text=head + o.text,
+                    logprobs=lps,
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                )
                 if req.return_token_ids:
                     choice.token_ids, choice.prompt_token_ids = list(o.token_ids), list(out.prompt_token_ids)
                 choices.append(choice)
@@ -256,8 +296,18 @@ def create_app(
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
-            ctx = StreamContext(rid, int(time.time()), st.model_name, sp.n, st.tokens, k, req.include_usage,
-                                req.continuous_usage, metrics, return_token_ids=req.return_token_ids)  # fmt: skip
+            ctx = StreamContext(
+                rid,
+                int(time.time()),
+                st.model_name,
+                sp.n,
+                st.tokens,
+                k,
+                req.include_usage,
+                req.continuous_usage,
+                metrics,
+                return_token_ids=req.return_token_ids,
+            )
             return sse(chat_stream(gen, res[0], res[1], ctx), gen)
         choices = []
         for o in res[0].outputs:
@@ -265,9 +315,16 @@ def create_app(
             if k is not None and o.logprobs is not None:
                 lps = ChatLogprobs(content=chat_logprobs(o.logprobs, st.tokens, k))
             reason, stop_reason = finish(o)
-            choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lps,
-                                      finish_reason=reason, stop_reason=stop_reason,
-                                      token_ids=list(o.token_ids) if req.return_token_ids else None))  # fmt: skip
+            choices.append(
+                ChatChoice(
+                    index=o.index,
+                    message=ChatResponseMessage(content=o.text),
+                    logprobs=lps,
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                    token_ids=list(o.token_ids) if req.return_token_ids else None,
+                )
+            )
         resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage(res))
         if req.return_token_ids:
             resp.prompt_token_ids = list(res[0].prompt_token_ids)

@@ -154,9 +154,11 @@ class BatchSummary:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"batch: {self.requests} requests ({self.completed} completed, {self.errors} errors, {self.skipped} "
-                f"already done) in {self.seconds:.1f}s; {self.prompt_tokens} prompt + {self.output_tokens} output "
-                f"tokens, {self.output_tokens_per_s:.1f} output tok/s")  # fmt: skip
+        return (
+            f"batch: {self.requests} requests ({self.completed} completed, {self.errors} errors, {self.skipped} "
+            f"already done) in {self.seconds:.1f}s; {self.prompt_tokens} prompt + {self.output_tokens} output "
+            f"tokens, {self.output_tokens_per_s:.1f} output tok/s"
+        )
 
 
 class OutputWriter:
@@ -280,8 +282,16 @@ def main(a: argparse.Namespace) -> int:
             print(f"netra-jax batch --ray needs Ray Data: pip install 'netra-jax[ray]' ({e})", file=sys.stderr)
             return 2
 
-        run_batch_ray(a.input, a.output, cfg, replicas=a.replicas, batch_size=a.ray_batch_size,
-                      address=a.ray_address, max_in_flight=a.max_in_flight, progress=not a.no_progress)  # fmt: skip
+        run_batch_ray(
+            a.input,
+            a.output,
+            cfg,
+            replicas=a.replicas,
+            batch_size=a.ray_batch_size,
+            address=a.ray_address,
+            max_in_flight=a.max_in_flight,
+            progress=not a.no_progress,
+        )
         return 0
     run_batch(a.input, a.output, engine_config=cfg, max_in_flight=a.max_in_flight, progress=not a.no_progress)
     return 0

@@ -31,13 +31,21 @@ def error_line(
         kind = "server_error" if status >= 500 else "invalid_request_error"
         err = {"message": message, "type": kind, "param": param, "code": code}
         response = {"status_code": status, "request_id": _rid("req"), "body": {"error": err}}
-    return {"id": _rid("batch_req"), "custom_id": custom_id, "response": response,
-            "error": {"code": code, "message": message, "line": line}}  # fmt: skip
+    return {
+        "id": _rid("batch_req"),
+        "custom_id": custom_id,
+        "response": response,
+        "error": {"code": code, "message": message, "line": line},
+    }
 
 
 def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": _rid("batch_req"), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": _rid("req"), "body": body}, "error": None}  # fmt: skip
+    return {
+        "id": _rid("batch_req"),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": _rid("req"), "body": body},
+        "error": None,
+    }
 
 
 # ---------------------------------------------------------------------- input lines and resume state
@@ -119,34 +127,50 @@ def classify(line_no: int, raw: bytes, prog: Progress) -> Work | dict[str, Any] 
         req = json.loads(raw)
     except ValueError as e:  # includes invalid UTF-8
         key = ("line", line_no)
-        return _skip(prog) if key in prog.done else error_line(
-            None, f"line {line_no}: invalid JSON: {e}", "invalid_json", line=line_no, status=None)  # fmt: skip
+        return (
+            _skip(prog)
+            if key in prog.done
+            else error_line(None, f"line {line_no}: invalid JSON: {e}", "invalid_json", line=line_no, status=None)
+        )
     cid = req.get("custom_id") if isinstance(req, dict) else None
     if not isinstance(cid, str) or not cid:
         if ("line", line_no) in prog.done:
             return _skip(prog)
         what = "a JSON object" if not isinstance(req, dict) else "a non-empty string custom_id"
-        return error_line(None, f"line {line_no}: a request line needs {what}", "invalid_request", line=line_no,
-                          status=None)  # fmt: skip
+        return error_line(
+            None, f"line {line_no}: a request line needs {what}", "invalid_request", line=line_no, status=None
+        )
     if cid in prog.seen:
         prog.dups_seen[cid] += 1
         if prog.dups_seen[cid] <= prog.dups_written[cid]:
             return _skip(prog)
-        return error_line(cid, f"line {line_no}: custom_id {cid!r} appeared earlier in the file; only the first "
-                          "occurrence is run", DUPLICATE, line=line_no, status=None)  # fmt: skip
+        return error_line(
+            cid,
+            f"line {line_no}: custom_id {cid!r} appeared earlier in the file; only the first occurrence is run",
+            DUPLICATE,
+            line=line_no,
+            status=None,
+        )
     prog.seen.add(cid)
     if ("id", cid) in prog.done:
         return _skip(prog)
     method, url, body = req.get("method", "POST"), req.get("url"), req.get("body")
     if method != "POST":
-        return error_line(cid, f"line {line_no}: method must be POST, got {method!r}", "invalid_method", line=line_no,
-                          status=405)  # fmt: skip
+        return error_line(
+            cid, f"line {line_no}: method must be POST, got {method!r}", "invalid_method", line=line_no, status=405
+        )
     if url not in URLS:
-        return error_line(cid, f"line {line_no}: unsupported url {url!r}; supported: {', '.join(URLS)}",
-                          "invalid_url", line=line_no, status=404)  # fmt: skip
+        return error_line(
+            cid,
+            f"line {line_no}: unsupported url {url!r}; supported: {', '.join(URLS)}",
+            "invalid_url",
+            line=line_no,
+            status=404,
+        )
     if not isinstance(body, dict):
-        return error_line(cid, f"line {line_no}: body must be a JSON object", "invalid_request", line=line_no,
-                          param="body")  # fmt: skip
+        return error_line(
+            cid, f"line {line_no}: body must be a JSON object", "invalid_request", line=line_no, param="body"
+        )
     return Work(line_no, cid, url, body)
 
 

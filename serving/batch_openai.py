@@ -19,12 +19,37 @@ if TYPE_CHECKING:
     from netra_jax.engine.outputs import RequestOutput
 
 # body keys mapped 1:1 onto SamplingParams fields (vLLM's extensions included)
-_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-                  "skip_special_tokens", "include_stop_str_in_output")  # fmt: skip
+_SAMPLING_KEYS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 _IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream", "stream_options")  # checked or no effect
-_CHAT_KEYS = {*_SAMPLING_KEYS, *_IGNORED, "messages", "max_tokens", "max_completion_tokens", "logprobs",
-              "top_logprobs", "response_format", "chat_template_kwargs", "add_generation_prompt"}  # fmt: skip
+_CHAT_KEYS = {
+    *_SAMPLING_KEYS,
+    *_IGNORED,
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+}
 _COMPLETION_KEYS = {*_SAMPLING_KEYS, *_IGNORED, "prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"}
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 
@@ -130,8 +155,10 @@ def _completion_prompts(body: dict[str, Any]) -> list[Any]:
             return list(p)
         if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in p):
             return [{"prompt_token_ids": x} for x in p]
-    raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either "
-                       f"(at most {MAX_PROMPTS})", param="prompt")  # fmt: skip
+    raise RequestError(
+        f"prompt must be a string, a list of token ids, or a non-empty list of either (at most {MAX_PROMPTS})",
+        param="prompt",
+    )
 
 
 def prepare(work: Any, engine: LLMEngine, model_name: str, chat: bool) -> ChatJob:
@@ -143,8 +170,12 @@ def prepare(work: Any, engine: LLMEngine, model_name: str, chat: bool) -> ChatJo
         raise RequestError(f"unsupported parameter {unknown[0]!r}", param=unknown[0])
     model = body.get("model")
     if model is not None and model != model_name:
-        raise RequestError(f"the model {model!r} does not exist; this batch serves {model_name!r}", status=404,
-                           code="model_not_found", param="model")  # fmt: skip
+        raise RequestError(
+            f"the model {model!r} does not exist; this batch serves {model_name!r}",
+            status=404,
+            code="model_not_found",
+            param="model",
+        )
     if body.get("stream"):
         raise RequestError("stream is not supported in batch requests", param="stream")
     sp = _sampling(body, chat, engine.vocab_size)
@@ -177,11 +208,16 @@ def _chat_logprobs(entries, k: int) -> dict[str, Any]:
     for entry in entries:
         lp = next(iter(entry.values()))  # the sampled token comes first
         top = sorted((v for v in entry.values() if v.rank is not None and v.rank <= k), key=lambda v: v.rank)
-        content.append({
-            "token": _token(lp), "logprob": lp.logprob, "bytes": list(_token(lp).encode()),
-            "top_logprobs": [{"token": _token(v), "logprob": v.logprob, "bytes": list(_token(v).encode())}
-                             for v in top],
-        })  # fmt: skip
+        content.append(
+            {
+                "token": _token(lp),
+                "logprob": lp.logprob,
+                "bytes": list(_token(lp).encode()),
+                "top_logprobs": [
+                    {"token": _token(v), "logprob": v.logprob, "bytes": list(_token(v).encode())} for v in top
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -230,4 +266,4 @@ def response_body(job: ChatJob, outs: list[RequestOutput], model_name: str) -> d
         "choices": choices,
         "usage": usage,
         "system_fingerprint": None,
-    }  # fmt: skip
+    }

@@ -38,14 +38,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cors-origins", default=None, help="comma-separated origins allowed by CORS, or '*' (default: CORS off)"
     )
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")  # fmt: skip
-    p.add_argument("--step-timeout", type=float, default=None,
-                   help="watchdog: a step running longer than this (seconds) kills the engine (off)")  # fmt: skip
-    p.add_argument("--allowed-model-root", default=os.environ.get("NETRA_JAX_ALLOWED_MODEL_ROOT"),
-                   help="refuse model paths outside this directory (env NETRA_JAX_ALLOWED_MODEL_ROOT)")  # fmt: skip
-    p.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)")  # fmt: skip
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may take to finish after SIGTERM"
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="watchdog: a step running longer than this (seconds) kills the engine (off)",
+    )
+    p.add_argument(
+        "--allowed-model-root",
+        default=os.environ.get("NETRA_JAX_ALLOWED_MODEL_ROOT"),
+        help="refuse model paths outside this directory (env NETRA_JAX_ALLOWED_MODEL_ROOT)",
+    )
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)",
+    )
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -117,8 +128,15 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: di
                 on_started(sock[0], sock[1])
 
     level = args.log_level.lower() if isinstance(getattr(args, "log_level", None), str) else "warning"
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
-                            timeout_graceful_shutdown=max(0.0, args.drain_timeout), lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=level,
+        access_log=level == "debug",
+        timeout_graceful_shutdown=max(0.0, args.drain_timeout),
+        lifespan="off",
+    )
     server = DrainingServer(config)
     if holder is not None:
         holder["server"] = server
@@ -157,16 +175,29 @@ def serve(args: argparse.Namespace) -> int:
             print(f"netra-jax serve: the chat template does not render: {e}", file=sys.stderr)
             return 2
     dtype = str(next(iter(_leaves(engine.runner.params))).dtype)
-    print(f"netra-jax: loaded {resolve_model_path(cfg.model)} as {name!r} ({mc.architecture}, {mc.num_layers} layers, "
-          f"vocab {mc.vocab_size}, {dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
-    print(f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
-          f"{engine.pool.block_size}); max_model_len {engine.max_model_len}", flush=True)  # fmt: skip
+    print(
+        f"netra-jax: loaded {resolve_model_path(cfg.model)} as {name!r} ({mc.architecture}, {mc.num_layers} layers, "
+        f"vocab {mc.vocab_size}, {dtype}) in {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
+    print(
+        f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
+        f"{engine.pool.block_size}); max_model_len {engine.max_model_len}",
+        flush=True,
+    )
     ae = AsyncEngine(engine, step_timeout=args.step_timeout)
     warm = threading.Event()
     bound: dict[str, tuple[str, int]] = {}
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
-    app = create_app(ae, name, args.api_key, chat_template=template, max_body_bytes=args.max_body_bytes,
-                     cors_origins=origins, ready=warm.is_set)  # fmt: skip
+    app = create_app(
+        ae,
+        name,
+        args.api_key,
+        chat_template=template,
+        max_body_bytes=args.max_body_bytes,
+        cors_origins=origins,
+        ready=warm.is_set,
+    )
     if args.enable_debug_endpoints:
         from netra_jax.serving.debug import install_debug_routes
 
@@ -211,8 +242,10 @@ def serve(args: argparse.Namespace) -> int:
                 continue
             died.set()
             why = repr(ae.dead) if ae.dead is not None else "a step exceeded --step-timeout"
-            print(f"netra-jax: engine failed ({why}); exiting with status {ENGINE_DEAD_EXIT} in {DEAD_GRACE_S:g}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"netra-jax: engine failed ({why}); exiting with status {ENGINE_DEAD_EXIT} in {DEAD_GRACE_S:g}s",
+                flush=True,
+            )
             time.sleep(DEAD_GRACE_S)
             while holder.get("server") is None and not stop_watch.wait(0.1):
                 pass

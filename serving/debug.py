@@ -29,10 +29,14 @@ def engine_snapshot(engine: LLMEngine) -> dict:
         "running": sched.num_running,
         "waiting": sched.num_waiting,
         "preemptions": sched.num_preemptions,
-        "blocks": {"total": pool.num_total, "free": pool.num_free, "cached": pool.num_cached,
-                   "in_use": pool.num_in_use},
+        "blocks": {
+            "total": pool.num_total,
+            "free": pool.num_free,
+            "cached": pool.num_cached,
+            "in_use": pool.num_in_use,
+        },
         "invariant": invariant,
-    }  # fmt: skip
+    }
 
 
 def install_debug_routes(app: FastAPI) -> None:
@@ -44,6 +48,10 @@ def install_debug_routes(app: FastAPI) -> None:
             snap = await asyncio.wait_for(st.engine.call(engine_snapshot), CALL_TIMEOUT_S)
         except (EngineDeadError, TimeoutError) as e:
             raise APIError(503, f"engine is not answering: {e!r}", code="engine_dead") from None
-        snap.update(steps=st.engine.num_steps, streams=st.engine.num_unfinished,
-                    xla_compilations=CompileCounter.count, recent_compilations=list(CompileCounter.recent))  # fmt: skip
+        snap.update(
+            steps=st.engine.num_steps,
+            streams=st.engine.num_unfinished,
+            xla_compilations=CompileCounter.count,
+            recent_compilations=list(CompileCounter.recent),
+        )
         return snap

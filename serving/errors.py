@@ -58,8 +58,9 @@ def clip(text: str, limit: int) -> str:
     return f"{head}...[{len(text) - len(head) - len(tail)} characters cut]...{tail}"
 
 
-def envelope(status: int, message: str, param: str | None = None, code: str | None = None,
-             type: str | None = None) -> dict:  # fmt: skip
+def envelope(
+    status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+) -> dict:
     t = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     message = clip(message, MAX_MESSAGE_CHARS)
     param = None if param is None else clip(param, MAX_PARAM_CHARS)

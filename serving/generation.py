@@ -25,8 +25,14 @@ class Generation:
     RequestOutput) as they arrive and raises the first engine error. `close()` is synchronous, so it also works from
     a cancelled task: it aborts every unfinished engine request, which frees its KV blocks within a step."""
 
-    def __init__(self, engine: AsyncEngine, prompts: list[PromptType], params: SamplingParams, request_id: str,
-                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompts: list[PromptType],
+        params: SamplingParams,
+        request_id: str,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.params = params
         self.metrics = metrics

@@ -43,10 +43,10 @@ class CompileCounter:
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("netra_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY,
-                              registry=r)  # fmt: skip
-        self.tpot = Histogram("netra_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_TPOT, registry=r)  # fmt: skip
+        self.ttft = Histogram("netra_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(
+            "netra_time_per_output_token_seconds", "Time per output token after the first", buckets=_TPOT, registry=r
+        )
         self.e2e = Histogram("netra_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("netra_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("netra_generation_tokens", "Generated tokens", registry=r)
@@ -66,15 +66,21 @@ class ServerMetrics:
             "netra_kv_blocks_free": ("KV blocks free", lambda: pool.num_free),
             "netra_kv_blocks_cached": ("Free KV blocks kept for prefix hits", lambda: pool.num_cached),
             "netra_prefix_cache_hit_rate": ("Prefix-cache hit tokens / queried tokens", lambda: pool.prefix_hit_rate),
-            "netra_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
-                                              lambda: pool.prefix_hits_tokens),
-            "netra_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache",
-                                                lambda: pool.prefix_queries_tokens),
+            "netra_prefix_cache_hit_tokens": (
+                "Prompt tokens served from the prefix cache",
+                lambda: pool.prefix_hits_tokens,
+            ),
+            "netra_prefix_cache_query_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                lambda: pool.prefix_queries_tokens,
+            ),
             "netra_engine_alive": ("1 while the engine loop runs", lambda: 1.0 if engine.is_alive else 0.0),
             "netra_engine_steps": ("Engine steps run since start", lambda: engine.num_steps),
-            "netra_xla_compilations": ("XLA compilations in this process (warm-up included)",
-                                       lambda: CompileCounter.count),
-        }  # fmt: skip
+            "netra_xla_compilations": (
+                "XLA compilations in this process (warm-up included)",
+                lambda: CompileCounter.count,
+            ),
+        }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
 

@@ -14,8 +14,9 @@ from netra_jax.serving.errors import envelope
 OPEN_PATHS = frozenset({"/health"})
 
 
-async def send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None,
-                     code: str | None = None) -> None:  # fmt: skip
+async def send_error(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None
+) -> None:
     body = json.dumps(envelope(status, message, code=code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -44,8 +45,13 @@ class APIKeyMiddleware:
             return await self.app(scope, receive, send)
         if self.on_error:
             self.on_error(401)
-        await send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                         {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")  # fmt: skip
+        await send_error(
+            send,
+            401,
+            "invalid or missing API key (send 'Authorization: Bearer <key>')",
+            {"WWW-Authenticate": "Bearer"},
+            code="invalid_api_key",
+        )
 
 
 class BodyLimitMiddleware:
@@ -60,8 +66,13 @@ class BodyLimitMiddleware:
     async def _reject(self, send: Send) -> None:
         if self.on_error:
             self.on_error(413)
-        await send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes",
-                         {"Connection": "close"}, code="request_too_large")  # fmt: skip
+        await send_error(
+            send,
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes",
+            {"Connection": "close"},
+            code="request_too_large",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):

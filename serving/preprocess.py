@@ -56,16 +56,19 @@ def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     if m.role in ("tool", "function"):
-        raise bad(f"messages[{i}]: role {m.role!r} is not supported (tool calling is not implemented)",
-                  f"messages.{i}.role")  # fmt: skip
+        raise bad(
+            f"messages[{i}]: role {m.role!r} is not supported (tool calling is not implemented)", f"messages.{i}.role"
+        )
     if m.tool_calls:
         raise bad(f"messages[{i}]: tool_calls are not supported", f"messages.{i}.tool_calls")
     if isinstance(m.content, list):
         parts = []
         for j, part in enumerate(m.content):
             if part.type != "text" or part.text is None:
-                raise bad(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
-                          f"messages.{i}.content")  # fmt: skip
+                raise bad(
+                    f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                    f"messages.{i}.content",
+                )
             parts.append(part.text)
         content = "".join(parts)
     elif m.content is None:
@@ -80,14 +83,16 @@ def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     return msg
 
 
-async def chat_prompt(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-                      chat_template: str | None) -> tuple[str, list[int]]:  # fmt: skip
+async def chat_prompt(
+    engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool, chat_template: str | None
+) -> tuple[str, list[int]]:
     """The server's chat template applied to the messages (in a thread: a template may run up to its time limit)."""
     msgs = [_message(m, i) for i, m in enumerate(messages)]
     tok = engine.tokenizer
     try:
-        text = await asyncio.to_thread(tok.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template)  # fmt: skip
+        text = await asyncio.to_thread(
+            tok.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
     except (ValueError, TypeError) as e:
         raise bad(f"chat template failed: {e}", "messages") from None
     return text, check_ids(engine, tok.encode(text, add_special_tokens=False), "messages")
@@ -105,8 +110,9 @@ def _param_of(message: str, req: SamplingRequest) -> str | None:
     return word
 
 
-def sampling_params(engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None,
-                    prompt_lens: list[int]) -> SamplingParams:  # fmt: skip
+def sampling_params(
+    engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None, prompt_lens: list[int]
+) -> SamplingParams:
     """SamplingParams validated against the model; max_tokens must leave every prompt inside the context.
     A response_format's schema is compiled when the engine admits the request (StructuredOutputError: 400)."""
     try:
@@ -134,8 +140,7 @@ def completion_checks(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise bad(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra samples is not supported",
-                  "best_of")  # fmt: skip
+        raise bad(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra samples is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
 

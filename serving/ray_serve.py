@@ -47,11 +47,12 @@ def build_app(args: dict[str, Any]) -> Any:
         dtype=opt("dtype", str, "auto"),
         max_model_len=opt("max_model_len", int),
         cache=CacheConfig(),
-        scheduler=SchedulerConfig(max_num_seqs=opt("max_num_seqs", int, 64),
-                                  max_num_batched_tokens=opt("max_num_batched_tokens", int, 2048)),
+        scheduler=SchedulerConfig(
+            max_num_seqs=opt("max_num_seqs", int, 64), max_num_batched_tokens=opt("max_num_batched_tokens", int, 2048)
+        ),
         served_model_name=opt("served_model_name", str),
         warmup=str(args.get("warmup", "true")).lower() not in ("0", "false", "no"),
-    )  # fmt: skip
+    )
     if not ray.is_initialized():
         ray.init()
     gpus = opt("num_gpus", float, 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)

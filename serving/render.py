@@ -73,8 +73,9 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def completion_logprobs(entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int,
-                        start_offset: int = 0) -> CompletionLogprobs:  # fmt: skip
+def completion_logprobs(
+    entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int, start_offset: int = 0
+) -> CompletionLogprobs:
     out = CompletionLogprobs()
     offset = start_offset
     for entry in entries:
@@ -112,5 +113,9 @@ def usage(outs: Sequence[RequestOutput | None]) -> UsageInfo:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))  # fmt: skip
+    return UsageInfo(
+        prompt_tokens=p,
+        completion_tokens=c,
+        total_tokens=p + c,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

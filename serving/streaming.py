@@ -88,8 +88,9 @@ async def chat_stream(gen: Generation, first, rest, ctx: StreamContext) -> Async
                 if not o.delta_text and lps is None and reason is None:
                     continue
                 delta = DeltaMessage(content=o.delta_text) if o.delta_text else DeltaMessage()
-                choice = ChatStreamChoice(index=j, delta=delta, logprobs=lps, finish_reason=reason,
-                                          stop_reason=stop_reason)  # fmt: skip
+                choice = ChatStreamChoice(
+                    index=j, delta=delta, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
+                )
                 if ctx.return_token_ids:
                     choice.token_ids = o.token_ids[sent_ids[j] :]
                     sent_ids[j] = len(o.token_ids)
@@ -136,8 +137,9 @@ async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) ->
                 reason, stop_reason = finish(o)
                 if not o.delta_text and lps is None and reason is None:
                     continue
-                choice = CompletionChoice(index=j, text=o.delta_text, logprobs=lps, finish_reason=reason,
-                                          stop_reason=stop_reason)  # fmt: skip
+                choice = CompletionChoice(
+                    index=j, text=o.delta_text, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
+                )
                 if ctx.return_token_ids:
                     choice.token_ids = o.token_ids[sent_ids[j] :]
                     sent_ids[j] = len(o.token_ids)

@@ -20,8 +20,12 @@ from netra_jax.config import EngineConfig, SchedulerConfig
 from netra_jax.serving.batch import load_progress, run_batch, served_model_name
 
 MODEL = FIXTURES / "tiny-llama"
-CONFIG = EngineConfig(model=str(MODEL), dtype="float32", warmup=False,
-                      scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128))  # fmt: skip
+CONFIG = EngineConfig(
+    model=str(MODEL),
+    dtype="float32",
+    warmup=False,
+    scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128),
+)
 REF_TOKENS = 8
 WORDS = "the cat sat on a mat while dogs ran far away from home under blue skies".split()
 
@@ -35,24 +39,36 @@ def make_batch(n: int = 200, seed: int = 0) -> tuple[list[str], dict]:
     rng = random.Random(seed)
     chat, comp = "/v1/chat/completions", "/v1/completions"
     invalid = [  # (line, key, expected code, message part)
-        ("{\"custom_id\": \"broken-1\", \"url\": ", None, "invalid_json", "invalid JSON"),
+        ('{"custom_id": "broken-1", "url": ', None, "invalid_json", "invalid JSON"),
         ("not json at all", None, "invalid_json", "invalid JSON"),
         ("[1, 2, 3]", None, "invalid_request", "a JSON object"),
         (json.dumps({"url": comp, "body": {"prompt": "x"}}), None, "invalid_request", "custom_id"),
         (_line("bad-url", "/v1/embeddings", {"input": "x"}), "bad-url", "invalid_url", "unsupported url"),
         (_line("bad-temp", comp, {"prompt": "hi", "temperature": -0.5}), "bad-temp", "invalid_request", "temperature"),
-        (_line("bad-topp", chat, {"messages": [{"role": "user", "content": "a"}], "top_p": 0}), "bad-topp",
-         "invalid_request", "top_p"),
+        (
+            _line("bad-topp", chat, {"messages": [{"role": "user", "content": "a"}], "top_p": 0}),
+            "bad-topp",
+            "invalid_request",
+            "top_p",
+        ),
         (_line("empty-msgs", chat, {"messages": []}), "empty-msgs", "invalid_request", "messages"),
-        (_line("bad-model", chat, {"model": "gpt-4o", "messages": [{"role": "user", "content": "a"}]}), "bad-model",
-         "model_not_found", "gpt-4o"),
+        (
+            _line("bad-model", chat, {"model": "gpt-4o", "messages": [{"role": "user", "content": "a"}]}),
+            "bad-model",
+            "model_not_found",
+            "gpt-4o",
+        ),
         (_line("oov", comp, {"prompt": [3, 4, 512], "max_tokens": 2}), "oov", "invalid_request", "outside the vocab"),
         (_line("too-long", comp, {"prompt": [5] * 509, "max_tokens": 8}), "too-long", "invalid_request", "context"),
-        (_line("tools", chat, {"messages": [{"role": "user", "content": "a"}], "tools": []}), "tools",
-         "invalid_request", "unsupported parameter 'tools'"),
+        (
+            _line("tools", chat, {"messages": [{"role": "user", "content": "a"}], "tools": []}),
+            "tools",
+            "invalid_request",
+            "unsupported parameter 'tools'",
+        ),
         (_line("no-body", comp, None), "no-body", "invalid_request", "body"),
         (_line("stream", comp, {"prompt": "a", "stream": True}), "stream", "invalid_request", "stream"),
-    ]  # fmt: skip
+    ]
     lines: list[str | None] = [None] * n
     expect: dict = {}
     ref_slots = [0, n // 2, n - 1]
@@ -65,8 +81,13 @@ def make_batch(n: int = 200, seed: int = 0) -> tuple[list[str], dict]:
     expect[("dup", "req-3", dup_slot + 1)] = ("duplicate_custom_id", "appeared earlier")
     refs = reference("tiny-llama")["cases"]
     for k, (slot, case) in enumerate(zip(ref_slots, refs, strict=True)):
-        body = {"model": "tiny-llama", "prompt": case["prompt_ids"], "max_tokens": REF_TOKENS, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": "tiny-llama",
+            "prompt": case["prompt_ids"],
+            "max_tokens": REF_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         lines[slot] = _line(f"ref-{k}", comp, body)
         expect[("id", f"ref-{k}")] = None
     for i in range(n):
@@ -149,8 +170,9 @@ def test_batch_outputs_errors_and_references(engine, batch, full_run):
             assert exp[1] in o["error"]["message"], (key, o["error"])
     n_err = sum(e is not None for e in expect.values())
     assert (summary.requests, summary.completed, summary.errors, summary.skipped) == (200, 200 - n_err, n_err, 0)
-    assert summary.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outs.values()
-                                        if o["error"] is None)  # fmt: skip
+    assert summary.output_tokens == sum(
+        o["response"]["body"]["usage"]["completion_tokens"] for o in outs.values() if o["error"] is None
+    )
     tok = engine.tokenizer
     for k, case in enumerate(reference("tiny-llama")["cases"]):
         body = outs[("id", f"ref-{k}")]["response"]["body"]
@@ -184,8 +206,22 @@ def test_resume_after_truncation(engine, batch, full_run, tmp_path):
 def test_kill_then_resume_with_cli(batch, full_run, tmp_path):
     path, _ = batch
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "netra_jax.cli", "batch", str(path), str(out), "--model", str(MODEL), "--dtype",
-           "float32", "--no-warmup", "--max-num-batched-tokens", "128", "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "netra_jax.cli",
+        "batch",
+        str(path),
+        str(out),
+        "--model",
+        str(MODEL),
+        "--dtype",
+        "float32",
+        "--no-warmup",
+        "--max-num-batched-tokens",
+        "128",
+        "--no-progress",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([*cmd, "--max-num-seqs", "2", "--max-in-flight", "2"], env=env, cwd=REPO)
     try:
@@ -210,11 +246,16 @@ def test_kill_then_resume_with_cli(batch, full_run, tmp_path):
 
 def test_queue_cap_backs_off_and_name(tmp_path):
     """A waiting-queue cap below the in-flight window makes the job wait for room, not fail requests."""
-    cfg = EngineConfig(model=str(MODEL), dtype="float32", warmup=False,
-                       scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=1))  # fmt: skip
+    cfg = EngineConfig(
+        model=str(MODEL),
+        dtype="float32",
+        warmup=False,
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=1),
+    )
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(_line(f"r{i}", "/v1/completions", {"prompt": [3 + i, 9], "max_tokens": 2}) + "\n"
-                            for i in range(8)))  # fmt: skip
+    path.write_text(
+        "".join(_line(f"r{i}", "/v1/completions", {"prompt": [3 + i, 9], "max_tokens": 2}) + "\n" for i in range(8))
+    )
     out = tmp_path / "out.jsonl"
     summary = run_batch(path, out, engine_config=cfg, max_in_flight=16, progress=False)
     assert (summary.completed, summary.errors) == (8, 0)
@@ -239,8 +280,12 @@ def test_load_progress_tolerates_only_a_truncated_tail(tmp_path):
 
 
 def test_response_format_json_schema_in_batch(engine, tmp_path):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
-              "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     lines = [
         _line(
@@ -252,12 +297,12 @@ def test_response_format_json_schema_in_batch(engine, tmp_path):
                 "temperature": 0,
                 "response_format": rf,
             },
-        ),  # fmt: skip
+        ),
         _line(
             "bad",
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
-        ),  # fmt: skip
+        ),
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")

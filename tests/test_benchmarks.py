@@ -23,9 +23,18 @@ def test_questions_distinct_and_deterministic():
 def test_costs_match_smollm2_shape():
     from netra_jax.config import ModelConfig
 
-    cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=49152, hidden_size=576,
-                      intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                      layer_types=("full_attention",) * 30)  # fmt: skip
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        family="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        layer_types=("full_attention",) * 30,
+    )
     assert rl.matmul_params(cfg) == 30 * 3_538_944 + 576 * 49152  # 134,479,872: all but the norms
     assert rl.attention_flops_per_token(cfg, 100) == 30 * 4 * 576 * 100
     c = rl.decode_step_costs(cfg, batch=64, context=100)
@@ -40,8 +49,18 @@ def test_agreement_stops_at_first_eos():
 
 def test_quick_run_writes_result(tmp_path, capsys):
     out = tmp_path / "r.json"
-    ot.main(["--quick", "--model", str(FIXTURES / "tiny-llama"), "--no-hf", "--max-num-batched-tokens", "64",
-             "--out", str(out)])  # fmt: skip
+    ot.main(
+        [
+            "--quick",
+            "--model",
+            str(FIXTURES / "tiny-llama"),
+            "--no-hf",
+            "--max-num-batched-tokens",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     f = r["figures"]
     assert f["ours_tok_s"] > 0 and f["ours_batch1_tok_s"] > 0 and f["batch1_roofline_tok_s"] > 0

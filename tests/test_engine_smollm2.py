@@ -9,17 +9,36 @@ from conftest import reference
 from netra_jax import LLM, SamplingParams
 
 QUESTIONS = [
-    "Name a planet.", "What is 2 + 2?", "Write a haiku about the sea.", "Who wrote Hamlet?",
-    "Explain photosynthesis in one sentence.", "List three fruits.", "What is the boiling point of water?",
-    "Translate 'good morning' to French.", "Give me a synonym for happy.", "What is the largest ocean on Earth?",
-    "Describe a cat in five words.", "How many legs does a spider have?", "What color is the sky on a clear day?",
-    "Suggest a name for a dog.", "What is the capital of Japan?", "Why do leaves change color in autumn?",
-    "Tell me a fun fact about octopuses.", "What is the square root of 81?", "Recommend a book for a long flight.",
-    "What does a thermometer measure?", "Summarize the plot of Cinderella in two sentences.",
-    "What is the opposite of cold?", "Name a musical instrument with strings.", "How do bees make honey?",
-    "What is the chemical symbol for gold?", "Give one tip for better sleep.", "What is a prime number?",
-    "Which animal is known as the king of the jungle?", "Write a short greeting for a birthday card.",
-]  # fmt: skip
+    "Name a planet.",
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Who wrote Hamlet?",
+    "Explain photosynthesis in one sentence.",
+    "List three fruits.",
+    "What is the boiling point of water?",
+    "Translate 'good morning' to French.",
+    "Give me a synonym for happy.",
+    "What is the largest ocean on Earth?",
+    "Describe a cat in five words.",
+    "How many legs does a spider have?",
+    "What color is the sky on a clear day?",
+    "Suggest a name for a dog.",
+    "What is the capital of Japan?",
+    "Why do leaves change color in autumn?",
+    "Tell me a fun fact about octopuses.",
+    "What is the square root of 81?",
+    "Recommend a book for a long flight.",
+    "What does a thermometer measure?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "What is the opposite of cold?",
+    "Name a musical instrument with strings.",
+    "How do bees make honey?",
+    "What is the chemical symbol for gold?",
+    "Give one tip for better sleep.",
+    "What is a prime number?",
+    "Which animal is known as the king of the jungle?",
+    "Write a short greeting for a birthday card.",
+]
 
 
 @pytest.mark.slow

@@ -138,21 +138,33 @@ def test_quantize_round_trip_error_bound(qt):
     blocks, err = x.reshape(-1, 32), np.abs(got - x).reshape(-1, 32)
     amax, span = np.abs(blocks).max(1), blocks.max(1) - blocks.min(1)
     bound = {  # half a quantization step (+ float16 scale rounding); Q4_0 loses one step at the clipped extreme
-        Q.Q8_0: 0.55 * amax / 127, Q.Q4_0: 1.01 * amax / 8, Q.Q4_1: 0.55 * span / 15 + 1e-3 * amax,
+        Q.Q8_0: 0.55 * amax / 127,
+        Q.Q4_0: 1.01 * amax / 8,
+        Q.Q4_1: 0.55 * span / 15 + 1e-3 * amax,
         Q.BF16: amax * 2.0**-8,
-    }[qt]  # fmt: skip
+    }[qt]
     assert np.all(err <= bound[:, None] + 1e-7), float((err - bound[:, None]).max())
 
 
 def test_metadata_parser_matches_gguf_reader(tmp_path):
     meta = {
-        "t.u8": (200, VT.UINT8), "t.i8": (-5, VT.INT8), "t.u16": (60000, VT.UINT16), "t.i16": (-300, VT.INT16),
-        "t.u32": (4_000_000_000, VT.UINT32), "t.i32": (-7, VT.INT32), "t.f32": (1e-5, VT.FLOAT32),
-        "t.bool": (True, VT.BOOL), "t.str": ("héllo {{ x }}", VT.STRING), "t.u64": (2**40, VT.UINT64),
-        "t.i64": (-(2**40), VT.INT64), "t.f64": (0.1, VT.FLOAT64),
-        "t.ints": ([3, 1, 2], VT.ARRAY, VT.INT32), "t.strs": (["a", "", "Ġb c"], VT.ARRAY, VT.STRING),
-        "t.floats": ([0.5, -1.25], VT.ARRAY, VT.FLOAT32), "t.bools": ([True, False], VT.ARRAY, VT.BOOL),
-    }  # fmt: skip
+        "t.u8": (200, VT.UINT8),
+        "t.i8": (-5, VT.INT8),
+        "t.u16": (60000, VT.UINT16),
+        "t.i16": (-300, VT.INT16),
+        "t.u32": (4_000_000_000, VT.UINT32),
+        "t.i32": (-7, VT.INT32),
+        "t.f32": (1e-5, VT.FLOAT32),
+        "t.bool": (True, VT.BOOL),
+        "t.str": ("héllo {{ x }}", VT.STRING),
+        "t.u64": (2**40, VT.UINT64),
+        "t.i64": (-(2**40), VT.INT64),
+        "t.f64": (0.1, VT.FLOAT64),
+        "t.ints": ([3, 1, 2], VT.ARRAY, VT.INT32),
+        "t.strs": (["a", "", "Ġb c"], VT.ARRAY, VT.STRING),
+        "t.floats": ([0.5, -1.25], VT.ARRAY, VT.FLOAT32),
+        "t.bools": ([True, False], VT.ARRAY, VT.BOOL),
+    }
     path = write_gguf(tmp_path / "m.gguf", "llama", meta, {"a": np.ones((2, 32), np.float32)})
     mine = read_gguf_metadata(path)
     ref = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}

@@ -75,9 +75,11 @@ def _step(cfg, params, kv, ids: list[int], start: int, fwd):
     slots = np.full(T_PAD, N_PAGES * PAGE, np.int32)  # out of range: padding writes are dropped
     slots[:n] = np.arange(start, start + n)
     md = AttentionMetadata(
-        slot_mapping=jnp.asarray(slots), query_start_loc=jnp.array([0, n], jnp.int32),
-        seq_lens=jnp.array([start + n], jnp.int32), block_tables=jnp.arange(N_PAGES, dtype=jnp.int32)[None],
-    )  # fmt: skip
+        slot_mapping=jnp.asarray(slots),
+        query_start_loc=jnp.array([0, n], jnp.int32),
+        seq_lens=jnp.array([start + n], jnp.int32),
+        block_tables=jnp.arange(N_PAGES, dtype=jnp.int32)[None],
+    )
     logits, kv = fwd(params, cfg, jnp.asarray(tok), jnp.asarray(pos), kv, md, jnp.array([n - 1], jnp.int32))
     return np.asarray(logits[0]), kv
 
@@ -125,12 +127,19 @@ def test_second_load_restores_from_cache_without_dequantizing(smol, smol_cache, 
 
 # ----------------------------------------------------------------- tiny fixtures converted the llama.cpp way
 TO_GGUF = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "pre_feedforward_layernorm": "ffn_norm",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-}  # fmt: skip
+}
 
 
 def to_gguf(model_dir: Path, out: Path) -> Path:
@@ -145,14 +154,19 @@ def to_gguf(model_dir: Path, out: Path) -> Path:
     hd = d.get("head_dim") or d["hidden_size"] // nh
     rp = d.get("rope_parameters") or {}
     meta = {
-        f"{arch}.context_length": d["max_position_embeddings"], f"{arch}.embedding_length": d["hidden_size"],
-        f"{arch}.block_count": d["num_hidden_layers"], f"{arch}.feed_forward_length": d["intermediate_size"],
-        f"{arch}.attention.head_count": nh, f"{arch}.attention.head_count_kv": nkv,
+        f"{arch}.context_length": d["max_position_embeddings"],
+        f"{arch}.embedding_length": d["hidden_size"],
+        f"{arch}.block_count": d["num_hidden_layers"],
+        f"{arch}.feed_forward_length": d["intermediate_size"],
+        f"{arch}.attention.head_count": nh,
+        f"{arch}.attention.head_count_kv": nkv,
         f"{arch}.attention.layer_norm_rms_epsilon": float(d["rms_norm_eps"]),
-        f"{arch}.attention.key_length": hd, f"{arch}.attention.value_length": hd,
+        f"{arch}.attention.key_length": hd,
+        f"{arch}.attention.value_length": hd,
         f"{arch}.rope.freq_base": float(rp.get("full_attention", rp).get("rope_theta", d.get("rope_theta", 1e4))),
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(d["vocab_size"])], "tokenizer.ggml.eos_token_id": 2,
-    }  # fmt: skip
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(d["vocab_size"])],
+        "tokenizer.ggml.eos_token_id": 2,
+    }
     if arch == "gemma3":
         meta[f"{arch}.attention.sliding_window"] = d["sliding_window"]
         meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in d["layer_types"]]
@@ -170,8 +184,11 @@ def to_gguf(model_dir: Path, out: Path) -> Path:
                 n = nh if short == "attn_q" else nkv
                 a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]  # fmt: skip
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if arch == "gemma3" and gname.endswith("norm.weight"):
             a = a + 1.0
         tensors[gname] = a
@@ -179,10 +196,26 @@ def to_gguf(model_dir: Path, out: Path) -> Path:
 
 
 CFG_FIELDS = (
-    "family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-    "head_dim", "rms_norm_eps", "tie_word_embeddings", "hidden_act", "layer_types", "sliding_window", "rope_full",
-    "rope_sliding", "attn_scale", "qk_norm", "gemma_norms", "eos_token_ids",
-)  # fmt: skip
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "hidden_act",
+    "layer_types",
+    "sliding_window",
+    "rope_full",
+    "rope_sliding",
+    "attn_scale",
+    "qk_norm",
+    "gemma_norms",
+    "eos_token_ids",
+)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
@@ -199,9 +232,11 @@ def test_gguf_of_hf_fixture_gives_same_config_and_params(name, tmp_path):
         ids = case["prompt_ids"]
         T, n_pages = len(ids), len(ids) // 16 + 1
         md = AttentionMetadata(
-            slot_mapping=jnp.arange(T, dtype=jnp.int32), query_start_loc=jnp.array([0, T], jnp.int32),
-            seq_lens=jnp.array([T], jnp.int32), block_tables=jnp.arange(n_pages, dtype=jnp.int32)[None],
-        )  # fmt: skip
+            slot_mapping=jnp.arange(T, dtype=jnp.int32),
+            query_start_loc=jnp.array([0, T], jnp.int32),
+            seq_lens=jnp.array([T], jnp.int32),
+            block_tables=jnp.arange(n_pages, dtype=jnp.int32)[None],
+        )
         kv = init_kv_cache(cfg_g, n_pages, 16)
         fwd = jax.jit(forward, static_argnums=(1,))
         logits, _ = fwd(p_g, cfg_g, jnp.array(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, md)
@@ -221,9 +256,13 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
             smooth = (orig / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     meta = {
-        "general.architecture": "llama", "llama.embedding_length": 128, "llama.attention.head_count": 2,
-        "llama.block_count": 1, "llama.feed_forward_length": 256, "llama.rope.freq_base": theta,
-    }  # fmt: skip
+        "general.architecture": "llama",
+        "llama.embedding_length": 128,
+        "llama.attention.head_count": 2,
+        "llama.block_count": 1,
+        "llama.feed_forward_length": 256,
+        "llama.rope.freq_base": theta,
+    }
     cfg = config_from_gguf_metadata(meta, {"token_embd.weight": (100, 128)}, np.asarray(factors, np.float32))
     rc = cfg.rope_full
     assert (rc.rope_type, rc.factor, rc.low_freq_factor, rc.high_freq_factor) == ("llama3", 32.0, 1.0, 4.0)

@@ -64,8 +64,9 @@ def smollm2(smollm2_path):
 @pytest.mark.slow
 def test_smollm2_chat_matches_reference(smollm2):
     ref = reference("smollm2")
-    outs = smollm2.chat([c["messages"] for c in ref["cases"]], SamplingParams(max_tokens=48, temperature=0),
-                        use_tqdm=False)  # fmt: skip
+    outs = smollm2.chat(
+        [c["messages"] for c in ref["cases"]], SamplingParams(max_tokens=48, temperature=0), use_tqdm=False
+    )
     for out, case in zip(outs, ref["cases"], strict=True):
         assert out.prompt == case["prompt_text"]
         assert out.prompt_token_ids == case["prompt_ids"]

@@ -27,15 +27,17 @@ def test_quantize_weight_per_channel():
 def test_int8_fixture_logits_close_and_engine_runs():
     name = "tiny-qwen3"
     f32 = LLM(FIXTURES / name, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=64)
-    q8 = LLM(FIXTURES / name, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4,
-             max_num_batched_tokens=64)  # fmt: skip
+    q8 = LLM(
+        FIXTURES / name, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4, max_num_batched_tokens=64
+    )
     layer = q8.engine.runner.params["layers"][0]
     assert isinstance(layer["wq"], QuantizedWeight) and layer["wq"].q.dtype == jnp.int8
     case = reference(name)["cases"][0]
     a, b = f32.logits(case["prompt_ids"]), q8.logits(case["prompt_ids"])
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
-    out = q8.generate({"prompt_token_ids": case["prompt_ids"]}, SamplingParams(max_tokens=8, temperature=0),
-                      use_tqdm=False)[0]  # fmt: skip
+    out = q8.generate(
+        {"prompt_token_ids": case["prompt_ids"]}, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) >= 1
 
 
@@ -48,8 +50,9 @@ def test_quantize_params_rejects_unknown_method():
 def test_int8_smollm2_accuracy_reported(smollm2_path, record_property):
     ref = reference("smollm2")["cases"]
     f32 = LLM(smollm2_path, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=128)
-    q8 = LLM(smollm2_path, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4,
-             max_num_batched_tokens=128)  # fmt: skip
+    q8 = LLM(
+        smollm2_path, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4, max_num_batched_tokens=128
+    )
     sp = SamplingParams(max_tokens=48, temperature=0)
     errs, agree = [], []
     for case in ref:

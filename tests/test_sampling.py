@@ -166,8 +166,18 @@ def test_same_seed_and_step_give_same_token_whatever_the_batch():
     again, _ = run(rows, x)
     np.testing.assert_array_equal(np.asarray(alone.token_ids), np.asarray(again.token_ids))
     # same rows in reverse order, interleaved with companions that switch on every feature, in a bigger bucket
-    companion = R(temperature=0.9, top_k=30, top_p=0.8, logit_bias={1: 5.0}, repetition_penalty=1.3,
-                  presence_penalty=0.5, prompt_ids=[1, 2, 3], output_ids=[4, 4], num_logprobs=3, seed=1)  # fmt: skip
+    companion = R(
+        temperature=0.9,
+        top_k=30,
+        top_p=0.8,
+        logit_bias={1: 5.0},
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 4],
+        num_logprobs=3,
+        seed=1,
+    )
     mixed, xm = [], np.zeros((2 * S, V), np.float32)
     for j, i in enumerate(reversed(range(S))):
         mixed += [companion, rows[i]]
@@ -208,8 +218,9 @@ def test_history_beyond_cap_keeps_prompt_set_exactly():
     b = sm.build_sampling_batch([r], S, V)
     assert b.key.hist_size == 128  # 40 distinct prompt ids + 4 output ids
     x = logits_for(8)
-    np.testing.assert_allclose(np.asarray(sm.process_logits(x, b.arrays, key=b.key))[0], ref_logits(x[0], r),
-                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(sm.process_logits(x, b.arrays, key=b.key))[0], ref_logits(x[0], r), rtol=1e-6, atol=1e-6
+    )
     ids, n_prompt = sm._history(R(prompt_ids=[1, 2, 1, 3, 2], output_ids=[7, 8, 9, 7]), 6)
     np.testing.assert_array_equal(ids, [3, 2, 7, 8, 9, 7])  # prompt set by last use, then the most recent ids
     assert n_prompt == 2

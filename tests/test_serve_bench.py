@@ -46,8 +46,10 @@ class Fake:
         async def ready(_):
             self.not_ready_polls -= 1
             print(f"ready poll, {max(0, self.not_ready_polls)} to go", flush=True)
-            return JSONResponse({"status": "ready" if self.not_ready_polls < 0 else "compiling"},
-                                status_code=200 if self.not_ready_polls < 0 else 503)  # fmt: skip
+            return JSONResponse(
+                {"status": "ready" if self.not_ready_polls < 0 else "compiling"},
+                status_code=200 if self.not_ready_polls < 0 else 503,
+            )
 
         async def tokenize(req: Request):
             ids = self.encode((await req.json())["prompt"])
@@ -87,11 +89,16 @@ class Fake:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        return Starlette(routes=[Route("/v1/models", models), Route("/ready", ready),
-                                 Route("/tokenize", tokenize, methods=["POST"]),
-                                 Route("/detokenize", detokenize, methods=["POST"]),
-                                 Route("/v1/completions", generate, methods=["POST"]),
-                                 Route("/v1/chat/completions", generate, methods=["POST"])])  # fmt: skip
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/ready", ready),
+                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/detokenize", detokenize, methods=["POST"]),
+                Route("/v1/completions", generate, methods=["POST"]),
+                Route("/v1/chat/completions", generate, methods=["POST"]),
+            ]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +134,23 @@ def _run(fake, tmp_path, *extra) -> dict:
 
 def test_sweep_metrics_match_fake_timings(reset, tmp_path):
     fake = reset
-    res = _run(fake, tmp_path, "--max-concurrency", "1,4", "--num-prompts", "8", "--input-len", "16",
-               "--output-len", "6", "--ignore-eos", "--warmup", "2", "--label", "fake")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--max-concurrency",
+        "1,4",
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "16",
+        "--output-len",
+        "6",
+        "--ignore-eos",
+        "--warmup",
+        "2",
+        "--label",
+        "fake",
+    )
     assert res["rc"] == 0 and res["config"]["model"] == "fake-model"
     assert res["config"]["text_source"] == "random ids < 1000 via /detokenize"
     assert res["config"]["request_rate"] == ["inf"] and res["runs"][0]["request_rate"] == "inf"  # strict JSON
@@ -154,9 +176,26 @@ def test_sweep_metrics_match_fake_timings(reset, tmp_path):
 def test_chat_shared_prefix_turns_carry_replies(reset, tmp_path):
     fake = reset
     fake.ttft, fake.itl = 0.05, 0.005
-    res = _run(fake, tmp_path, "--endpoint", "chat", "--dataset", "shared-prefix", "--prefix-len", "10",
-               "--num-turns", "3", "--num-prompts", "6", "--input-len", "4", "--output-len", "3",
-               "--max-concurrency", "2")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--endpoint",
+        "chat",
+        "--dataset",
+        "shared-prefix",
+        "--prefix-len",
+        "10",
+        "--num-turns",
+        "3",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--max-concurrency",
+        "2",
+    )
     (run,) = res["runs"]
     assert run["completed"] == 6 and run["total_output_tokens"] == 18
     assert run["mean_ttft_ms"] == pytest.approx(50, abs=20)  # the empty role chunk is not the first token
@@ -172,8 +211,21 @@ def test_jsonl_failures_and_counting_chunks_without_usage(reset, tmp_path):
     fake.ttft, fake.itl, fake.usage = 0.02, 0.01, False
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "a b c"}\n\n{"prompt": "FAIL"}\n{"prompt": "d e", "max_tokens": 2}\n')
-    res = _run(fake, tmp_path, "--dataset", "jsonl", "--dataset-path", str(data), "--num-prompts", "6",
-               "--output-len", "5", "--max-concurrency", "3", "--no-plot")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--dataset",
+        "jsonl",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "6",
+        "--output-len",
+        "5",
+        "--max-concurrency",
+        "3",
+        "--no-plot",
+    )
     (run,) = res["runs"]
     assert res["rc"] == 1 and run["completed"] == 4 and run["failed"] == 2
     assert run["errors"] and run["errors"][0].startswith("HTTP 500")
@@ -186,8 +238,21 @@ def test_jsonl_failures_and_counting_chunks_without_usage(reset, tmp_path):
 def test_poisson_arrivals_pace_the_pass(reset, tmp_path):
     fake = reset
     fake.ttft, fake.itl = 0.01, 0.005
-    res = _run(fake, tmp_path, "--request-rate", "20", "--num-prompts", "10", "--input-len", "4",
-               "--output-len", "2", "--seed", "3", "--no-plot")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--request-rate",
+        "20",
+        "--num-prompts",
+        "10",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--seed",
+        "3",
+        "--no-plot",
+    )
     (run,) = res["runs"]
     gaps = np.random.default_rng(3).gamma(1.0, 1 / 20, size=9).sum()  # the last request starts after these
     assert run["completed"] == 10 and run["request_rate"] == 20
@@ -197,8 +262,21 @@ def test_poisson_arrivals_pace_the_pass(reset, tmp_path):
 def test_plot_several_engines(reset, tmp_path):
     fake = reset
     fake.ttft, fake.itl = 0.01, 0.002
-    res = _run(fake, tmp_path, "--max-concurrency", "1,2", "--num-prompts", "4", "--input-len", "4",
-               "--output-len", "3", "--no-plot", "--label", "a")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--max-concurrency",
+        "1,2",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--no-plot",
+        "--label",
+        "a",
+    )
     other = tmp_path / "other.json"
     other.write_text(json.dumps(res | {"label": "b"}))
     files = [str(next(tmp_path.glob("*-serve_a.json"))), str(other)]
@@ -217,8 +295,20 @@ def test_plot_several_engines(reset, tmp_path):
 
 def test_prompts_per_pass_follow_the_sweep(reset, tmp_path):
     fake = reset
-    res = _run(fake, tmp_path, "--max-concurrency", "1,4", "--num-prompts", "3,8", "--input-len", "8",
-               "--output-len", "2", "--label", "per-pass")  # fmt: skip
+    res = _run(
+        fake,
+        tmp_path,
+        "--max-concurrency",
+        "1,4",
+        "--num-prompts",
+        "3,8",
+        "--input-len",
+        "8",
+        "--output-len",
+        "2",
+        "--label",
+        "per-pass",
+    )
     assert res["rc"] == 0 and [r["completed"] for r in res["runs"]] == [3, 8] and len(fake.requests) == 11
     args = sb.parse_args(["--max-concurrency", "1,4,16", "--num-prompts", "3,8"])
     with pytest.raises(SystemExit, match="2 values for 3"):
@@ -267,9 +357,29 @@ def test_cli_bench_serve_runs_a_sweep(reset, tmp_path, monkeypatch):
     fake = reset
     fake.ttft, fake.itl = 0.01, 0.002
     monkeypatch.chdir(tmp_path)  # no benchmarks/results here: the default result directory is ./bench-results
-    rc = main(["--log-level", "WARNING", "bench", "serve", "--base-url", fake.url, "--max-concurrency", "1,2",
-               "--num-prompts", "3", "--input-len", "5", "--output-len", "4", "--ignore-eos", "--label", "cli run",
-               "--no-plot", "--disable-tqdm"])  # fmt: skip
+    rc = main(
+        [
+            "--log-level",
+            "WARNING",
+            "bench",
+            "serve",
+            "--base-url",
+            fake.url,
+            "--max-concurrency",
+            "1,2",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "5",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--label",
+            "cli run",
+            "--no-plot",
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     (out,) = (tmp_path / "bench-results").glob("*-serve_cli-run.json")
     res = json.loads(out.read_text())
@@ -297,9 +407,29 @@ def test_launch_starts_waits_for_ready_and_stops_the_server(tmp_path, monkeypatc
     script.write_text(FAKE_SERVE.format(tests=str(Path(__file__).resolve().parent)))
     monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, str(script)])  # in place of `netra-jax`
     log = tmp_path / "server.log"
-    rc = sb.main(["--launch", "--server-args", "some/model --dtype float32", "--server-log", str(log),
-                  "--max-concurrency", "2", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
-                  "--label", "launched", "--result-dir", str(tmp_path), "--no-plot", "--disable-tqdm"])  # fmt: skip
+    rc = sb.main(
+        [
+            "--launch",
+            "--server-args",
+            "some/model --dtype float32",
+            "--server-log",
+            str(log),
+            "--max-concurrency",
+            "2",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--label",
+            "launched",
+            "--result-dir",
+            str(tmp_path),
+            "--no-plot",
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     printed, text = capsys.readouterr().out, log.read_text()
     assert "argv ['serve', 'some/model', '--dtype', 'float32', '--host', '127.0.0.1', '--port'," in text

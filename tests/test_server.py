@@ -41,8 +41,18 @@ class Server:
 def start_server(*args: str, model: str | None = str(FIXTURES / MODEL), timeout: float = 300) -> Server:
     """`python -m netra_jax.cli serve MODEL --port 0 ARGS`; returns once it prints its ready line (the URL)."""
     log = Path(tempfile.mkdtemp(prefix="netra-serve-")) / "server.log"
-    cmd = [sys.executable, "-m", "netra_jax.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
-           "--port", "0", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "netra_jax.cli",
+        "serve",
+        *([model] if model else []),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *args,
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout
@@ -73,8 +83,12 @@ def wait_idle(url: str, timeout: float = 5.0) -> tuple[float, dict[str, float]]:
     t0 = time.monotonic()
     while True:
         m = scrape(url)
-        if (m["netra_kv_blocks_in_use"] == 0 and m["netra_num_requests_running"] == 0
-                and m["netra_num_requests_waiting"] == 0 and m["netra_num_requests_unfinished"] == 0):  # fmt: skip
+        if (
+            m["netra_kv_blocks_in_use"] == 0
+            and m["netra_num_requests_running"] == 0
+            and m["netra_num_requests_waiting"] == 0
+            and m["netra_num_requests_unfinished"] == 0
+        ):
             return time.monotonic() - t0, m
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"engine not idle after {timeout}s: {m}")
@@ -141,13 +155,15 @@ def test_chat_template_usage_and_greedy_text(server, client):
     chat = reference(MODEL)["chat"]
     tok = httpx.post(server.url + "/tokenize", json={"messages": chat["messages"]}).json()
     assert tok["tokens"] == chat["prompt_ids"] and tok["count"] == len(chat["prompt_ids"])
-    r = client.chat.completions.create(model=MODEL, messages=chat["messages"], max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat["messages"], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(chat["prompt_ids"])
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
-    plain = client.completions.create(model=MODEL, prompt=chat["prompt_ids"], max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.completions.create(
+        model=MODEL, prompt=chat["prompt_ids"], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.content == plain.choices[0].text
 
 
@@ -179,8 +195,14 @@ def test_streaming_equals_non_streaming(server, client):
 
 def test_logprobs_formats(client):
     case = reference(MODEL)["cases"][1]
-    r = client.completions.create(model=MODEL, prompt=case["prompt_ids"], max_tokens=10, temperature=0, logprobs=3,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=case["prompt_ids"],
+        max_tokens=10,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
     assert "".join(lp.tokens) == r.choices[0].text
@@ -189,8 +211,15 @@ def test_logprobs_formats(client):
         assert i == 0 or lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
 
     chat = reference(MODEL)["chat"]
-    r = client.chat.completions.create(model=MODEL, messages=chat["messages"], max_tokens=10, temperature=0,
-                                       logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=chat["messages"],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 10
     for e in content:
@@ -215,8 +244,10 @@ def test_n_and_seed(client):
     assert a.usage.completion_tokens == 36
 
     chunks = list(client.chat.completions.create(seed=7, stream=True, **kw))
-    streamed = ["".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
-                for i in range(3)]  # fmt: skip
+    streamed = [
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+        for i in range(3)
+    ]
     assert streamed == texts(a)
 
 
@@ -237,13 +268,16 @@ def test_stop_strings_and_stop_tokens(client):
 
 
 def test_echo_batch_prompts_and_tokenize(server, client):
-    r = client.completions.create(model=MODEL, prompt=["Hello world", "The quick fox"], max_tokens=3, n=2,
-                                  temperature=0, echo=True)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello world", "The quick fox"], max_tokens=3, n=2, temperature=0, echo=True
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     by = {c.index: c.text for c in r.choices}
     assert by[0].startswith("Hello world") and by[3].startswith("The quick fox") and by[0] == by[1]
-    counts = [httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["count"]
-              for p in ("Hello world", "The quick fox")]  # fmt: skip
+    counts = [
+        httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["count"]
+        for p in ("Hello world", "The quick fox")
+    ]
     assert r.usage.prompt_tokens == sum(counts) and r.usage.completion_tokens == 12
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there", "return_token_strs": True}).json()
     assert len(ids["token_strs"]) == ids["count"]
@@ -282,15 +316,19 @@ def test_non_stream_disconnect_aborts_and_frees_kv(server):
 def test_metrics_parse_and_move(server, client):
     case = reference(MODEL)["cases"][2]
     before = scrape(server.url)
-    client.completions.create(model=MODEL, prompt=case["prompt_ids"], max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})  # fmt: skip
+    client.completions.create(
+        model=MODEL, prompt=case["prompt_ids"], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     _, after = wait_idle(server.url)
     d = lambda k: after[k] - before.get(k, 0.0)  # noqa: E731
     assert d("netra_prompt_tokens_total") == len(case["prompt_ids"])
     assert d("netra_generation_tokens_total") == 5
     assert d('netra_request_success_total{finished_reason="length"}') == 1
-    for h in ("netra_time_to_first_token_seconds", "netra_time_per_output_token_seconds",
-              "netra_e2e_request_latency_seconds"):  # fmt: skip
+    for h in (
+        "netra_time_to_first_token_seconds",
+        "netra_time_per_output_token_seconds",
+        "netra_e2e_request_latency_seconds",
+    ):
         assert d(f"{h}_count") == 1 and d(f"{h}_sum") > 0
     assert after["netra_kv_blocks_total"] == 64 and after["netra_kv_cache_usage_ratio"] == 0
     assert after["netra_prefix_cache_query_tokens"] > 0 and 0 <= after["netra_prefix_cache_hit_rate"] <= 1

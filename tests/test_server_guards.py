@@ -26,9 +26,26 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--api-key", KEY, "--max-body-bytes", "4096", "--cors-origins", ORIGIN, "--max-num-seqs", "1",
-                     "--max-waiting", "4", "--max-num-batched-tokens", "64", "--num-kv-pages", "64",
-                     "--drain-timeout", "30", "--chat-template", TEMPLATE)  # fmt: skip
+    s = start_server(
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        "4096",
+        "--cors-origins",
+        ORIGIN,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--num-kv-pages",
+        "64",
+        "--drain-timeout",
+        "30",
+        "--chat-template",
+        TEMPLATE,
+    )
     yield s
     s.stop()
 
@@ -41,8 +58,9 @@ def app_routes():
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
 
-    ae = AsyncEngine(build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False,
-                                               cache=CacheConfig(num_pages=8))))  # fmt: skip
+    ae = AsyncEngine(
+        build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=8)))
+    )
     app = create_app(ae, MODEL, api_key=KEY)
     routes = []
     for r in app.routes:
@@ -136,8 +154,16 @@ def test_queue_full_answers_429(server):
 def test_sigterm_drains_in_flight_then_exits_0(server):
     """Runs last in this module: it stops the server."""
     msgs = [{"role": "user", "content": "go"}]
-    body = {"model": MODEL, "messages": msgs, "max_tokens": 300, "n": 3, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 300,
+        "n": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events: list[str] = []
     started = threading.Event()
 

@@ -31,6 +31,7 @@ def test_default_model_answers_reference_chat(server):
     assert r.choices[0].message.content == case["greedy_text"]
     assert r.choices[0].finish_reason == case["finish"]
     assert r.usage.prompt_tokens == len(case["prompt_ids"]) and r.usage.completion_tokens == len(case["greedy_ids"])
-    stream = client.chat.completions.create(model=card.id, messages=case["messages"], temperature=0, max_tokens=48,
-                                            stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=card.id, messages=case["messages"], temperature=0, max_tokens=48, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == case["greedy_text"]

@@ -27,11 +27,16 @@ def client():
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
 
-    cfg = EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=64),
-                       scheduler=SchedulerConfig(max_num_seqs=8))  # fmt: skip
+    cfg = EngineConfig(
+        model=str(FIXTURES / MODEL),
+        warmup=False,
+        cache=CacheConfig(num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
     engine = AsyncEngine(build_engine(cfg))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, ready=lambda: True), host="127.0.0.1", port=0,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, MODEL, ready=lambda: True), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -46,18 +51,21 @@ def client():
 
 
 def test_chat_json_schema_plain_sampled_and_streamed(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0,
-                                       response_format=FORMAT)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0, response_format=FORMAT
+    )
     text = r.choices[0].message.content
     check_schema(json.loads(text))
     assert r.choices[0].finish_reason == "stop"
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=1.0, seed=4, n=3,
-                                       response_format=FORMAT)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=128, temperature=1.0, seed=4, n=3, response_format=FORMAT
+    )
     for c in r.choices:
         check_schema(json.loads(c.message.content))
         assert c.finish_reason == "stop"
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0,
-                                            response_format=FORMAT, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=128, temperature=0, response_format=FORMAT, stream=True
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -68,8 +76,15 @@ def test_chat_json_schema_plain_sampled_and_streamed(client):
 
 def test_completions_json_object(client):
     body = {"response_format": {"type": "json_object"}}
-    r = client.completions.create(model=MODEL, prompt=["A JSON object:", "{}", "Hello"], max_tokens=64,
-                                  temperature=1.0, seed=0, n=2, extra_body=body)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=["A JSON object:", "{}", "Hello"],
+        max_tokens=64,
+        temperature=1.0,
+        seed=0,
+        n=2,
+        extra_body=body,
+    )
     assert len(r.choices) == 6 and all(c.text.startswith("{") for c in r.choices)
     done = [c for c in r.choices if c.finish_reason == "stop"]  # a free-form object may outgrow max_tokens
     assert len(done) >= 3 and all(isinstance(json.loads(c.text), dict) for c in done)

@@ -183,8 +183,11 @@ def _collectives(hlo: str) -> dict:
 
     out = {"all-reduce": [], "all-gather": [], "other": []}
     for line in hlo.splitlines():
-        m = re.search(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
-                      r"(-start)?\(", line)  # fmt: skip
+        m = re.search(
+            r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+            r"(-start)?\(",
+            line,
+        )
         if m:
             shape = [int(x) for x in m.group(2).split(",") if x]
             out[m.group(3) if m.group(3) in out else "other"].append(shape)
@@ -206,8 +209,15 @@ def _worker(out_path: str) -> None:
         case = reference(name)["cases"][CASE]
         results[name] = {}
         for tp in tps:
-            llm = LLM(FIXTURES / name, dtype="float32", tensor_parallel_size=tp, max_num_seqs=4,
-                      max_num_batched_tokens=32, num_kv_pages=16, warmup=False)  # fmt: skip
+            llm = LLM(
+                FIXTURES / name,
+                dtype="float32",
+                tensor_parallel_size=tp,
+                max_num_seqs=4,
+                max_num_batched_tokens=32,
+                num_kv_pages=16,
+                warmup=False,
+            )
             r: dict = {"logits": llm.logits(case["prompt_ids"]).tolist()}
             out = llm.generate({"prompt_token_ids": case["prompt_ids"]}, greedy, use_tqdm=False)[0]
             r["greedy"] = out.outputs[0].token_ids
@@ -224,16 +234,29 @@ def _worker(out_path: str) -> None:
                 runner.warmup_shape(shape)
                 r["kv_donated"] = old.is_deleted() and runner.kv.k[0].sharding == old.sharding
                 buf = jnp.zeros(shape.packed_len(), jnp.int32)
-                hlo = runner._jit.lower(runner.params, runner.kv, buf, cfg=runner.cfg, shape=shape,
-                                        backend=runner.backend).compile().as_text()  # fmt: skip
+                hlo = (
+                    runner._jit.lower(
+                        runner.params, runner.kv, buf, cfg=runner.cfg, shape=shape, backend=runner.backend
+                    )
+                    .compile()
+                    .as_text()
+                )
                 r["collectives"] = _collectives(hlo)
             if name == "tiny-llama" and tp == 4:
                 r["reads"] = _read_log(name, llm.engine.model_config, runner.mesh)
             results[name][str(tp)] = r
             del llm
     # the Pallas kernel (interpreted) inside the per-device attention: XLA cannot partition it, shard_map must
-    llm = LLM(FIXTURES / "tiny-llama", dtype="float32", tensor_parallel_size=2, attention_backend="triton_interpret",
-              max_num_seqs=4, max_num_batched_tokens=32, num_kv_pages=16, warmup=False)  # fmt: skip
+    llm = LLM(
+        FIXTURES / "tiny-llama",
+        dtype="float32",
+        tensor_parallel_size=2,
+        attention_backend="triton_interpret",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_kv_pages=16,
+        warmup=False,
+    )
     results["triton_interpret"] = llm.logits(reference("tiny-llama")["cases"][CASE]["prompt_ids"]).tolist()
     results["gguf"] = _gguf_check(Path(out_path).parent)
     Path(out_path).write_text(json.dumps(results))

@@ -65,8 +65,14 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> int:
 
 
 @contextlib.contextmanager
-def launched(server_args: str = "", host: str = "127.0.0.1", timeout: float = 1800.0, log_path: str | None = None,
-             headers: dict | None = None, pid_file: str | None = None) -> Iterator[str]:  # fmt: skip
+def launched(
+    server_args: str = "",
+    host: str = "127.0.0.1",
+    timeout: float = 1800.0,
+    log_path: str | None = None,
+    headers: dict | None = None,
+    pid_file: str | None = None,
+) -> Iterator[str]:
     """Run `netra-jax serve SERVER_ARGS --host HOST --port <free>` for the duration of the block, which gets the base
     URL once the server is ready. Its output goes to `log_path` (default: a file in the temp directory); its process
     id to `pid_file` when given (the server runs in its own session: a caller killed before the block ends can be
@@ -82,8 +88,9 @@ def launched(server_args: str = "", host: str = "127.0.0.1", timeout: float = 18
     url = f"http://{host}:{port}"
     print(f"launching: netra-jax {shlex.join(cmd[len(SERVE_COMMAND) :])} (output in {log})", flush=True)
     with open(log, "ab") as out:  # a new session: a Ctrl-C on the benchmark does not reach the server first
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     if pid_file:
         Path(pid_file).write_text(str(proc.pid))
     try:

@@ -74,9 +74,15 @@ def markdown_table(results: list[dict], labels: list[str]) -> str:
         for j, r in enumerate(res.get("runs", [])):
             conc, rate = r.get("max_concurrency"), r.get("request_rate")
             key = (conc or math.inf, math.inf if rate in (None, "inf") else float(rate), i, j)
-            cells = [str(conc or "all"), "inf" if rate in (None, "inf") else f"{float(rate):g}", label,
-                     num(r.get("output_throughput"), ".1f"), num(r.get("median_ttft_ms"), ".1f"),
-                     num(r.get("median_tpot_ms"), ".2f"), str(r.get("failed", 0))]  # fmt: skip
+            cells = [
+                str(conc or "all"),
+                "inf" if rate in (None, "inf") else f"{float(rate):g}",
+                label,
+                num(r.get("output_throughput"), ".1f"),
+                num(r.get("median_ttft_ms"), ".1f"),
+                num(r.get("median_tpot_ms"), ".2f"),
+                str(r.get("failed", 0)),
+            ]
             rows.append((key, cells))
     head = ["max concurrency", "request rate", "engine", "output tok/s", "median TTFT ms", "median TPOT ms", "failed"]
     lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]

@@ -114,9 +114,16 @@ def compute_metrics(outs: list[Output], duration: float, percentiles: list[float
     e2el = [o.latency for o in ok]
     inp = sum(o.prompt_tokens if o.prompt_tokens is not None else (o.prompt_len or 0) for o in ok)
     outp = sum(o.output_tokens for o in ok)
-    m = {"completed": len(ok), "failed": len(outs) - len(ok), "duration": duration, "total_input_tokens": inp,
-         "total_output_tokens": outp, "request_throughput": len(ok) / duration,
-         "output_throughput": outp / duration, "total_token_throughput": (inp + outp) / duration}  # fmt: skip
+    m = {
+        "completed": len(ok),
+        "failed": len(outs) - len(ok),
+        "duration": duration,
+        "total_input_tokens": inp,
+        "total_output_tokens": outp,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": outp / duration,
+        "total_token_throughput": (inp + outp) / duration,
+    }
     for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2el)):
         a = np.asarray(xs, dtype=np.float64) * 1000.0
         m[f"mean_{name}_ms"] = float(a.mean()) if a.size else None
@@ -136,8 +143,12 @@ class Bench:
 
     def body(self, item: bd.Item, history: list[tuple[str, str]], turn: int) -> dict:
         a = self.a
-        b = {"model": self.model, "max_tokens": item.max_tokens, "stream": True,
-             "stream_options": {"include_usage": True}}  # fmt: skip
+        b = {
+            "model": self.model,
+            "max_tokens": item.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if a.temperature is not None:
             b["temperature"] = a.temperature
         if a.ignore_eos:
@@ -258,8 +269,12 @@ async def run(args) -> dict:
                 print_pass(m, args.percentiles)
     config = run_config(args) | {"model": model, "text_source": source if args.dataset != "jsonl" else "jsonl"}
     label = args.label[0] if args.label else _slug(f"{model}-{args.dataset}")
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "label": label, "config": config,
-            "runs": runs}  # fmt: skip
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "label": label,
+        "config": config,
+        "runs": runs,
+    }
 
 
 def prompts_per_pass(args) -> list[int]:
@@ -274,8 +289,19 @@ def prompts_per_pass(args) -> list[int]:
 
 def run_config(args) -> dict:
     """The options that shape a run, as strict JSON (an infinite rate is the string "inf")."""
-    skip = ("api_key", "plot", "table", "label", "result_dir", "no_plot", "disable_tqdm", "input_len_given",
-            "output_len_given", "server_log", "launch_timeout")  # fmt: skip
+    skip = (
+        "api_key",
+        "plot",
+        "table",
+        "label",
+        "result_dir",
+        "no_plot",
+        "disable_tqdm",
+        "input_len_given",
+        "output_len_given",
+        "server_log",
+        "launch_timeout",
+    )
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
     return config
@@ -284,10 +310,14 @@ def run_config(args) -> dict:
 def print_pass(m: dict, percentiles: list[float]) -> None:
     ms = lambda v: "-" if v is None else f"{v:.2f}"
     print(f"\n=== max_concurrency {m['max_concurrency'] or 'all'}, request rate {m['request_rate']} ===")
-    print(f"completed {m['completed']}  failed {m['failed']}  duration {m['duration']:.2f}s  "
-          f"input {m['total_input_tokens']}  output {m['total_output_tokens']} tok")  # fmt: skip
-    print(f"throughput: {m['request_throughput']:.2f} req/s  {m['output_throughput']:.1f} output tok/s  "
-          f"{m['total_token_throughput']:.1f} total tok/s")  # fmt: skip
+    print(
+        f"completed {m['completed']}  failed {m['failed']}  duration {m['duration']:.2f}s  "
+        f"input {m['total_input_tokens']}  output {m['total_output_tokens']} tok"
+    )
+    print(
+        f"throughput: {m['request_throughput']:.2f} req/s  {m['output_throughput']:.1f} output tok/s  "
+        f"{m['total_token_throughput']:.1f} total tok/s"
+    )
     for name in ("ttft", "tpot", "itl", "e2el"):
         ps = "  ".join(f"p{p:g} {ms(m[f'p{p:g}_{name}_ms'])}" for p in percentiles)
         print(f"{name.upper():>5} ms: mean {ms(m[f'mean_{name}_ms'])}  median {ms(m[f'median_{name}_ms'])}  {ps}")
@@ -312,10 +342,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--max-concurrency", type=_numbers(int), default=[None],
-                   help="comma list, one pass each: requests in flight at most (0/all: no cap)")  # fmt: skip
-    p.add_argument("--request-rate", type=_numbers(float), default=[math.inf],
-                   help="comma list of arrival rates in req/s (Poisson); inf: all at once")  # fmt: skip
+    p.add_argument(
+        "--max-concurrency",
+        type=_numbers(int),
+        default=[None],
+        help="comma list, one pass each: requests in flight at most (0/all: no cap)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_numbers(float),
+        default=[math.inf],
+        help="comma list of arrival rates in req/s (Poisson); inf: all at once",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
     p.add_argument("--num-prompts", type=_numbers(int), default=[100], help="requests per pass, or one per concurrency")
     p.add_argument("--dataset", choices=bd.DATASETS, default="random")
@@ -325,8 +363,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
     p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: user turns per conversation")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos: true (netra-jax, vLLM, llama-server): outputs of max_tokens")  # fmt: skip
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true (netra-jax, vLLM, llama-server): outputs of max_tokens",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the statistics")
@@ -334,10 +375,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
-    p.add_argument("--launch", action="store_true",
-                   help="start `netra-jax serve` on a free port, run against it, then stop it")  # fmt: skip
-    p.add_argument("--server-args", default="", metavar="'ARGS'",
-                   help="with --launch: model and flags of `netra-jax serve`, one string")  # fmt: skip
+    p.add_argument(
+        "--launch", action="store_true", help="start `netra-jax serve` on a free port, run against it, then stop it"
+    )
+    p.add_argument(
+        "--server-args",
+        default="",
+        metavar="'ARGS'",
+        help="with --launch: model and flags of `netra-jax serve`, one string",
+    )
     p.add_argument("--launch-timeout", type=float, default=1800.0, help="with --launch: seconds to wait for /ready")
     p.add_argument("--server-log", default=None, help="with --launch: server output file (default: a temp file)")
     p.add_argument("--result-dir", default=None, help="default: ./benchmarks/results if there, else ./bench-results")

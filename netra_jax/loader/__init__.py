@@ -126,8 +126,9 @@ def load_model(
         if not is_gguf:
             ck = HFCheckpoint(path)
             params = parallel.load_hf_sharded(ck.get, ck.has, cfg, _NP_DTYPES[dt], mesh)
-            log.info("loaded %s (%s) sharded %d ways in %.2fs", path, dt, parallel.tp_size(mesh),
-                     time.perf_counter() - t0)  # fmt: skip
+            log.info(
+                "loaded %s (%s) sharded %d ways in %.2fs", path, dt, parallel.tp_size(mesh), time.perf_counter() - t0
+            )
             return cfg, params
     root = key = None
     if cache:

@@ -34,9 +34,12 @@ def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, 
             base, scaled = np.array(RopeConfig(theta).inv_freq(head_dim)), np.array(rc.inv_freq(head_dim))
             if np.allclose(base / scaled, factors, rtol=1e-3):
                 return {
-                    "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": orig,
-                }  # fmt: skip
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": orig,
+                }
     raise ConfigError("the file's rope_freqs tensor does not match any llama3 rope scaling this runtime supports")
 
 

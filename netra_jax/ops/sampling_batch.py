@@ -217,8 +217,17 @@ def dummy_arrays(key: SamplingKey, num_rows: int, vocab_size: int = 0) -> Sampli
     s, b, hl = num_rows, key.bias_size, key.hist_size
     z, zi = np.zeros(s, np.float32), np.zeros(s, np.int32)
     return SamplingArrays(
-        z, zi, np.ones(s, np.float32), z, np.ones(s, np.float32), z, z, np.zeros((s, 2), np.float32),
-        np.full((s, b), -1, np.int32), np.zeros((s, b), np.float32),
-        np.full((s, hl), -1, np.int32), np.zeros((s, hl), np.bool_),
+        z,
+        zi,
+        np.ones(s, np.float32),
+        z,
+        np.ones(s, np.float32),
+        z,
+        z,
+        np.zeros((s, 2), np.float32),
+        np.full((s, b), -1, np.int32),
+        np.zeros((s, b), np.float32),
+        np.full((s, hl), -1, np.int32),
+        np.zeros((s, hl), np.bool_),
         np.full((s, token_mask.num_words(vocab_size)), -1, np.int32) if key.use_mask else None,
-    )  # fmt: skip
+    )

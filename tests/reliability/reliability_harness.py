@@ -20,8 +20,17 @@ from test_server import MODEL, READY, scrape
 
 # Every module shares this server; its pool is large enough that nothing is preempted, its body cap small enough
 # that a body over it is cheap to send.
-MAIN_ARGS = ("--max-num-seqs", "32", "--max-num-batched-tokens", "128", "--num-kv-pages", "256",
-             "--max-body-bytes", str(1 << 20), "--enable-debug-endpoints")  # fmt: skip
+MAIN_ARGS = (
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "128",
+    "--num-kv-pages",
+    "256",
+    "--max-body-bytes",
+    str(1 << 20),
+    "--enable-debug-endpoints",
+)
 MAX_BODY = 1 << 20
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 FIGURES: dict[str, object] = {}  # printed at the end of the session (see docs/reliability.md)
@@ -34,8 +43,9 @@ class Proc:
         self.log = Path(tempfile.mkdtemp(prefix="netra-rel-")) / "server.log"
         cmd = [sys.executable, "-m", "netra_jax.cli", "serve", model, "--host", "127.0.0.1", "--port", "0", *args]
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+            )
         self.url = ""
         self.children: list[psutil.Process] = []
 

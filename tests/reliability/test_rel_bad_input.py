@@ -30,20 +30,44 @@ def nested(depth: int) -> bytes:
 TABLE: list[tuple[str, str, object, dict, int, str | None]] = [
     ("truncated JSON", C, b'{"prompt": "hi",', JSON, 400, None),
     ("empty body", C, b"", JSON, 400, None),
-    ("form-encoded body", C, b"prompt=hi&max_tokens=2", {"Content-Type": "application/x-www-form-urlencoded"},
-     400, None),
-    ("multipart body", C, b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n--b--\r\n",
-     {"Content-Type": "multipart/form-data; boundary=b"}, 400, None),
+    (
+        "form-encoded body",
+        C,
+        b"prompt=hi&max_tokens=2",
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        400,
+        None,
+    ),
+    (
+        "multipart body",
+        C,
+        b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n--b--\r\n',
+        {"Content-Type": "multipart/form-data; boundary=b"},
+        400,
+        None,
+    ),
     ("body is a string", C, b'"hi"', JSON, 400, None),
     ("body is a number", C, b"42", JSON, 400, None),
     ("body is null", C, b"null", JSON, 400, None),
     ("body is an empty list", CC, b"[]", JSON, 400, None),
     ("unknown top-level field", C, {"prompt": "hi", "foo": 1}, {}, 400, "foo"),
     ("100k-character unknown field", C, {"prompt": "hi", HUGE: 1}, {}, 400, "*"),
-    ("unknown field in stream_options", C, {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, {}, 400,
-     "stream_options.x"),
-    ("request-supplied chat_template_kwargs", CC, {"messages": MSG, "chat_template_kwargs": {}}, {}, 400,
-     "chat_template_kwargs"),
+    (
+        "unknown field in stream_options",
+        C,
+        {"prompt": "hi", "stream": True, "stream_options": {"x": 1}},
+        {},
+        400,
+        "stream_options.x",
+    ),
+    (
+        "request-supplied chat_template_kwargs",
+        CC,
+        {"messages": MSG, "chat_template_kwargs": {}},
+        {},
+        400,
+        "chat_template_kwargs",
+    ),
     ("temperature < 0", C, {"prompt": "hi", "temperature": -0.1}, {}, 400, "temperature"),
     ("temperature NaN", C, b'{"prompt": "hi", "temperature": NaN}', JSON, 400, "temperature"),
     ("temperature Infinity", C, b'{"prompt": "hi", "temperature": Infinity}', JSON, 400, "temperature"),
@@ -60,13 +84,18 @@ TABLE: list[tuple[str, str, object, dict, int, str | None]] = [
     ("min_tokens < 0", C, {"prompt": "hi", "min_tokens": -1}, {}, 400, "min_tokens"),
     ("n over the cap", C, {"prompt": "hi", "n": 129, "max_tokens": 1}, {}, 400, "n"),
     ("n 1e30", CC, {"messages": MSG, "n": 10**30}, {}, 400, "n"),
-    ("top_logprobs over the cap", CC, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, {}, 400,
-     "top_logprobs"),
+    ("top_logprobs over the cap", CC, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, {}, 400, "top_logprobs"),
     ("17 stop strings", C, {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, {}, 400, "*"),
     ("257 prompts", C, {"prompt": ["a"] * 257, "max_tokens": 1}, {}, 400, "prompt"),
     ("empty token list in a batch", C, {"prompt": [[1, 2], []]}, {}, 400, "prompt"),
-    ("empty messages content parts", CC, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, {}, 400,
-     "messages.0.content"),
+    (
+        "empty messages content parts",
+        CC,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        {},
+        400,
+        "messages.0.content",
+    ),
     ("tool message", CC, {"messages": [{"role": "tool", "content": "x"}]}, {}, 400, "messages.0.role"),
     ("token id == vocab", C, {"prompt": [1, VOCAB]}, {}, 400, "prompt"),
     ("token id 2**63", C, {"prompt": [2**63]}, {}, 400, "prompt"),
@@ -82,20 +111,38 @@ TABLE: list[tuple[str, str, object, dict, int, str | None]] = [
     ("stop_token_ids == vocab", CC, {"messages": MSG, "stop_token_ids": [VOCAB]}, {}, 400, "stop_token_ids"),
     ("stop_token_ids strings", C, {"prompt": "hi", "stop_token_ids": ["a"]}, {}, 400, "stop_token_ids.0"),
     ("text prompt longer than the context", C, {"prompt": "hello world " * 2000}, {}, 400, "prompt"),
-    ("chat longer than the context", CC, {"messages": [{"role": "user", "content": "hey " * 2000}]}, {}, 400,
-     "messages"),
+    (
+        "chat longer than the context",
+        CC,
+        {"messages": [{"role": "user", "content": "hey " * 2000}]},
+        {},
+        400,
+        "messages",
+    ),
     ("prompt + max_tokens over the context", C, {"prompt": [7] * 500, "max_tokens": 20}, {}, 400, "max_tokens"),
-    ("prompt + max_completion_tokens over the context", CC, {"messages": MSG, "max_completion_tokens": 600}, {},
-     400, "max_completion_tokens"),
+    (
+        "prompt + max_completion_tokens over the context",
+        CC,
+        {"messages": MSG, "max_completion_tokens": 600},
+        {},
+        400,
+        "max_completion_tokens",
+    ),
     ("100k-character model name", C, {"prompt": "hi", "model": HUGE}, {}, 404, "model"),
     ("100k nested lists as the body", C, nested(100_000), JSON, 400, None),
     ("100k nested lists as the prompt", C, b'{"prompt": ' + nested(100_000) + b"}", JSON, 400, None),
-    ("100k nested objects in metadata", C,
-     b'{"prompt": "hi", "metadata": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}", JSON, 400, None),
+    (
+        "100k nested objects in metadata",
+        C,
+        b'{"prompt": "hi", "metadata": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+        JSON,
+        400,
+        None,
+    ),
     ("non-UTF-8 bytes in a string", C, b'{"prompt": "\xff\xfe\xfa"}', JSON, 400, None),
     ("UTF-16 encoded body", CC, json.dumps({"messages": MSG}).encode("utf-16"), JSON, 400, None),
     ("lone surrogate escape", C, b'{"prompt": "\\ud800"}', JSON, 400, None),
-]  # fmt: skip
+]
 
 BASE = [(f"{m} {p} {b!r}"[:60], m, p, b, s, prm) for m, p, b, s, prm in BAD]
 
@@ -122,8 +169,9 @@ def test_bad_input_matrix(server):
     stats = {"cases": 0, "5xx": 0}
     ok_body = {"prompt": [1, 2, 3], "max_tokens": 1}
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        cases = [(name, "POST", path, body, headers, status, param) for name, path, body, headers, status, param
-                 in TABLE] + [(name, m, p, b, {}, s, prm) for name, m, p, b, s, prm in BASE]  # fmt: skip
+        cases = [
+            (name, "POST", path, body, headers, status, param) for name, path, body, headers, status, param in TABLE
+        ] + [(name, m, p, b, {}, s, prm) for name, m, p, b, s, prm in BASE]
         for name, method, path, body, headers, status, param in cases:
             before = _engine_state(wait_idle(server))
             kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
@@ -169,8 +217,10 @@ def test_documented_lenient_cases(server):
         assert r.status_code == 200
         r = http.post(C, json={"prompt": "hi", "max_tokens": 1, "user": "u", "store": False, "metadata": {"k": "v"}})
         assert r.status_code == 200
-        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "refusal": None,
-                                                    "annotations": []}]  # fmt: skip
+        msgs = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo", "refusal": None, "annotations": []},
+        ]
         assert http.post(CC, json={"messages": msgs, "max_tokens": 1}).status_code == 200
 
 
@@ -219,12 +269,16 @@ def _request_strategy(model: type) -> st.SearchStrategy:
     required = {"max_tokens": st.integers(-1, 4)}  # never "the rest of the context": keeps valid requests short
     if model is CompletionRequest:
         tokens = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, VOCAB + 3)), max_size=6)
-        required["prompt"] = st.one_of(st.text(max_size=20), tokens, st.lists(tokens, max_size=3),
-                                       st.lists(st.text(max_size=8), max_size=3))  # fmt: skip
+        required["prompt"] = st.one_of(
+            st.text(max_size=20), tokens, st.lists(tokens, max_size=3), st.lists(st.text(max_size=8), max_size=3)
+        )
     else:
-        msg = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool",
-                                                              "wizard"]),
-                                     "content": st.one_of(st.text(max_size=20), st.none())})  # fmt: skip
+        msg = st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]),
+                "content": st.one_of(st.text(max_size=20), st.none()),
+            }
+        )
         required["messages"] = st.lists(msg, max_size=3)
     opt = {k: v for k, v in opt.items() if k not in required}
     extra = st.fixed_dictionaries({}, optional={"unknown_field": st.integers(), "chat_template": st.just("{{ 1 }}")})
@@ -236,9 +290,13 @@ def _request_strategy(model: type) -> st.SearchStrategy:
     return st.one_of(many, few)
 
 
-SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])  # fmt: skip
+SETTINGS = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _check_generated(http: httpx.Client, path: str, body: dict, tally: dict[str, int]) -> None:

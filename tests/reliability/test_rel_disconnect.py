@@ -26,8 +26,14 @@ def server(request):
 def _long_body(i: int, stream: bool) -> dict:
     rng = random.Random(i)
     prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 80))]
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.8, "seed": i,
-            "stream": stream}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": stream,
+    }
 
 
 async def _abandon_stream(http: httpx.AsyncClient, i: int) -> int:

@@ -69,8 +69,10 @@ def _check(server, out: dict, kind: str) -> None:
     assert out["rc"] == ENGINE_DEAD_EXIT, server.text()[-3000:]
     assert f"exiting with status {ENGINE_DEAD_EXIT}" in server.text()
     assert server.leftover_children() == []
-    record(f"fault ({kind}): in-flight requests failed / exit status / exit after (s)",
-           [4, out["rc"], round(out["exit_after_s"], 1)])  # fmt: skip
+    record(
+        f"fault ({kind}): in-flight requests failed / exit status / exit after (s)",
+        [4, out["rc"], round(out["exit_after_s"], 1)],
+    )
 
 
 def test_step_that_raises(faulty):

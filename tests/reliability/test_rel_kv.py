@@ -17,8 +17,19 @@ from reliability_harness import ENVELOPE_KEYS, launch, main_server, record, rele
 from test_server import MODEL
 
 C = "/v1/completions"
-TINY_ARGS = ("--num-kv-pages", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-waiting", "64",
-             "--enable-debug-endpoints", "--drain-timeout", "60")  # fmt: skip
+TINY_ARGS = (
+    "--num-kv-pages",
+    "16",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--max-waiting",
+    "64",
+    "--enable-debug-endpoints",
+    "--drain-timeout",
+    "60",
+)
 N = 64
 GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 

@@ -25,10 +25,17 @@ def server(request):
 def _body(rng: random.Random) -> dict:
     """Warmed sampler variants only (greedy, plain, top-k/top-p; no penalties or bias, which compile on first use)."""
     n_prompt = rng.choice([rng.randrange(1, 16), rng.randrange(1, 200)])
-    return {"prompt": [rng.randrange(3, 512) for _ in range(n_prompt)], "max_tokens": rng.randrange(1, 24),
-            "temperature": rng.choice([0.0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9]), "top_k": rng.choice([0, 20]),
-            "seed": rng.randrange(1 << 30), "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "prompt": [rng.randrange(3, 512) for _ in range(n_prompt)],
+        "max_tokens": rng.randrange(1, 24),
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "top_p": rng.choice([1.0, 0.9]),
+        "top_k": rng.choice([0, 20]),
+        "seed": rng.randrange(1 << 30),
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def _client(http: httpx.AsyncClient, body: dict, start: asyncio.Event) -> str | None:

@@ -25,8 +25,9 @@ def engine():
     from netra_jax.config import CacheConfig, EngineConfig
     from netra_jax.engine.async_engine import AsyncEngine
 
-    ae = AsyncEngine(build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False,
-                                               cache=CacheConfig(num_pages=8))))  # fmt: skip
+    ae = AsyncEngine(
+        build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=8)))
+    )
     yield ae
     ae.shutdown()
 
@@ -77,8 +78,12 @@ def test_allowed_model_root(tmp_path, capsys):
     check_model_root(str(root / MODEL), str(root))  # inside: fine
     check_model_root(None, str(root))  # the embedded default model
     check_model_root(str(FIXTURES / MODEL), None)  # no root configured
-    for bad, why in [(root / ".." / "models" / MODEL, "'..'"), (FIXTURES / MODEL, "outside"),
-                     (root / "escape", "outside"), ("/etc", "outside")]:  # fmt: skip
+    for bad, why in [
+        (root / ".." / "models" / MODEL, "'..'"),
+        (FIXTURES / MODEL, "outside"),
+        (root / "escape", "outside"),
+        ("/etc", "outside"),
+    ]:
         with pytest.raises(ValueError, match=why):
             check_model_root(str(bad), str(root))
         assert cli_main(["serve", str(bad), "--allowed-model-root", str(root)]) == 2

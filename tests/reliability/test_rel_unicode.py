@@ -36,8 +36,14 @@ def _byte_tokens() -> dict[int, int]:
 def test_split_characters_stream_whole(server, prompt, char):
     raw = char.encode()
     byte_tok = _byte_tokens()
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logit_bias": {str(byte_tok[b]): 40 for b in raw}, "frequency_penalty": 2.0}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": {str(byte_tok[b]): 40 for b in raw},
+        "frequency_penalty": 2.0,
+    }
     with httpx.Client(base_url=server.url, timeout=60) as http:
         full = http.post(C, json={**body, "return_token_ids": True}).json()["choices"][0]
         assert full["token_ids"] == [byte_tok[b] for b in raw] * (MAX_TOKENS // len(raw))  # one byte per token
