@@ -139,7 +139,7 @@ def forward(
     embed = params["embed"]
     x = embed[token_ids]  # [T, hidden]
     md = with_token_layout(md, token_ids.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
-    if cfg.gemma_norms:
+    if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     new_k, new_v = [], []
     for i, lp in enumerate(params["layers"]):
@@ -147,11 +147,11 @@ def forward(
         h, kp, vp = _attention_block(h, lp, cfg, i, positions, kv, md, backend, mesh)
         new_k.append(kp)
         new_v.append(vp)
-        if cfg.gemma_norms:
+        if cfg.sandwich_norms:
             h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
         x = x + h
         h = _mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg)
-        if cfg.gemma_norms:
+        if cfg.sandwich_norms:
             h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
         x = x + h
     if logits_indices is not None:

@@ -33,7 +33,7 @@ def hf_to_params(cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtyp
 
     def norm(name: str, dim: int) -> np.ndarray:
         w = t(name, (dim,)).astype(np.float32)
-        return (1.0 + w) if cfg.gemma_norms else w
+        return (1.0 + w) if cfg.norm_weight_offset else w
 
     def opt_bias(name: str, dim: int):
         return t(name, (dim,)).astype(dtype) if has(name) else None
@@ -68,7 +68,7 @@ def hf_to_params(cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtyp
         if cfg.qk_norm:
             lp["q_norm"] = norm(p + "self_attn.q_norm.weight", D)
             lp["k_norm"] = norm(p + "self_attn.k_norm.weight", D)
-        if cfg.gemma_norms:
+        if cfg.sandwich_norms:
             lp["post_attn_norm"] = norm(p + "post_attention_layernorm.weight", H)
             lp["mlp_norm"] = norm(p + "pre_feedforward_layernorm.weight", H)
             lp["post_mlp_norm"] = norm(p + "post_feedforward_layernorm.weight", H)

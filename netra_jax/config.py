@@ -17,7 +17,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -75,10 +79,11 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and behaviour of one decoder-only transformer. `family` selects the forward's variant flags."""
+    """Shape and behaviour of one decoder-only transformer. `family` names the checkpoint's layout (which weight map
+    reads it); the forward never branches on it, only on the behaviour flags below."""
 
     architecture: str  # HF architecture name, e.g. "LlamaForCausalLM"
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma3
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | qwen3_moe | mixtral | gpt_oss
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -98,9 +103,26 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     qk_norm: bool = False  # Qwen3 / Gemma 3: RMSNorm over head_dim of q and k before rope
-    gemma_norms: bool = False  # (1 + w) RMSNorm, sandwich norms, sqrt(hidden) embedding scale
+    norm_weight_offset: bool = False  # Gemma: checkpoints store norm weights as w - 1 (folded to w at load time)
+    sandwich_norms: bool = False  # Gemma 3: post-attention and post-MLP norms besides the pre-norms
+    scale_embeddings: bool = False  # Gemma: embeddings multiplied by sqrt(hidden)
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head joins each softmax
+    rotary_dim: int = 0  # leading dims of each head RoPE rotates (head_dim * partial_rotary_factor); 0 = head_dim
+    # mixture of experts (num_experts == 0: every MLP is dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()  # per layer: True = routed experts, False = the dense MLP
+    norm_topk_prob: bool = True  # renormalise the top-k routing probabilities to sum to 1
+    expert_act: str = "silu"  # silu: silu(gate) * up | swiglu_oai: gpt-oss's clamped (up + 1) * gate * sigmoid
+    swiglu_alpha: float = 1.702  # swiglu_oai: sigmoid slope
+    swiglu_limit: float = 7.0  # swiglu_oai: clamp of gate (above) and up (both sides)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:  # frozen: set once, before anyone reads it
+            object.__setattr__(self, "rotary_dim", self.head_dim)
 
     @property
     def q_size(self) -> int:
@@ -113,6 +135,9 @@ class ModelConfig:
     def layer_window(self, i: int) -> int | None:
         """Sliding window of layer i (keys with q_pos - k_pos < window are visible), None for full attention."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
 
     def layer_rope(self, i: int) -> RopeConfig:
         return self.rope_sliding if self.layer_types[i] == "sliding_attention" else self.rope_full
@@ -153,11 +178,12 @@ class ModelConfig:
             inter = int(d["intermediate_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from e
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError("partial_rotary_factor != 1 is not supported")
         head_dim = int(d.get("head_dim") or hidden // n_heads)
         n_kv = int(d.get("num_key_value_heads") or n_heads)
         gemma = family == "gemma3"
+        rotary_dim = int(head_dim * float(d.get("partial_rotary_factor") or 1.0))
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ConfigError(f"partial_rotary_factor gives {rotary_dim} rotary dims of {head_dim}; need an even count")
 
         # layer types / sliding window
         window = d.get("sliding_window")
@@ -168,7 +194,7 @@ class ModelConfig:
                 layer_types = [
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
                 ]
-        elif family == "qwen2" or family == "qwen3":
+        elif family in ("qwen2", "qwen3", "qwen3_moe"):
             if not d.get("use_sliding_window", False):
                 window = None
             if not layer_types:
@@ -178,7 +204,7 @@ class ModelConfig:
                 ]
             if window is None:
                 layer_types = ["full_attention"] * n_layers
-        else:  # llama / mistral: one window for every layer when set
+        else:  # llama / mistral / mixtral / gpt-oss (layer_types given): one window for every layer when set
             if not layer_types:
                 layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
         if len(layer_types) != n_layers:
@@ -209,6 +235,7 @@ class ModelConfig:
             raise ConfigError(f"unsupported activation {d.get('hidden_act') or d.get('hidden_activation')!r}")
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        moe = _moe_fields(d, family, n_layers, inter)
         return ModelConfig(
             architecture=arch,
             family=family,
@@ -230,11 +257,48 @@ class ModelConfig:
             attn_scale=scale,
             attn_logit_softcap=d.get("attn_logit_softcapping"),
             final_logit_softcap=d.get("final_logit_softcapping"),
-            qk_norm=family in ("qwen3", "gemma3"),
-            gemma_norms=gemma,
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+            norm_weight_offset=gemma,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            attention_sinks=family == "gpt_oss",
+            rotary_dim=rotary_dim,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
+
+
+def _moe_fields(d: dict[str, Any], family: str, n_layers: int, intermediate: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields of a HF config (empty for dense families)."""
+    if family not in ("qwen3_moe", "mixtral", "gpt_oss"):
+        return {}
+    n_experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if n_experts < 1 or not 0 < top_k <= n_experts:
+        raise ConfigError(f"a mixture of experts needs 1 <= num_experts_per_tok ({top_k}) <= experts ({n_experts})")
+    if family == "qwen3_moe":  # dense layers: listed in mlp_only_layers, or off the decoder_sparse_step grid
+        dense_only = {int(i) for i in d.get("mlp_only_layers") or ()}
+        step = int(d.get("decoder_sparse_step") or 1)
+        layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(n_layers))
+        expert_inter = int(d.get("moe_intermediate_size") or intermediate)
+    else:
+        layers = (True,) * n_layers
+        expert_inter = intermediate
+    out: dict[str, Any] = dict(
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_inter,
+        moe_layers=layers,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)) if family == "qwen3_moe" else True,
+    )
+    if family == "gpt_oss":
+        out.update(
+            expert_act="swiglu_oai",
+            swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+        )
+    return out
 
 
 @dataclass(frozen=True)

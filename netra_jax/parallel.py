@@ -194,7 +194,7 @@ class ShardedHFReader:
 
         def read(idx):
             x = self._take(name, a, idx).astype(np.float32 if f32 else self.dtype)
-            return 1.0 + x if f32 and self.cfg.gemma_norms else x  # Gemma's (1 + w) norms, as hf_to_params
+            return 1.0 + x if f32 and self.cfg.norm_weight_offset else x  # Gemma's (1 + w) norms, as hf_to_params
 
         return _Leaf(shape, read)
 
@@ -274,7 +274,7 @@ class ShardedHFReader:
             if cfg.qk_norm:
                 lp["q_norm"] = self.plain(p + "self_attn.q_norm.weight", (D,), f32=True)
                 lp["k_norm"] = self.plain(p + "self_attn.k_norm.weight", (D,), f32=True)
-            if cfg.gemma_norms:
+            if cfg.sandwich_norms:
                 lp["post_attn_norm"] = self.plain(p + "post_attention_layernorm.weight", (H,), f32=True)
                 lp["mlp_norm"] = self.plain(p + "pre_feedforward_layernorm.weight", (H,), f32=True)
                 lp["post_mlp_norm"] = self.plain(p + "post_feedforward_layernorm.weight", (H,), f32=True)

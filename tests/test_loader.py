@@ -213,7 +213,10 @@ CFG_FIELDS = (
     "rope_sliding",
     "attn_scale",
     "qk_norm",
-    "gemma_norms",
+    "norm_weight_offset",
+    "sandwich_norms",
+    "scale_embeddings",
+    "rotary_dim",
     "eos_token_ids",
 )
 

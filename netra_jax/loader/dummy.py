@@ -49,7 +49,7 @@ def hf_tensor_shapes(cfg: ModelConfig, biased: tuple[str, ...] = ()) -> dict[str
         shapes |= {p + f"self_attn.{name}.bias": (bias_size[name],) for name in biased}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-        if cfg.gemma_norms:
+        if cfg.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (H,), p + "post_feedforward_layernorm.weight": (H,)}
     return shapes
 
