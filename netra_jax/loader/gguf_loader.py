@@ -3,11 +3,12 @@
 
 The header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy view per metadata element and
 takes about 5 s on a 49k-token vocabulary; this parser takes a fraction of a second. Tensor data stays memory-mapped
-until a tensor is de-quantized. De-quantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q2_K..Q6_K and the other types that library implements)."""
+until a tensor is de-quantized. De-quantization is `gguf.quants.dequantize` (F32, F16, BF16, Q4_0..Q8_0,
+Q2_K..Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4 and whatever else that library implements), plus Q8_K here."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import mmap
 import os
 import re
@@ -23,6 +24,7 @@ from netra_jax.config import ModelConfig
 from netra_jax.loader.hf import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
+_GGUF_VERSION = importlib.metadata.version("gguf")
 _SCALARS = {  # GGUF value type -> struct format (little endian)
     0: "<B",
     1: "<b",
@@ -182,12 +184,26 @@ class GGUFFile:
         return dequantize(self.raw(name), info.qtype, info.shape, f"{self.path}: tensor {name!r}")
 
 
+def _dequantize_q8_k(raw: np.ndarray) -> np.ndarray:
+    """Q8_K, which gguf-py does not de-quantize (ggml-common.h block_q8_K): per 256 values a float32 scale d,
+    int8 qs[256] and int16 bsums[16] (sums of 16 qs, for dot products; unused here); value = d * q."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 292)  # [blocks, 4 + 256 + 2 * 16]
+    d = blocks[:, :4].copy().view(np.float32)  # [blocks, 1]
+    return d * blocks[:, 4:260].view(np.int8)  # [blocks, 256]
+
+
+_OWN_DEQUANTIZERS = {GGMLQuantizationType.Q8_K: _dequantize_q8_k}
+
+
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], what: str = "tensor"):
     """Bytes [..., row bytes] of GGML type `qtype` -> float32 array of `shape`."""
     try:
-        out = gguf.quants.dequantize(raw, qtype)
+        out = _OWN_DEQUANTIZERS[qtype](raw) if qtype in _OWN_DEQUANTIZERS else gguf.quants.dequantize(raw, qtype)
     except NotImplementedError:
-        raise CheckpointError(f"{what} has GGML type {qtype.name}, which cannot be de-quantized") from None
+        raise CheckpointError(
+            f"{what} has GGML type {qtype.name}, which the installed gguf package ({_GGUF_VERSION}) cannot "
+            "de-quantize; use a file quantized to another type (e.g. Q4_K_M, Q8_0 or F16)"
+        ) from None
     return np.asarray(out, dtype=np.float32).reshape(shape)
 
 
