@@ -16,8 +16,16 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
-_GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed Gemma 3 pattern when the file does not store one
-_GEMMA3_SWA_THETA = 10000.0  # llama.cpp's fixed local rope base when the file does not store one
+# Gemma 3 keys llama.cpp's converter does not write, defaulted as llama.cpp's loader does (src/llama-model.cpp,
+# llama_model::load_hparams, case LLM_ARCH_GEMMA3): only when `gemma3.attention.sliding_window` is present and > 0
+# do layers use the window, in periods of `attention.sliding_window_pattern` (default 6; set_swa_pattern in
+# llama-hparams.cpp: layer i slides unless i % period == period - 1, period 0 = every layer slides), the sliding
+# layers rotating with `rope.freq_base_swa` (default llama_hparams::rope_freq_base_train_swa = 10000) and no rope
+# scaling; without a window no layer slides. Older llama.cpp fixed the same 6 and 10000 without reading the keys.
+# The query scale (f_attention_scale) is 1/sqrt(hidden / heads) for the 27B (62 layers) and 1/sqrt(head_dim) for
+# the other sizes; llama.cpp reads no key for it, `attention.scale` overrides it here when a file has one.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_SWA_THETA = 10000.0
 
 
 def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, meta_orig: int | None) -> dict:
@@ -126,13 +134,14 @@ def gguf_to_hf_config(
             raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
         sliding = [bool(p) for p in pattern]
     else:
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
-    if window is None:
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n_layers)]
+    if not window:
         sliding = [False] * n_layers
     scale = key("attention.scale", None)
     if scale is not None:
         pre_attn = float(scale) ** -2
-    else:  # llama.cpp: 27B (62 layers) scales by hidden / heads, the others by head_dim
+    else:
         pre_attn = hidden // n_heads if n_layers == 62 else head_dim
     d.update(
         hidden_activation="gelu_pytorch_tanh",
