@@ -23,17 +23,25 @@ class IncrementalDetokenizer:
     multi-byte character split across tokens) it is held back. Once emitted, the window slides forward, so
     each `push` costs O(tokens pushed + tokens held), never O(output length).
 
-    The concatenation of everything returned by `push` and `flush` equals `tokenizer.decode(output_ids)` for
-    byte-level BPE tokenizers; `text` holds it so far (for stop-string search).
+    The concatenation of everything returned by `push` and `flush` is the text the output adds to the prompt:
+    `tokenizer.decode(output_ids)` for byte-level BPE; for SentencePiece vocabularies it also keeps the space of the
+    first output token's `▁`, which decoding the output alone strips. `text` holds it so far (for stop strings).
+    The prompt context starts at a character boundary: byte-fallback `<0xNN>` tokens decode as one group, so a
+    context opening inside a character would turn the output's first bytes into U+FFFD as well.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._special = frozenset(tokenizer.all_special_ids)
         context = tokenizer.check_ids(prompt_ids[-PROMPT_CONTEXT_TOKENS:] if len(prompt_ids) else [])
+        text = self._decode(context)
+        while text.startswith(_REPLACEMENT):  # the context opens inside a character: start after it
+            context = context[1:]
+            text = self._decode(context)
         self._window: list[int] = context  # tokens[prefix_offset:] of the whole sequence
         self._read = len(context)  # read_offset relative to the window start (prefix_offset)
-        self._prefix_text = self._decode(self._window)
+        self._prefix_text = text
         self._chunks: list[str] = []
         self._text: str | None = ""
         self.num_tokens = 0  # output tokens pushed so far
@@ -68,6 +76,11 @@ class IncrementalDetokenizer:
         """Emit `text` (the decoded window up to token `upto`) past the prefix, then slide the window."""
         chunk = text[len(self._prefix_text) :]  # "" when the new tokens show nothing (skipped special tokens)
         start = self._read  # the new prefix starts where the last read ended
+        if self.skip_special_tokens and all(i in self._special for i in self._window[start:upto]):
+            # Tokens that decode to nothing are dropped rather than made the new prefix: a window opening on them
+            # would let a SentencePiece decoder strip the `▁` space of the text that follows them.
+            del self._window[start:upto]
+            return chunk
         del self._window[:start]
         self._read = upto - start
         self._prefix_text = self._decode(self._window[: self._read])

@@ -145,7 +145,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
-        """The tokenizer stored in a GGUF file's metadata (byte-level BPE, `tokenizer.ggml.model == "gpt2"`)."""
+        """The tokenizer stored in a GGUF file's metadata: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) or
+        SentencePiece (`"llama"`)."""
         backend, special = tokenizer_from_gguf_metadata(read_gguf_metadata(path), str(path))
         return cls(backend, SpecialTokens(**special), **kwargs)
 

@@ -1,5 +1,5 @@
-"""GGUF tokenizers: read a GGUF file's key/value metadata and rebuild its byte-level BPE tokenizer.
-Produces a `tokenizers.Tokenizer` and the special tokens / chat templates stored beside it."""
+"""GGUF tokenizers: read a GGUF file's key/value metadata and rebuild its tokenizer (byte-level BPE here, SentencePiece
+in tokenizer_gguf_spm). Produces a `tokenizers.Tokenizer` and the special tokens / chat templates stored beside it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import tokenizers
+from gguf import TokenType
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+
+from netra_jax.tokenizer_gguf_spm import spm_tokenizer
 
 # Pre-tokenization per `tokenizer.ggml.pre`, as llama.cpp applies it (its names; regexes from the HF files).
 _LLAMA3_SPLIT = (
@@ -23,7 +26,6 @@ _PRE_STYLES = {
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"], "llama3"),
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], "qwen2"),
 }
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
 
 
 def _gguf_pre_tokenizer(pre: str) -> tuple[Any, Any]:
@@ -42,20 +44,10 @@ def _gguf_pre_tokenizer(pre: str) -> tuple[Any, Any]:
     return (normalizers.NFC() if style == "qwen2" else None), pre_tokenizers.Sequence([split, byte_level])
 
 
-def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
-    """The tokenizer and the `SpecialTokens` fields (tokens, ids, chat templates by name) of GGUF metadata."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{source}: GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (byte-level BPE) is. "
-            "Load the model's Hugging Face directory (tokenizer.json) instead."
-        )
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+def _byte_level_tokenizer(meta: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.merges")
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
@@ -68,12 +60,39 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+
+
+def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    """The tokenizer and the `SpecialTokens` fields (tokens, ids, chat templates by name) of GGUF metadata."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in _KINDS:
+        known = ", ".join(f"{k!r} ({v})" for k, v in _KINDS.items())
+        raise ValueError(
+            f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: {known}); "
+            "load the model's Hugging Face directory (tokenizer.json) instead"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    if kind == "llama":
+        tok, spelled = spm_tokenizer(meta, tokens, types, source)
+    else:
+        tok, spelled = _byte_level_tokenizer(meta, tokens, source), tokens
+    # Control and unknown tokens are matched whole in text and dropped by skip_special_tokens; user-defined ones are
+    # matched whole but kept (a token Gemma's converter respelled is reached through merges instead, as transformers).
     added = [
-        AddedToken(tokens[i], special=t != _TOKEN_USER_DEFINED, normalized=False)
+        AddedToken(tokens[i], special=t != TokenType.USER_DEFINED, normalized=False)
         for i, t in enumerate(types)
-        if t in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+        if t in (TokenType.UNKNOWN, TokenType.CONTROL) or (t == TokenType.USER_DEFINED and spelled[i] == tokens[i])
     ]
-    tok.add_tokens(added)  # matched whole in text; `special` ones are dropped by skip_special_tokens
+    tok.add_tokens(added)
 
     def token_at(key: str) -> tuple[str | None, int | None]:
         i = meta.get(key)
@@ -85,12 +104,13 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[
         token_at(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")
     )
     ends = [token_at(f"tokenizer.ggml.{k}_token_id")[1] for k in ("eos", "eot", "eom")]
-    edges = [(bos, bos_id)] if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None else []
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")  # llama.cpp's default: BOS for SentencePiece
+    edges = [(bos, bos_id)] if add_bos and bos_id is not None else []
     tail = [(eos, eos_id)] if meta.get("tokenizer.ggml.add_eos_token") and eos_id is not None else []
     if edges or tail:
         single = " ".join([*(t for t, _ in edges), "$A", *(t for t, _ in tail)])
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list({*edges, *tail}))
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     templates = {}
     if isinstance(meta.get("tokenizer.chat_template"), str):

@@ -147,8 +147,8 @@ def test_gguf_pre_tokenizer_styles(tmp_path: Path, pre: str, pieces: list[str]) 
 
 
 def test_gguf_unsupported_tokenizers_raise(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'llama' is not supported"):
-        Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "spm.gguf", model="llama"))
+    with pytest.raises(ValueError, match="tokenizer model 'bert' is not supported"):
+        Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "wpm.gguf", model="bert"))
     with pytest.raises(ValueError, match="pre-tokenizer 'mystery' is not supported"):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "pre.gguf", pre="mystery"))
     with pytest.raises(FileNotFoundError):
