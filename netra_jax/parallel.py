@@ -1,13 +1,18 @@
-"""Tensor parallelism over a one-axis `jax.sharding` mesh ("tp"): the mesh, Megatron-style PartitionSpecs of every
-parameter and of the paged KV cache, the head-parallel attention wrapper and the sharded (slice-reading) HF loader.
+"""Tensor parallelism over a one-axis `jax.sharding` mesh ("tp"): the mesh, the PartitionSpecs of the paged KV cache,
+the head-parallel attention wrapper, KV-head expansion and the placement of parameters (whole, or read per device
+slice from a HF checkpoint's memory maps). Each parameter's PartitionSpec lives with its entry in the weight map
+(`models.weight_map`).
 
 Layout (weights are stored [in, out], see `models.transformer`):
     wq/wk/wv [hidden, heads*head_dim] and their biases: column split by heads; wo [q_heads*head_dim, hidden]: row
     split (XLA all-reduces its partial sums); w_gate_up [hidden, 2, intermediate]: split on intermediate; w_down
-    [intermediate, hidden]: row split (all-reduce); embed [vocab, hidden] and lm_head [hidden, vocab]: split on vocab
-    (the lookup is a masked local gather plus an all-reduce, the logits are all-gathered), replicated when the
-    vocabulary does not divide by tp; norms, q/k norms and the wo bias: replicated. KV cache [pages, page_size,
-    kv_heads, head_dim]: split on kv_heads, so attention runs per device on its own heads without moving KV.
+    [intermediate, hidden]: row split (all-reduce); experts split on their intermediate axis the same way
+    (experts_gate_up [E, hidden, 2, I], experts_down [E, I, hidden], experts_gate_up_bias [E, 2, I]), router and the
+    other expert biases replicated; sinks [heads]: split with the query heads; embed [vocab, hidden] and lm_head
+    [hidden, vocab]: split on vocab (the lookup is a masked local gather plus an all-reduce, the logits are
+    all-gathered), replicated when the vocabulary does not divide by tp; norms, q/k norms and the wo bias:
+    replicated. KV cache [pages, page_size, kv_heads, head_dim]: split on kv_heads, so attention runs per device on
+    its own heads without moving KV.
 When num_kv_heads < tp (tp a multiple of it) every KV head is replicated tp / num_kv_heads times, as vLLM does:
 the parameters and cache carry tp "expanded" KV heads (`shard_config`), one per device, each a copy of the head its
 query heads use, so a device stores one KV head instead of all of them.
@@ -16,7 +21,6 @@ query heads use, so a device stores one KV head instead of all of them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -24,23 +28,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.models.weight_map import TP, Leaf, WeightReader, kv_params, param_specs
 
-TP = "tp"
 HEADS = P(None, TP, None)  # [T, heads, head_dim] activations
 KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
-
-# parameter name -> PartitionSpec (vocab-split names are resolved in `param_specs`)
-_LAYER_SPECS = {
-    "wq": P(None, TP),
-    "wk": P(None, TP),
-    "wv": P(None, TP),
-    "bq": P(TP),
-    "bk": P(TP),
-    "bv": P(TP),
-    "wo": P(TP, None),
-    "w_gate_up": P(None, None, TP),
-    "w_down": P(TP, None),
-}
 
 
 # ------------------------------------------------------------------------------------------ mesh and config
@@ -67,8 +58,11 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         problems.append(f"num_heads={cfg.num_heads} is not divisible by it")
     if kh % tp and tp % kh:
         problems.append(f"num_kv_heads={kh} neither divides by it nor divides it")
-    if cfg.intermediate_size % tp:
+    dense_layers = not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if dense_layers and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by it")
+    if cfg.num_experts and cfg.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by it")
     if problems:
         raise ConfigError(f"tensor_parallel_size={tp} does not fit the model: {'; '.join(problems)}")
 
@@ -92,14 +86,6 @@ def kv_bytes_per_page_per_device(cfg: ModelConfig, page_size: int, dtype, tp: in
 
 
 # ------------------------------------------------------------------------------------------ shardings
-def param_specs(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`)."""
-    vocab = TP if cfg.vocab_size % tp == 0 else None
-    specs: dict[str, Any] = {"embed": P(vocab, None), "lm_head": P(None, vocab), "final_norm": P()}
-    specs["layers"] = [{k: _LAYER_SPECS.get(k, P()) for k in lp} for lp in params["layers"]]
-    return specs
-
-
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, KV_PAGES)
 
@@ -125,7 +111,7 @@ def _expand_kv(lp: dict, cfg: ModelConfig, r: int) -> dict:
     """Repeat each KV head r times in wk/wv [hidden, kv*hd] and bk/bv [kv*hd] (host numpy)."""
     out = dict(lp)
     D = cfg.head_dim
-    for k in ("wk", "wv", "bk", "bv"):
+    for k in kv_params(cfg):
         if k in lp and lp[k].shape[-1] == cfg.kv_size:
             a = np.asarray(lp[k])
             a = a.reshape(a.shape[:-1] + (cfg.num_kv_heads, D))
@@ -156,157 +142,27 @@ def _norm_index(idx: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(out)
 
 
-class _Leaf:
-    """One parameter built from HF tensors by `read(index) -> numpy slice`; `shape` is its global shape."""
-
-    def __init__(self, shape: tuple[int, ...], read: Callable[[tuple[slice, ...]], np.ndarray]):
-        self.shape, self.read = shape, read
-
-
-class ShardedHFReader:
-    """Builds the parameter pytree of `models.weights.hf_to_params` directly on the mesh, reading from the
-    memory-mapped safetensors only the bytes of each device's slice (transposes, gate/up stacking, KV-head
-    expansion and Gemma norm folding applied to the slice). `reads` logs (hf_name, shape read, bytes) per read."""
-
-    def __init__(self, get: Callable[[str], np.ndarray], has: Callable[[str], bool], cfg: ModelConfig, dtype):
-        self.get, self.has, self.cfg, self.dtype = get, has, cfg, np.dtype(dtype)
-        self.reads: list[tuple[str, tuple[int, ...], int]] = []
-
-    # -- raw access
-    def _tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        from netra_jax.models.weights import WeightError
-
-        if not self.has(name):
-            raise WeightError(f"checkpoint lacks tensor {name!r}")
-        a = self.get(name)  # a memory-mapped view: slicing it reads only the slice's pages
-        if tuple(a.shape) != shape:
-            raise WeightError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
-        return a
-
-    def _take(self, name: str, a: np.ndarray, idx: tuple) -> np.ndarray:
-        out = np.array(a[idx])
-        self.reads.append((name, out.shape, out.nbytes))
-        return out
-
-    # -- leaf kinds
-    def plain(self, name: str, shape: tuple[int, ...], f32: bool = False) -> _Leaf:
-        a = self._tensor(name, shape)
-
-        def read(idx):
-            x = self._take(name, a, idx).astype(np.float32 if f32 else self.dtype)
-            return 1.0 + x if f32 and self.cfg.norm_weight_offset else x  # Gemma's (1 + w) norms, as hf_to_params
-
-        return _Leaf(shape, read)
-
-    def linear(self, name: str, n_out: int, n_in: int, out_map: np.ndarray | None = None) -> _Leaf:
-        """HF [out, in] stored as [in, out]; out_map[j] = HF row of our column j (KV-head expansion)."""
-        a = self._tensor(name, (n_out, n_in))
-        shape = (n_in, n_out if out_map is None else len(out_map))
-
-        def read(idx):
-            i, o = idx
-            rows = o if out_map is None else _as_index(out_map[o])
-            return np.ascontiguousarray(self._take(name, a, (rows, i)).T).astype(self.dtype)
-
-        return _Leaf(shape, read)
-
-    def bias(self, name: str, n: int, out_map: np.ndarray | None = None) -> _Leaf:
-        a = self._tensor(name, (n,))
-
-        def read(idx):
-            rows = idx[0] if out_map is None else _as_index(out_map[idx[0]])
-            return self._take(name, a, (rows,)).astype(self.dtype)
-
-        return _Leaf((n if out_map is None else len(out_map),), read)
-
-    def gate_up(self, gate: str, up: str, inter: int, hidden: int) -> _Leaf:
-        g, u = self._tensor(gate, (inter, hidden)), self._tensor(up, (inter, hidden))
-
-        def read(idx):
-            h, k, i = idx
-            parts = [(gate, g), (up, u)][k]
-            return np.stack(
-                [np.ascontiguousarray(self._take(n, a, (i, h)).T).astype(self.dtype) for n, a in parts], axis=1
-            )
-
-        return _Leaf((hidden, 2, inter), read)
-
-    # -- the pytree
-    def leaves(self, tp: int) -> dict:
-        """The `_Leaf` pytree for a tp-way split (mirrors `models.weights.hf_to_params`)."""
-        from netra_jax.models.weights import WeightError
-
-        cfg = self.cfg
-        H, V, I, D = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
-        qs, ks = cfg.q_size, cfg.kv_size
-        r = kv_replicas(cfg, tp)
-        kv_map = None
-        if r > 1:  # our column j of expanded head e = j // D reads HF row (e // r) * D + j % D
-            j = np.arange(ks * r)
-            kv_map = (j // D) // r * D + j % D
-        embed = self.plain("model.embed_tokens.weight", (V, H))
-        if self.has("lm_head.weight") and not cfg.tie_word_embeddings:
-            lm_head = self.linear("lm_head.weight", V, H)
-        elif cfg.tie_word_embeddings:
-            lm_head = self.linear("model.embed_tokens.weight", V, H)
-        else:
-            raise WeightError("checkpoint lacks 'lm_head.weight' and does not tie word embeddings")
-        layers = []
-        for li in range(cfg.num_layers):
-            p = f"model.layers.{li}."
-            lp = {
-                "attn_norm": self.plain(p + "input_layernorm.weight", (H,), f32=True),
-                "wq": self.linear(p + "self_attn.q_proj.weight", qs, H),
-                "wk": self.linear(p + "self_attn.k_proj.weight", ks, H, kv_map),
-                "wv": self.linear(p + "self_attn.v_proj.weight", ks, H, kv_map),
-                "wo": self.linear(p + "self_attn.o_proj.weight", H, qs),
-                "w_gate_up": self.gate_up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H),
-                "w_down": self.linear(p + "mlp.down_proj.weight", H, I),
-            }
-            for short, name, dim, m in (
-                ("bq", "q_proj", qs, None),
-                ("bk", "k_proj", ks, kv_map),
-                ("bv", "v_proj", ks, kv_map),
-                ("bo", "o_proj", H, None),
-            ):
-                if self.has(p + f"self_attn.{name}.bias"):
-                    lp[short] = self.bias(p + f"self_attn.{name}.bias", dim, m)
-            if cfg.qk_norm:
-                lp["q_norm"] = self.plain(p + "self_attn.q_norm.weight", (D,), f32=True)
-                lp["k_norm"] = self.plain(p + "self_attn.k_norm.weight", (D,), f32=True)
-            if cfg.sandwich_norms:
-                lp["post_attn_norm"] = self.plain(p + "post_attention_layernorm.weight", (H,), f32=True)
-                lp["mlp_norm"] = self.plain(p + "pre_feedforward_layernorm.weight", (H,), f32=True)
-                lp["post_mlp_norm"] = self.plain(p + "post_feedforward_layernorm.weight", (H,), f32=True)
-            else:
-                lp["mlp_norm"] = self.plain(p + "post_attention_layernorm.weight", (H,), f32=True)
-            layers.append(lp)
-        final = self.plain("model.norm.weight", (H,), f32=True)
-        return {"embed": embed, "lm_head": lm_head, "final_norm": final, "layers": layers}
-
-    def load(self, mesh: Mesh) -> dict:
-        """The parameter pytree as jax arrays placed with their NamedShardings on `mesh`."""
-        tp = tp_size(mesh)
-        check_tp(self.cfg, tp)
-        leaves = self.leaves(tp)
-        specs = param_specs(leaves, self.cfg, tp)
-
-        def build(leaf: _Leaf, spec: P) -> jax.Array:
-            return jax.make_array_from_callback(
-                leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
-            )
-
-        return jax.tree.map(build, leaves, specs, is_leaf=lambda x: isinstance(x, _Leaf))
+def sharded_leaves(get, has, cfg: ModelConfig, dtype, tp: int) -> tuple[WeightReader, dict]:
+    """(reader, `Leaf` pytree) of a HF checkpoint for a tp-way split: KV heads expanded as `shard_params` does."""
+    reader = WeightReader(cfg, get, has, dtype)
+    return reader, reader.leaves(kv_replicas(cfg, tp))
 
 
-def _as_index(rows: np.ndarray) -> slice | np.ndarray:
-    """A contiguous run of row numbers as a slice (a plain strided read), otherwise the array (a gather)."""
-    if rows.size and np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)):
-        return slice(int(rows[0]), int(rows[0]) + rows.size)
-    return rows
+def place_leaves(leaves: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The `Leaf` pytree as jax arrays placed with their NamedShardings on `mesh`: each device's callback reads
+    only its slice from the memory maps."""
+    specs = param_specs(leaves, cfg, tp_size(mesh))
+
+    def build(leaf: Leaf, spec: P) -> jax.Array:
+        return jax.make_array_from_callback(
+            leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
+        )
+
+    return jax.tree.map(build, leaves, specs, is_leaf=lambda x: isinstance(x, Leaf))
 
 
 def load_hf_sharded(get, has, cfg: ModelConfig, dtype, mesh: Mesh) -> dict:
     """Sharded parameters of a HF checkpoint (getter/has as `HFCheckpoint` gives them), each device reading its
     slices only."""
-    return ShardedHFReader(get, has, cfg, dtype).load(mesh)
+    check_tp(cfg, tp_size(mesh))
+    return place_leaves(sharded_leaves(get, has, cfg, dtype, tp_size(mesh))[1], cfg, mesh)

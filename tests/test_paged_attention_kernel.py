@@ -286,7 +286,7 @@ def test_tiny_llama_forward_matches_reference_and_fixture():
     from netra_jax.config import ModelConfig
     from netra_jax.loader.hf import HFCheckpoint
     from netra_jax.models.transformer import forward, init_kv_cache
-    from netra_jax.models.weights import hf_to_params
+    from netra_jax.models.weight_map import hf_to_params
 
     d = FIXTURES / "tiny-llama"
     cfg = ModelConfig.from_hf_dir(d)

@@ -16,7 +16,7 @@ from conftest import FIXTURES, reference  # the worker runs as a script from thi
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader.hf import HFCheckpoint
-from netra_jax.models.weights import hf_to_params
+from netra_jax.models.weight_map import hf_to_params
 
 # model -> tensor-parallel sizes run on the fake devices (tp=4 on tiny-llama and tiny-qwen2 replicates KV heads)
 MATRIX = {"tiny-llama": (1, 2, 4), "tiny-qwen3": (1, 2), "tiny-qwen2": (1, 4), "tiny-gemma3": (1, 2)}
@@ -63,8 +63,7 @@ def test_slice_reader_matches_full_conversion(name, tp):
     r = parallel.kv_replicas(cfg, tp)
     if r > 1:
         full = {**full, "layers": [parallel._expand_kv(lp, cfg, r) for lp in full["layers"]]}
-    reader = parallel.ShardedHFReader(ck.get, ck.has, cfg, np.float32)
-    leaves = reader.leaves(tp)
+    reader, leaves = parallel.sharded_leaves(ck.get, ck.has, cfg, np.float32, tp)
     specs = parallel.param_specs(leaves, cfg, tp)
     flat_l, tree = _flatten(leaves)
     flat_f, flat_s = tree.flatten_up_to(full), tree.flatten_up_to(specs)
@@ -78,17 +77,17 @@ def test_slice_reader_matches_full_conversion(name, tp):
             if axis is not None:
                 n = want.shape[axis] // tp
                 idx[axis] = slice(d * n, (d + 1) * n)
-            reader.reads.clear()
+            reader.reads.log.clear()
             got = leaf.read(parallel._norm_index(tuple(idx), want.shape))
             np.testing.assert_array_equal(got, want[tuple(idx)])
-            assert sum(b for _, _, b in reader.reads) == got.nbytes  # f32 source: bytes read == bytes of the slice
+            assert sum(b for _, _, b in reader.reads.log) == got.nbytes  # f32 source: bytes read == bytes of the slice
     assert n_sharded == 2 + 6 * cfg.num_layers + (3 if name == "tiny-qwen2" else 0) * cfg.num_layers
 
 
 def _flatten(tree):
     import jax
 
-    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, parallel._Leaf))
+    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, parallel.Leaf))
 
 
 # ------------------------------------------------------------------------------------------ 4-device subprocess
@@ -289,26 +288,19 @@ def _gguf_check(tmp: Path) -> dict:
 
 def _read_log(name: str, cfg, mesh) -> dict:
     ck = HFCheckpoint(FIXTURES / name)
-    reader = parallel.ShardedHFReader(ck.get, ck.has, cfg, np.float32)
+    reader, leaves = parallel.sharded_leaves(ck.get, ck.has, cfg, np.float32, parallel.tp_size(mesh))
     indices: dict = {}
-    orig = reader.linear
+    wq = leaves["layers"][0]["wq"]
+    read = wq.read
 
-    def linear(hf_name, *a, **k):  # log the shard index jax asks each wq callback for
-        leaf = orig(hf_name, *a, **k)
-        if hf_name == "model.layers.0.self_attn.q_proj.weight":
-            read = leaf.read
+    def logged(idx):  # log the shard index jax asks each wq callback for
+        indices.setdefault("wq", []).append([[s.start, s.stop] for s in idx])
+        return read(idx)
 
-            def logged(idx):
-                indices.setdefault("wq", []).append([[s.start, s.stop] for s in idx])
-                return read(idx)
-
-            leaf.read = logged
-        return leaf
-
-    reader.linear = linear
-    reader.load(mesh)
+    wq.read = logged
+    parallel.place_leaves(leaves, cfg, mesh)
     per_read: dict = {}
-    for n, _, b in reader.reads:
+    for n, _, b in reader.reads.log:
         per_read.setdefault(n, []).append(b)
     indices["wq"].sort(key=lambda x: x[1][0])
     return {"per_read": per_read, "tensor_bytes": {n: ck.get(n).nbytes for n in ck.keys()}, "callback_indices": indices}

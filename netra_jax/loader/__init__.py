@@ -26,11 +26,11 @@ import numpy as np
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader import cache as param_cache
-from netra_jax.loader import dummy, gguf_loader
+from netra_jax.loader import dummy, gguf_loader, hf
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
 from netra_jax.loader.hf import CheckpointError, HFCheckpoint
-from netra_jax.models import weights as weight_map
+from netra_jax.models import weight_map, weight_reads
 
 __all__ = [
     "CheckpointError",
@@ -118,7 +118,7 @@ def load_model(
             raise CheckpointError(f"load_format='dummy' needs a Hugging Face directory (config.json), not {path}")
         if mesh is not None:
             parallel.check_tp(cfg, parallel.tp_size(mesh))
-        params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, biased=dummy.attention_biases(cfg, source))
+        params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, optional=dummy.attention_biases(cfg, source))
         log.info("random (dummy) %s parameters for %s in %.2fs", dt, path, time.perf_counter() - t0)
         return cfg, params
     if mesh is not None:
@@ -134,7 +134,8 @@ def load_model(
     if cache:
         try:
             root = param_cache.default_root() if cache is True else Path(cache)
-            key = param_cache.cache_key(files, dt, code_files=[weight_map.__file__, gguf_loader.__file__])
+            code = [m.__file__ for m in (weight_map, weight_reads, hf, gguf_loader)]
+            key = param_cache.cache_key(files, dt, code_files=code)
         except OSError as e:  # e.g. an unwritable cache directory: load without the cache
             log.warning("parameter cache unavailable (%s); converting %s", e, path)
             root = None

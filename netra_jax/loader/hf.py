@@ -1,5 +1,7 @@
 """Hugging Face checkpoint directories: one or many `*.safetensors` shards (with an index json), read through
-memory maps so a tensor is only paged in when converted. Pickled checkpoints (`*.bin`, `*.pt`) are refused."""
+memory maps so a tensor is only paged in when converted. Pickled checkpoints (`*.bin`, `*.pt`) are refused.
+gpt-oss's MXFP4 experts (`<name>_blocks` + `<name>_scales`) read as `<name>` in the bf16 checkpoint's layout,
+de-quantizing only the slice asked for."""
 
 from __future__ import annotations
 
@@ -58,6 +60,31 @@ class SafetensorsShard:
         return raw.view(_DTYPES[m["dtype"]]).reshape(m["shape"])
 
 
+class Mxfp4Experts:
+    """gpt-oss expert tensor `<name>` of an MXFP4 pair: blocks [E, rows, G, 16] + scales [E, rows, G] read as the
+    bf16 checkpoint's [E, G * 32, rows] (`mxfp4.dequantize_gpt_oss_experts`), de-quantizing per slice only the
+    experts, rows and 32-value groups the slice covers."""
+
+    def __init__(self, blocks: np.ndarray, scales: np.ndarray):
+        if blocks.ndim != 4 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
+            raise CheckpointError(f"MXFP4 expert blocks {blocks.shape} and scales {scales.shape} do not match")
+        self.blocks, self.scales = blocks, scales
+        e, rows, groups, _ = blocks.shape
+        self.shape = (e, groups * 32, rows)
+        self.dtype = np.dtype(np.float32)
+
+    def __getitem__(self, idx: tuple[slice, slice, slice]) -> np.ndarray:
+        from netra_jax.loader.mxfp4 import dequantize_gpt_oss_experts
+
+        e, cols, rows = (s if isinstance(s, slice) else slice(s, s + 1) for s in idx)
+        c0, c1, step = cols.indices(self.shape[1])
+        if step != 1:
+            raise ValueError("strided MXFP4 read")
+        g0, g1 = c0 // 32, -(-c1 // 32)
+        out = dequantize_gpt_oss_experts(self.blocks[e, rows, g0:g1], self.scales[e, rows, g0:g1])  # [e, in, rows]
+        return out[:, c0 - g0 * 32 : c1 - g0 * 32]
+
+
 class HFCheckpoint:
     """All tensors of a HF model directory, by name."""
 
@@ -85,10 +112,15 @@ class HFCheckpoint:
         self.shards = [SafetensorsShard(f) for f in files]
         self._where = {k: s for s in self.shards for k in s.keys()}
 
-    def has(self, name: str) -> bool:
-        return name in self._where
+    def _mxfp4(self, name: str) -> bool:
+        return name not in self._where and f"{name}_blocks" in self._where and f"{name}_scales" in self._where
 
-    def get(self, name: str) -> np.ndarray:
+    def has(self, name: str) -> bool:
+        return name in self._where or self._mxfp4(name)
+
+    def get(self, name: str) -> np.ndarray | Mxfp4Experts:
+        if self._mxfp4(name):
+            return Mxfp4Experts(self.get(f"{name}_blocks"), self.get(f"{name}_scales"))
         try:
             return self._where[name].get(name)
         except KeyError:

@@ -1,0 +1,318 @@
+"""The one weight map: per model family, a table of parameter <- Hugging Face tensor name(s), transform and
+tensor-parallel partition spec, and the one builder every loader reads it through (dense, sliced per device, GGUF
+via llama.cpp -> HF names, and the dummy loader's shapes).
+
+Adding a family is one table here plus the forward's behaviour flags on `ModelConfig`; the table is picked by
+`cfg.family`, the forward never is. Parameters are laid out as `models.transformer` documents (weights [in, out],
+norms, sinks and the router bias float32, everything else in the model dtype)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from netra_jax.config import ModelConfig
+from netra_jax.models import weight_reads as rd
+from netra_jax.models.weight_reads import Leaf, Reads, Source, WeightError
+
+__all__ = [
+    "TP",
+    "TABLES",
+    "Entry",
+    "Leaf",
+    "WeightError",
+    "WeightReader",
+    "hf_to_params",
+    "hf_shapes",
+    "kv_params",
+    "param_specs",
+]
+
+TP = "tp"  # the mesh axis parameters are split over
+VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, else replicated
+
+# transforms (models.weight_reads)
+COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
+GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
+# which layers an entry belongs to
+ALL, DENSE, MOE = "all", "dense", "moe"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter. `hf`: its HF tensor name pattern(s) ("{L}" = "model.layers.<i>.", "{e}" = expert index);
+    `shape`: symbolic shape of each HF tensor (see `_dims`); `spec`: partition spec of the parameter."""
+
+    param: str
+    hf: tuple[str, ...]
+    shape: tuple[str, ...]
+    transform: str
+    spec: tuple
+    layers: str = ALL
+    kv: bool = False  # its output axis is KV heads (repeated when num_kv_heads < tp)
+    optional: bool = False  # loaded when the checkpoint has it (attention biases)
+    tied: str | None = None  # read this tensor instead when cfg.tie_word_embeddings (lm_head)
+
+
+def _e(param, hf, shape, transform, spec=(), **kw) -> Entry:
+    return Entry(param, (hf,) if isinstance(hf, str) else tuple(hf), tuple(shape), transform, tuple(spec), **kw)
+
+
+GLOBALS = (
+    _e("embed", "model.embed_tokens.weight", ("vocab", "hidden"), COPY, (VOCAB, None)),
+    _e("lm_head", "lm_head.weight", ("vocab", "hidden"), LINEAR, (None, VOCAB), tied="model.embed_tokens.weight"),
+    _e("final_norm", "model.norm.weight", ("hidden",), NORM),
+)
+ATTENTION = (
+    _e("attn_norm", "{L}input_layernorm.weight", ("hidden",), NORM),
+    _e("wq", "{L}self_attn.q_proj.weight", ("q", "hidden"), LINEAR, (None, TP)),
+    _e("wk", "{L}self_attn.k_proj.weight", ("kv", "hidden"), LINEAR, (None, TP), kv=True),
+    _e("wv", "{L}self_attn.v_proj.weight", ("kv", "hidden"), LINEAR, (None, TP), kv=True),
+    _e("wo", "{L}self_attn.o_proj.weight", ("hidden", "q"), LINEAR, (TP, None)),
+    _e("bq", "{L}self_attn.q_proj.bias", ("q",), COPY, (TP,), optional=True),
+    _e("bk", "{L}self_attn.k_proj.bias", ("kv",), COPY, (TP,), kv=True, optional=True),
+    _e("bv", "{L}self_attn.v_proj.bias", ("kv",), COPY, (TP,), kv=True, optional=True),
+    _e("bo", "{L}self_attn.o_proj.bias", ("hidden",), COPY, optional=True),
+)
+QK_NORMS = (
+    _e("q_norm", "{L}self_attn.q_norm.weight", ("head_dim",), NORM),
+    _e("k_norm", "{L}self_attn.k_norm.weight", ("head_dim",), NORM),
+)
+SINKS = (_e("sinks", "{L}self_attn.sinks", ("heads",), F32, (TP,)),)  # split with the query heads
+MLP_NORM = (_e("mlp_norm", "{L}post_attention_layernorm.weight", ("hidden",), NORM),)
+SANDWICH_NORMS = (
+    _e("post_attn_norm", "{L}post_attention_layernorm.weight", ("hidden",), NORM),
+    _e("mlp_norm", "{L}pre_feedforward_layernorm.weight", ("hidden",), NORM),
+    _e("post_mlp_norm", "{L}post_feedforward_layernorm.weight", ("hidden",), NORM),
+)
+DENSE_MLP = (
+    _e(
+        "w_gate_up",
+        ("{L}mlp.gate_proj.weight", "{L}mlp.up_proj.weight"),
+        ("inter", "hidden"),
+        GATE_UP,
+        (None, None, TP),
+        layers=DENSE,
+    ),
+    _e("w_down", "{L}mlp.down_proj.weight", ("hidden", "inter"), LINEAR, (TP, None), layers=DENSE),
+)
+
+
+def linear_experts(block: str, router: str, gate: str, up: str, down: str) -> tuple[Entry, ...]:
+    """Experts stored as one torch Linear per expert and projection, under `{L}<block>.experts.<e>.`."""
+    x = "{L}" + block + ".experts.{e}."
+    return (
+        _e("router", "{L}" + f"{block}.{router}.weight", ("experts", "hidden"), LINEAR, layers=MOE),
+        _e(
+            "experts_gate_up",
+            (x + gate + ".weight", x + up + ".weight"),
+            ("moe_inter", "hidden"),
+            EXPERTS_GATE_UP,
+            (None, None, None, TP),
+            layers=MOE,
+        ),
+        _e("experts_down", x + down + ".weight", ("hidden", "moe_inter"), EXPERTS_DOWN, (None, TP, None), layers=MOE),
+    )
+
+
+GPT_OSS_EXPERTS = (  # fused expert tensors, already [in, out]; gate_up interleaves gate and up columns
+    _e("router", "{L}mlp.router.weight", ("experts", "hidden"), LINEAR, layers=MOE),
+    _e("router_bias", "{L}mlp.router.bias", ("experts",), F32, layers=MOE),
+    _e(
+        "experts_gate_up",
+        "{L}mlp.experts.gate_up_proj",
+        ("experts", "hidden", "2moe_inter"),
+        DEINTERLEAVE,
+        (None, None, None, TP),
+        layers=MOE,
+    ),
+    _e(
+        "experts_gate_up_bias",
+        "{L}mlp.experts.gate_up_proj_bias",
+        ("experts", "2moe_inter"),
+        DEINTERLEAVE,
+        (None, None, TP),
+        layers=MOE,
+    ),
+    _e(
+        "experts_down",
+        "{L}mlp.experts.down_proj",
+        ("experts", "moe_inter", "hidden"),
+        COPY,
+        (None, TP, None),
+        layers=MOE,
+    ),
+    _e("experts_down_bias", "{L}mlp.experts.down_proj_bias", ("experts", "hidden"), COPY, layers=MOE),
+)
+
+LLAMA = GLOBALS + ATTENTION + MLP_NORM + DENSE_MLP
+TABLES: dict[str, tuple[Entry, ...]] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA + QK_NORMS,
+    "gemma3": GLOBALS + ATTENTION + QK_NORMS + SANDWICH_NORMS + DENSE_MLP,
+    "qwen3_moe": LLAMA + QK_NORMS + linear_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": GLOBALS + ATTENTION + MLP_NORM + linear_experts("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "gpt_oss": GLOBALS + ATTENTION + SINKS + MLP_NORM + GPT_OSS_EXPERTS,
+}
+
+
+def table(cfg: ModelConfig) -> tuple[Entry, ...]:
+    if cfg.family not in TABLES:
+        raise WeightError(f"no weight map for model family {cfg.family!r}; known: {', '.join(TABLES)}")
+    return TABLES[cfg.family]
+
+
+def _dims(cfg: ModelConfig) -> dict[str, int]:
+    return {
+        "hidden": cfg.hidden_size,
+        "vocab": cfg.vocab_size,
+        "inter": cfg.intermediate_size,
+        "q": cfg.q_size,
+        "kv": cfg.kv_size,
+        "head_dim": cfg.head_dim,
+        "heads": cfg.num_heads,
+        "experts": cfg.num_experts,
+        "moe_inter": cfg.moe_intermediate_size,
+        "2moe_inter": 2 * cfg.moe_intermediate_size,
+    }
+
+
+def _in_layer(entry: Entry, cfg: ModelConfig, i: int) -> bool:
+    return entry.layers == ALL or (entry.layers == MOE) == cfg.is_moe_layer(i)
+
+
+def _names(entry: Entry, cfg: ModelConfig, layer: int | None) -> list[list[str]]:
+    """HF names of each pattern of the entry: one per expert for "{e}" patterns, else one."""
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    experts = range(cfg.num_experts)
+    return [[p.format(L=prefix, e=e) for e in experts] if "{e}" in p else [p.format(L=prefix)] for p in entry.hf]
+
+
+def _entries(cfg: ModelConfig):
+    """(entry, layer or None) for every parameter of the model: the globals, then each layer's."""
+    tab = table(cfg)
+    for entry in tab:
+        if "{L}" not in entry.hf[0]:
+            yield entry, None
+    for i in range(cfg.num_layers):
+        for entry in tab:
+            if "{L}" in entry.hf[0] and _in_layer(entry, cfg, i):
+                yield entry, i
+
+
+def hf_shapes(cfg: ModelConfig, optional: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of a checkpoint of this config (the dummy loader's stand-in checkpoint); `optional`
+    names the optional parameters it carries (e.g. ("bq", "bk", "bv"))."""
+    dims = _dims(cfg)
+    out = {}
+    for entry, layer in _entries(cfg):
+        if entry.optional and entry.param not in optional:
+            continue
+        if entry.tied and cfg.tie_word_embeddings:
+            continue
+        for names in _names(entry, cfg, layer):
+            out |= {n: tuple(dims[d] for d in entry.shape) for n in names}
+    return out
+
+
+def kv_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """Parameters whose output axis is KV heads (repeated when tensor parallelism has more devices than heads)."""
+    return tuple(dict.fromkeys(e.param for e in table(cfg) if e.kv))
+
+
+def param_specs(params: dict, cfg: ModelConfig, tp: int) -> dict:
+    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`), from the table."""
+    vocab = TP if cfg.vocab_size % tp == 0 else None
+    specs = {e.param: P(*(vocab if s == VOCAB else s for s in e.spec)) for e in table(cfg)}
+
+    def spec(name: str) -> P:
+        if name not in specs:
+            raise WeightError(f"parameter {name!r} is not in the {cfg.family} weight map")
+        return specs[name]
+
+    out: dict[str, Any] = {k: spec(k) for k in params if k != "layers"}
+    out["layers"] = [{k: spec(k) for k in lp} for lp in params["layers"]]
+    return out
+
+
+Getter = Callable[[str], Any]
+
+
+class WeightReader:
+    """Builds the parameter pytree of a checkpoint as `Leaf`s from the family's table: `get(name)` gives a tensor
+    (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
+    slice read (see `weight_reads.Reads`)."""
+
+    def __init__(self, cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype):
+        self.cfg, self.get, self.has, self.dtype = cfg, get, has, np.dtype(dtype)
+        self.reads = Reads()
+        self._dims = _dims(cfg)
+
+    def _source(self, name: str, shape: tuple[str, ...]) -> Source:
+        if not self.has(name):
+            raise WeightError(f"checkpoint lacks tensor {name!r}")
+        a = self.get(name)
+        want = tuple(self._dims[d] for d in shape)
+        if tuple(a.shape) != want:
+            raise WeightError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {want}")
+        return Source(name, a)
+
+    def leaf(self, entry: Entry, layer: int | None, kv_map: np.ndarray | None = None) -> Leaf | None:
+        """The entry's parameter at `layer` (None for a global), or None for an optional tensor the checkpoint
+        lacks. `kv_map`: source row of each output row of KV-head parameters."""
+        cfg, dt, f32 = self.cfg, self.dtype, np.dtype(np.float32)
+        names = _names(entry, cfg, layer)
+        if entry.tied and cfg.tie_word_embeddings:
+            names = [[entry.tied]]
+        elif entry.optional and not self.has(names[0][0]):
+            return None
+        elif entry.tied and not self.has(names[0][0]):
+            raise WeightError(f"checkpoint lacks {names[0][0]!r} and does not tie word embeddings")
+        src = [[self._source(n, entry.shape) for n in group] for group in names]
+        out_map = kv_map if entry.kv else None
+        one = src[0][0]
+        t = entry.transform
+        if t == COPY:
+            return rd.copy(one, self.reads, dt, out_map)
+        if t == NORM:
+            return rd.copy(one, self.reads, f32, offset=1.0 if cfg.norm_weight_offset else 0.0)
+        if t == F32:
+            return rd.copy(one, self.reads, f32)
+        if t == LINEAR:
+            return rd.linear(one, self.reads, dt, out_map)
+        if t == GATE_UP:
+            return rd.gate_up(one, src[1][0], self.reads, dt)
+        if t == EXPERTS_GATE_UP:
+            return rd.experts_gate_up(src[0], src[1], self.reads, dt)
+        if t == EXPERTS_DOWN:
+            return rd.experts_down(src[0], self.reads, dt)
+        if t == DEINTERLEAVE:
+            return rd.deinterleave(one, self.reads, dt)
+        raise ValueError(f"unknown transform {t!r}")
+
+    def leaves(self, kv_replicas: int = 1) -> dict:
+        """The `Leaf` pytree {embed, lm_head, final_norm, layers: [dict, ...]}; KV heads repeated `kv_replicas`
+        times (tensor parallelism over more devices than KV heads)."""
+        cfg = self.cfg
+        kv_map = rd.kv_row_map(cfg.num_kv_heads, cfg.head_dim, kv_replicas)
+        out: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
+        for entry, layer in _entries(cfg):
+            leaf = self.leaf(entry, layer, kv_map)
+            if leaf is not None:
+                (out if layer is None else out["layers"][layer])[entry.param] = leaf
+        return out
+
+
+def hf_to_params(cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype) -> dict:
+    """The whole parameter pytree as numpy arrays, from HF-named tensors."""
+    leaves = WeightReader(cfg, get, has, dtype).leaves()
+    return {
+        **{k: v.read_all() for k, v in leaves.items() if k != "layers"},
+        "layers": [{k: v.read_all() for k, v in lp.items()} for lp in leaves["layers"]],
+    }

@@ -1,0 +1,156 @@
+"""How Hugging Face tensors become parameters: one reader per transform of the weight map, each building a `Leaf`
+that reads any slice of its parameter from the source tensors, touching only the bytes of that slice.
+
+Sources are numpy arrays or array-like views (`shape` and `__getitem__` over slices: memory maps, de-quantizing
+views); `Leaf.read(index)` takes one slice per parameter axis (step 1), as `jax.make_array_from_callback` asks for a
+device's shard, and the whole index reads the whole parameter. `Reads` logs (tensor name, shape read, bytes) per
+read, so tests can check that a device reads its slice and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Index = tuple[slice, ...]
+
+
+class WeightError(ValueError):
+    """A checkpoint lacks a tensor the model needs, or a tensor has the wrong shape."""
+
+
+@dataclass
+class Leaf:
+    """One parameter: its global shape and dtype, and `read(index) -> numpy slice` of it."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[Index], np.ndarray]
+
+    def read_all(self) -> np.ndarray:
+        return self.read(tuple(slice(0, n) for n in self.shape))
+
+
+@dataclass
+class Reads:
+    """Log of the slices read from source tensors: (name, shape, bytes) per read."""
+
+    log: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+
+    def take(self, name: str, a: Any, idx: tuple) -> np.ndarray:
+        out = np.array(a[idx])  # a memory-mapped view: slicing it reads only the slice's pages
+        self.log.append((name, out.shape, out.nbytes))
+        return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source tensor by name (`a` is its array or view)."""
+
+    name: str
+    a: Any
+
+
+def _rows(rows: slice, out_map: np.ndarray | None) -> slice | np.ndarray:
+    """Source rows of our output slice: the slice itself, or through `out_map` (KV heads repeated for tensor
+    parallelism), as a slice when the run is contiguous (a plain strided read), otherwise an index array."""
+    if out_map is None:
+        return rows
+    r = out_map[rows]
+    if r.size and np.array_equal(r, np.arange(r[0], r[0] + r.size)):
+        return slice(int(r[0]), int(r[0]) + r.size)
+    return r
+
+
+def _span(s: slice) -> range:
+    return range(s.start, s.stop)
+
+
+def copy(src: Source, reads: Reads, dtype, out_map=None, offset: float = 0.0) -> Leaf:
+    """The tensor as it is (cast to dtype); `offset` is added (Gemma's norms stored as w - 1); `out_map` repeats rows
+    of a 1-D tensor (KV-head biases)."""
+    shape = tuple(src.a.shape) if out_map is None else (len(out_map),)
+
+    def read(idx: Index) -> np.ndarray:
+        if out_map is not None:
+            idx = (_rows(idx[0], out_map),)
+        x = reads.take(src.name, src.a, idx).astype(dtype)
+        return x + dtype.type(offset) if offset else x
+
+    return Leaf(shape, np.dtype(dtype), read)
+
+
+def linear(src: Source, reads: Reads, dtype, out_map=None) -> Leaf:
+    """A torch Linear weight [out, in] stored [in, out]; `out_map[j]` = source row of our column j."""
+    n_out, n_in = src.a.shape
+    shape = (n_in, n_out if out_map is None else len(out_map))
+
+    def read(idx: Index) -> np.ndarray:
+        i, o = idx
+        return np.ascontiguousarray(reads.take(src.name, src.a, (_rows(o, out_map), i)).T).astype(dtype)
+
+    return Leaf(shape, np.dtype(dtype), read)
+
+
+def gate_up(gate: Source, up: Source, reads: Reads, dtype) -> Leaf:
+    """Two Linear weights [I, hidden] -> [hidden, 2, I] (gate first)."""
+    inter, hidden = gate.a.shape
+    parts = (gate, up)
+
+    def read(idx: Index) -> np.ndarray:
+        h, k, i = idx
+        cols = [np.ascontiguousarray(reads.take(p.name, p.a, (i, h)).T) for p in parts[k]]  # [h, i] each
+        return np.stack(cols, axis=1).astype(dtype)
+
+    return Leaf((hidden, 2, inter), np.dtype(dtype), read)
+
+
+def experts_gate_up(gates: Sequence[Source], ups: Sequence[Source], reads: Reads, dtype) -> Leaf:
+    """Per-expert Linear weights [I, hidden] (one gate and one up per expert) -> [E, hidden, 2, I]."""
+    inter, hidden = gates[0].a.shape
+    parts = (gates, ups)
+
+    def read(idx: Index) -> np.ndarray:
+        e, h, k, i = idx
+        out = np.empty((e.stop - e.start, h.stop - h.start, k.stop - k.start, i.stop - i.start), dtype)
+        for kk, which in enumerate(parts[k]):  # one source tensor at a time
+            for ee, p in enumerate(which[e]):
+                out[ee, :, kk] = reads.take(p.name, p.a, (i, h)).T
+        return out
+
+    return Leaf((len(gates), hidden, 2, inter), np.dtype(dtype), read)
+
+
+def experts_down(downs: Sequence[Source], reads: Reads, dtype) -> Leaf:
+    """Per-expert Linear weights [hidden, I] -> [E, I, hidden]."""
+    hidden, inter = downs[0].a.shape
+
+    def read(idx: Index) -> np.ndarray:
+        e, i, h = idx
+        return np.stack([reads.take(p.name, p.a, (h, i)).T for p in downs[e]]).astype(dtype)
+
+    return Leaf((len(downs), inter, hidden), np.dtype(dtype), read)
+
+
+def deinterleave(src: Source, reads: Reads, dtype) -> Leaf:
+    """[..., 2I] with gate and up interleaved (gate = [..., ::2], up = [..., 1::2], gpt-oss) -> [..., 2, I]."""
+    *lead, two_i = src.a.shape
+
+    def read(idx: Index) -> np.ndarray:
+        *lead_idx, k, i = idx
+        x = reads.take(src.name, src.a, (*lead_idx, slice(2 * i.start, 2 * i.stop)))  # [..., 2n], pairs (gate, up)
+        x = x.reshape(*x.shape[:-1], -1, 2)  # [..., n, 2]
+        return np.ascontiguousarray(np.moveaxis(x, -1, -2)[..., k, :]).astype(dtype)  # [..., k, n]
+
+    return Leaf((*lead, 2, two_i // 2), np.dtype(dtype), read)
+
+
+def kv_row_map(num_kv_heads: int, head_dim: int, replicas: int) -> np.ndarray | None:
+    """Source row of each row of KV heads repeated `replicas` times (column j of expanded head j // head_dim reads
+    row (j // head_dim // replicas) * head_dim + j % head_dim); None when nothing is repeated."""
+    if replicas == 1:
+        return None
+    j = np.arange(num_kv_heads * replicas * head_dim)
+    return (j // head_dim) // replicas * head_dim + j % head_dim
