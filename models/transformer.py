@@ -53,10 +53,6 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.kv_size * np.dtype(dtype).itemsize
-
-
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, result in x's dtype. x: [..., dim]; w: [dim]."""
     xf = x.astype(jnp.float32)

@@ -163,8 +163,6 @@ class BlockPool:
                 del self._cached[b]
             self._refs[b] += 1
 
-    touch = take
-
     def cache_full_blocks(
         self,
         request_tokens: Sequence[int],
@@ -217,9 +215,6 @@ class BlockPool:
         return dropped
 
     # ------------------------------------------------------------------ allocation
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free_blocks
-
     def allocate(self, n: int) -> list[int]:
         """`n` blocks with one reference each: plain free ones first, then cached free ones evicted oldest first.
         Raises OutOfBlocksError (allocating nothing) when fewer than `n` are free."""

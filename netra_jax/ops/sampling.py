@@ -189,7 +189,6 @@ def _sample(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> Sample
     return SamplerOutput(tokens, lp, top_ids.astype(jnp.int32), top_vals - lse)
 
 
-sample_fn = _sample  # un-jitted, for callers that fuse sampling into a larger jitted step
 sample = jax.jit(_sample, static_argnames=("key",))
 
 
