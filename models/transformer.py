@@ -18,10 +18,10 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from netra_jax.config import ModelConfig, RopeConfig
+from netra_jax.config import ModelConfig
 from netra_jax.models.quant import matmul
+from netra_jax.models.rope import rope
 from netra_jax.ops.attention import AttentionMetadata, attention, with_token_layout, write_kv
 from netra_jax.parallel import head_parallel
 
@@ -60,16 +60,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, rc: RopeConfig, head_dim: int) -> jax.Array:
-    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: [T]."""
-    inv_freq = jnp.asarray(np.asarray(rc.inv_freq(head_dim), np.float32))  # [head_dim // 2]
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : head_dim // 2], xf[..., head_dim // 2 :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 def _linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
     y = matmul(x, w)  # float or int8-quantized weight
     return y if b is None else y + b.astype(y.dtype)
@@ -106,7 +96,7 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     rc = cfg.layer_rope(i)
-    q, k = rope(q, positions, rc, cfg.head_dim), rope(k, positions, rc, cfg.head_dim)
+    q, k = rope(q, positions, rc, cfg.rotary_dim), rope(k, positions, rc, cfg.rotary_dim)
     fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
     if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
         fn = head_parallel(fn, mesh)

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
 }
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(ValueError):
@@ -31,36 +31,81 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """One RoPE setting as transformers computes it (`modeling_rope_utils`): the inverse frequencies of the rotated
+    dims and the factor that scales cos and sin (YaRN's attention factor, 1 for the other types)."""
+
     theta: float = 10000.0
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the pre-training context
+    beta_fast: float = 32.0  # yarn: rotations per original context above which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by `factor`
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims
+    attention_factor: float | None = None  # yarn: explicit cos/sin scale; None = derived from factor and mscale
+    mscale: float | None = None  # yarn (DeepSeek style): with mscale_all_dim, the scale's numerator weight
+    mscale_all_dim: float | None = None  # yarn: the scale's denominator weight
 
     @staticmethod
-    def from_dict(d: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
+    def from_dict(
+        d: dict[str, Any] | None,
+        theta: float | None = None,
+        *,
+        max_position_embeddings: int | None = None,
+        original_max_position_embeddings: int | None = None,
+    ) -> RopeConfig:
+        """A `rope_parameters` (or legacy `rope_scaling`) dict. theta: the config's top-level `rope_theta` when the
+        dict has none; max_position_embeddings: the config's, the original context when the dict has none (and,
+        for yarn without a factor, the factor's numerator); original_max_position_embeddings: a top-level field of
+        that name, which takes precedence over the dict's (Phi-3 layout), as in transformers."""
         d = dict(d or {})
         rope_type = d.get("rope_type", d.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         th = d.get("rope_theta", theta if theta is not None else 10000.0)
+        orig = original_max_position_embeddings or d.get("original_max_position_embeddings") or max_position_embeddings
+        orig = int(orig or RopeConfig.original_max_position_embeddings)
+        factor = d.get("factor")
+        if factor is None and rope_type == "yarn":  # transformers: the context extension ratio
+            if not max_position_embeddings:
+                raise ConfigError("yarn rope scaling without a factor needs max_position_embeddings")
+            factor = max_position_embeddings / orig
         return RopeConfig(
             theta=float(th),
             rope_type=rope_type,
-            factor=float(d.get("factor", 1.0)),
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(d.get("low_freq_factor", 1.0)),
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=orig,
+            beta_fast=float(d.get("beta_fast") or 32.0),  # 0 / null mean the default, as in transformers
+            beta_slow=float(d.get("beta_slow") or 1.0),
+            truncate=bool(d.get("truncate", True)),
+            attention_factor=_optional_float(d.get("attention_factor")),
+            mscale=_optional_float(d.get("mscale")),
+            mscale_all_dim=_optional_float(d.get("mscale_all_dim")),
         )
 
-    def inv_freq(self, head_dim: int) -> list[float]:
-        """Inverse frequencies (length head_dim // 2) following the rope type's scaling rule."""
-        base = [1.0 / (self.theta ** (i / head_dim)) for i in range(0, head_dim, 2)]
+    @property
+    def attention_scaling(self) -> float:
+        """Scale of cos and sin (so of q.k by its square): YaRN's attention factor, 1 for the other types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
+    def inv_freq(self, rotary_dim: int) -> list[float]:
+        """Inverse frequencies (length rotary_dim // 2) of the rotated dims, following the rope type's scaling."""
+        base = [1.0 / (self.theta ** (i / rotary_dim)) for i in range(0, rotary_dim, 2)]
         if self.rope_type == "default":
             return base
         if self.rope_type == "linear":
             return [f / self.factor for f in base]
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(base, rotary_dim)
         # llama3: scale low frequencies, keep high ones, interpolate between
         old = self.original_max_position_embeddings
         low_wl, high_wl = old / self.low_freq_factor, old / self.high_freq_factor
@@ -75,6 +120,35 @@ class RopeConfig:
                 s = (old / wl - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
                 out.append((1 - s) * f / self.factor + s * f)
         return out
+
+    def _yarn_inv_freq(self, base: list[float], rotary_dim: int) -> list[float]:
+        """YaRN (NTK-by-parts): dims turning more than beta_fast times over the original context keep their
+        frequency, those turning fewer than beta_slow times are divided by `factor`, a linear ramp between."""
+
+        def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+            wavelength = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return rotary_dim * math.log(wavelength) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: avoid a zero-width ramp
+        out = []
+        for i, f in enumerate(base):
+            interpolate = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep f, 1: f / factor
+            out.append(f / self.factor * interpolate + f * (1 - interpolate))
+        return out
+
+
+def _optional_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -181,7 +255,10 @@ class ModelConfig:
         head_dim = int(d.get("head_dim") or hidden // n_heads)
         n_kv = int(d.get("num_key_value_heads") or n_heads)
         gemma = family == "gemma3"
-        rotary_dim = int(head_dim * float(d.get("partial_rotary_factor") or 1.0))
+        rope_dict = d.get("rope_parameters") or {}
+        rope_dict = rope_dict.get("full_attention") or rope_dict  # per layer type: the full-attention layers'
+        partial = rope_dict.get("partial_rotary_factor", d.get("partial_rotary_factor"))  # as transformers: dict wins
+        rotary_dim = int(head_dim * float(partial or 1.0))
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ConfigError(f"partial_rotary_factor gives {rotary_dim} rotary dims of {head_dim}; need an even count")
 
@@ -213,16 +290,21 @@ class ModelConfig:
             raise ConfigError("sliding_attention layers need a sliding_window")
 
         # rope: legacy top-level rope_theta/rope_scaling, or rope_parameters (flat or per layer type)
+        # (transformers: a top-level original_max_position_embeddings overrides a flat dict's, not a nested one's)
         rp = d.get("rope_parameters")
+        lengths = {"max_position_embeddings": d.get("max_position_embeddings")}
         if rp and ("full_attention" in rp or "sliding_attention" in rp):
-            rope_full = RopeConfig.from_dict(rp.get("full_attention"))
-            rope_sliding = RopeConfig.from_dict(rp.get("sliding_attention", rp.get("full_attention")))
-        elif rp:
-            rope_full = rope_sliding = RopeConfig.from_dict(rp)
+            rope_full = RopeConfig.from_dict(rp.get("full_attention"), d.get("rope_theta"), **lengths)
+            rope_sliding = RopeConfig.from_dict(
+                rp.get("sliding_attention", rp.get("full_attention")), d.get("rope_theta"), **lengths
+            )
         else:
-            rope_full = RopeConfig.from_dict(d.get("rope_scaling"), theta=d.get("rope_theta", 10000.0))
+            orig = d.get("original_max_position_embeddings")
+            rope_full = RopeConfig.from_dict(
+                rp or d.get("rope_scaling"), d.get("rope_theta"), original_max_position_embeddings=orig, **lengths
+            )
             rope_sliding = rope_full
-            if gemma:
+            if gemma and not rp:
                 rope_sliding = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
 
         if gemma:

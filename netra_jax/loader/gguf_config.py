@@ -3,6 +3,8 @@ and built by `ModelConfig.from_hf_dict`, so one code path validates both formats
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,18 +30,18 @@ _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_SWA_THETA = 10000.0
 
 
-def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, meta_orig: int | None) -> dict:
+def _llama3_rope_from_factors(factors: np.ndarray, theta: float, rotary_dim: int, meta_orig: int | None) -> dict:
     """Recover llama3 rope-scaling parameters from llama.cpp's `rope_freqs` tensor (per-frequency divisors)."""
     factors = np.asarray(factors, np.float64).reshape(-1)
-    if factors.shape[0] != head_dim // 2:
-        raise ConfigError(f"rope_freqs has {factors.shape[0]} entries, expected head_dim / 2 = {head_dim // 2}")
+    if factors.shape[0] != rotary_dim // 2:
+        raise ConfigError(f"rope_freqs has {factors.shape[0]} entries, expected rotary dims / 2 = {rotary_dim // 2}")
     if np.allclose(factors, 1.0):
         return {}
     factor = float(factors.max())
     for orig in dict.fromkeys([meta_orig or 8192, 8192]):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
             rc = RopeConfig(theta, "llama3", factor, low, high, orig)
-            base, scaled = np.array(RopeConfig(theta).inv_freq(head_dim)), np.array(rc.inv_freq(head_dim))
+            base, scaled = np.array(RopeConfig(theta).inv_freq(rotary_dim)), np.array(rc.inv_freq(rotary_dim))
             if np.allclose(base / scaled, factors, rtol=1e-3):
                 return {
                     "rope_type": "llama3",
@@ -49,6 +51,43 @@ def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, 
                     "original_max_position_embeddings": orig,
                 }
     raise ConfigError("the file's rope_freqs tensor does not match any llama3 rope scaling this runtime supports")
+
+
+def _yarn_rope(key: Callable[..., Any], arch: str) -> dict:
+    """HF yarn rope parameters from llama.cpp's keys: convert_hf_to_gguf.py writes the factor and the original context
+    always, the betas and `attention_factor` (as yarn_attn_factor) when the HF config has them."""
+    rope: dict[str, Any] = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor"))}
+    orig = key("rope.scaling.original_context_length", None)
+    if orig is not None:  # else both transformers and llama.cpp take the context length
+        rope["original_max_position_embeddings"] = int(orig)
+    for gguf_key, hf_key in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if (v := key(f"rope.scaling.{gguf_key}", None)) is not None:
+            rope[hf_key] = float(v)
+    if log_mul := key("rope.scaling.yarn_log_multiplier", None):  # llama.cpp: mscale_all_dim, with mscale 1
+        rope.update(mscale=1.0, mscale_all_dim=float(log_mul))
+    ext = key("rope.scaling.yarn_ext_factor", None)
+    if ext is not None and float(ext) != 1.0:
+        raise ConfigError(f"YaRN extrapolation factor {ext} is not supported (transformers' YaRN uses 1)")
+    attn = key("rope.scaling.attn_factor", None)  # llama.cpp multiplies the YaRN attention scale by it
+    if attn is not None and float(attn) != 1.0:
+        rope["attention_factor"] = RopeConfig.from_dict(rope).attention_scaling * float(attn)
+    if arch == "gpt-oss":
+        # the file has no key for it: gpt-oss's HF config (and OpenAI's reference code) ramp over unrounded dims,
+        # where llama.cpp rounds them; follow the HF checkpoint
+        rope["truncate"] = False
+    return rope
+
+
+def _partial_rotary_factor(rotary_dim: int, head_dim: int) -> float:
+    """The smallest factor f with int(head_dim * f) == rotary_dim, the rounding transformers (and ModelConfig) use."""
+    f = rotary_dim / head_dim
+    while int(head_dim * f) < rotary_dim:
+        f = math.nextafter(f, 1.0)
+    return f
 
 
 def gguf_to_hf_config(
@@ -82,8 +121,9 @@ def gguf_to_hf_config(
     head_dim = int(key("attention.key_length", hidden // n_heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ConfigError("attention.value_length differs from attention.key_length, which is not supported")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise ConfigError(f"partial rotary embedding (rope.dimension_count != head dim {head_dim}) is not supported")
+    rotary_dim = int(key("rope.dimension_count", head_dim))  # < head_dim: partial rotary embedding
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ConfigError(f"rope.dimension_count {rotary_dim} must be even and at most the head dim {head_dim}")
     if "token_embd.weight" in tensor_shapes:
         vocab = int(tensor_shapes["token_embd.weight"][0])
     elif "tokenizer.ggml.tokens" in meta:
@@ -95,11 +135,13 @@ def gguf_to_hf_config(
     rope: dict[str, Any] = {}
     if scaling == "linear":
         rope = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling == "yarn":
+        rope = _yarn_rope(key, arch)
     elif scaling not in ("none", ""):
         rope = {"rope_type": scaling}  # from_hf_dict rejects it with the list of supported types
     elif rope_freqs is not None:
         orig = key("rope.scaling.original_context_length", None)
-        rope = _llama3_rope_from_factors(rope_freqs, theta, head_dim, orig)
+        rope = _llama3_rope_from_factors(rope_freqs, theta, rotary_dim, orig)
 
     eos_ids = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -122,6 +164,8 @@ def gguf_to_hf_config(
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids,
     }
+    if rotary_dim != head_dim:
+        d["partial_rotary_factor"] = _partial_rotary_factor(rotary_dim, head_dim)
     if arch != "gemma3":
         d["rope_theta"] = theta
         d["rope_scaling"] = rope or None
