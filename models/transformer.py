@@ -1,13 +1,19 @@
-"""Pure forward of the decoder-only families we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over a flat ragged
-token batch and the paged KV cache; no state outside the arguments. Variant behaviour comes from `ModelConfig`.
+"""Pure forward of the decoder-only families we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral,
+gpt-oss) over a flat ragged token batch and the paged KV cache; no state outside the arguments. Variant behaviour
+comes from `ModelConfig`'s flags, never from the family name.
 
 Parameter pytree (weights stored [in, out] so activations multiply on the left; norms in float32):
     embed [vocab, hidden], lm_head [hidden, vocab], final_norm [hidden],
     layers: list of dicts with
         attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,
         hidden], optional bq/bk/bv/bo biases, optional q_norm/k_norm [head_dim], mlp_norm [hidden],
-        w_gate_up [hidden, 2, intermediate], w_down [intermediate, hidden],
-        Gemma 3 only: post_attn_norm, post_mlp_norm [hidden].
+        with attention_sinks: sinks [q_heads] float32 (a sink logit per head joins its softmax),
+        with sandwich_norms: post_attn_norm, post_mlp_norm [hidden],
+        dense MLP layers: w_gate_up [hidden, 2, intermediate], w_down [intermediate, hidden],
+        mixture-of-experts layers (cfg.is_moe_layer(i); computed by `models.moe.moe_mlp`) instead:
+            router [hidden, experts], optional router_bias [experts] float32,
+            experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
+            optional experts_gate_up_bias [experts, 2, moe_intermediate], experts_down_bias [experts, hidden].
 Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
 """
 
@@ -20,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from netra_jax.config import ModelConfig
+from netra_jax.models.moe import moe_mlp
 from netra_jax.models.quant import matmul
 from netra_jax.models.rope import rope
 from netra_jax.ops.attention import AttentionMetadata, attention, with_token_layout, write_kv
@@ -72,7 +79,7 @@ def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     return _linear(act * up, lp["w_down"])
 
 
-def _write_and_attend(q, k, v, kp, vp, md, *, cfg: ModelConfig, i: int, backend: str):
+def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, backend: str):
     kp, vp = write_kv(kp, vp, k, v, md.slot_mapping)
     o = attention(
         q,
@@ -82,6 +89,7 @@ def _write_and_attend(q, k, v, kp, vp, md, *, cfg: ModelConfig, i: int, backend:
         scale=cfg.attn_scale,
         sliding_window=cfg.layer_window(i),
         soft_cap=cfg.attn_logit_softcap,
+        sinks=sinks,
         backend=backend,
     )  # [T, q_heads, head_dim]
     return o, kp, vp
@@ -100,7 +108,7 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
     fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
     if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
         fn = head_parallel(fn, mesh)
-    o, kp, vp = fn(q, k, v, kv.k[i], kv.v[i], md)
+    o, kp, vp = fn(q, k, v, kv.k[i], kv.v[i], md, lp.get("sinks"))
     return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
 
 
@@ -136,7 +144,8 @@ def forward(
         if cfg.sandwich_norms:
             h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
         x = x + h
-        h = _mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg)
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg)
         if cfg.sandwich_norms:
             h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
         x = x + h

@@ -95,13 +95,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def head_parallel(fn: Callable, mesh: Mesh) -> Callable:
-    """Run fn(q, k, v, k_pages, v_pages, md) -> (o, k_pages, v_pages) on each device's own heads: q/k/v/o
-    [T, heads, head_dim] and the pages are split on their heads axis, the metadata is replicated. Heads are
-    independent, so no KV crosses devices, and a Pallas kernel (which XLA cannot partition) sees plain local arrays."""
+    """Run fn(q, k, v, k_pages, v_pages, md, sinks) -> (o, k_pages, v_pages) on each device's own heads: q/k/v/o
+    [T, heads, head_dim], the pages and the attention sinks [heads] (or None) are split on their heads axis, the
+    metadata is replicated. Heads are independent, so no KV crosses devices, and a Pallas kernel (which XLA cannot
+    partition) sees plain local arrays."""
     return jax.shard_map(
         fn,
         mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, KV_PAGES, KV_PAGES, P()),
+        in_specs=(HEADS, HEADS, HEADS, KV_PAGES, KV_PAGES, P(), P(TP)),
         out_specs=(HEADS, KV_PAGES, KV_PAGES),
         check_vma=False,
     )
