@@ -1,18 +1,19 @@
-"""Model correctness against transformers: per-position logits and greedy tokens of every fixture checkpoint through
-the public LLM API, the chat template case, and SmolLM2 chat answers (float32 exact, bfloat16 reported)."""
+"""Model correctness against transformers: per-position logits and greedy tokens of every fixture checkpoint (dense
+and mixture-of-experts) through the public LLM API, the chat template case, and SmolLM2 chat answers (float32 exact,
+bfloat16 reported)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, TINY_MODELS, reference
+from conftest import FIXTURES, MOE_MODELS, TINY_MODELS, reference
 
 from netra_jax import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=TINY_MODELS)
+@pytest.fixture(scope="module", params=TINY_MODELS + MOE_MODELS)
 def tiny(request):
     llm = LLM(FIXTURES / request.param, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
     return request.param, llm

@@ -18,8 +18,17 @@ from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader.hf import HFCheckpoint
 from netra_jax.models.weight_map import hf_to_params
 
-# model -> tensor-parallel sizes run on the fake devices (tp=4 on tiny-llama and tiny-qwen2 replicates KV heads)
-MATRIX = {"tiny-llama": (1, 2, 4), "tiny-qwen3": (1, 2), "tiny-qwen2": (1, 4), "tiny-gemma3": (1, 2)}
+# model -> tensor-parallel sizes run on the fake devices (tp=4 on tiny-llama and tiny-qwen2 replicates KV heads;
+# the mixture-of-experts models split every expert on its intermediate axis)
+MATRIX = {
+    "tiny-llama": (1, 2, 4),
+    "tiny-qwen3": (1, 2),
+    "tiny-qwen2": (1, 4),
+    "tiny-gemma3": (1, 2),
+    "tiny-qwen3-moe": (1, 2),
+    "tiny-mixtral": (1, 2),
+    "tiny-gpt-oss": (1, 2),
+}
 GREEDY_TOKENS = 24
 CASE = 0  # the 29-token prompt: two KV pages, and longer than tiny-gemma3's 16-token sliding window
 
@@ -127,20 +136,30 @@ def test_parameters_and_kv_are_sharded(tp_results):
             r = tp_results[name][str(tp)]
             kvh = parallel.shard_config(cfg, tp).num_kv_heads
             assert r["specs"]["wq"] == [None, "tp"] and r["specs"]["wo"] == ["tp", None]
-            assert r["specs"]["w_gate_up"] == [None, None, "tp"] and r["specs"]["w_down"] == ["tp", None]
             assert r["specs"]["lm_head"] == [None, "tp"] and r["specs"]["embed"] == ["tp", None]
             assert r["specs"]["attn_norm"] == [] and r["specs"]["kv"] == [None, None, "tp", None]
             assert r["shards"]["wq"] == [[cfg.hidden_size, cfg.q_size // tp]] * tp
             assert r["shards"]["wk"] == [[cfg.hidden_size, kvh * cfg.head_dim // tp]] * tp
-            assert r["shards"]["w_gate_up"] == [[cfg.hidden_size, 2, cfg.intermediate_size // tp]] * tp
+            if cfg.num_experts:  # every expert split on its intermediate axis, the router replicated
+                E, inter = cfg.num_experts, cfg.moe_intermediate_size
+                assert r["specs"]["experts_gate_up"] == [None, None, None, "tp"]
+                assert r["specs"]["experts_down"] == [None, "tp", None] and r["specs"]["router"] == []
+                assert r["shards"]["experts_gate_up"] == [[E, cfg.hidden_size, 2, inter // tp]] * tp
+                assert r["shards"]["experts_down"] == [[E, inter // tp, cfg.hidden_size]] * tp
+            else:
+                assert r["specs"]["w_gate_up"] == [None, None, "tp"] and r["specs"]["w_down"] == ["tp", None]
+                assert r["shards"]["w_gate_up"] == [[cfg.hidden_size, 2, cfg.intermediate_size // tp]] * tp
+            if cfg.attention_sinks:  # split with the query heads
+                assert r["shards"]["sinks"] == [[cfg.num_heads // tp]] * tp
             assert r["shards"]["lm_head"] == [[cfg.hidden_size, cfg.vocab_size // tp]] * tp
             assert r["shards"]["kv"] == [[r["num_pages"], 16, kvh // tp, cfg.head_dim]] * tp
             assert r["kv_donated"], (name, tp)
 
 
 def test_compiled_step_collectives(tp_results):
-    """Row-split wo and w_down each end in one all-reduce, the vocab-split embedding lookup in one more, and the
-    vocab-split logits in one all-gather; nothing else moves between devices (no weight or KV gathers)."""
+    """Row-split wo and w_down (or the experts' down projections: one psum of [T, hidden] per MoE layer) each end in
+    one all-reduce, the vocab-split embedding lookup in one more, and the vocab-split logits in one all-gather;
+    nothing else moves between devices (no weight or KV gathers)."""
     for name, tps in MATRIX.items():
         cfg = ModelConfig.from_hf_dir(FIXTURES / name)
         for tp in tps:
@@ -223,7 +242,8 @@ def _worker(out_path: str) -> None:
             runner = llm.engine.runner
             if tp > 1:
                 lp, p = runner.params["layers"][0], runner.params
-                named = {k: lp[k] for k in ("wq", "wk", "wo", "w_gate_up", "w_down", "attn_norm")}
+                mlp = ("experts_gate_up", "experts_down", "router") if "router" in lp else ("w_gate_up", "w_down")
+                named = {k: lp[k] for k in ("wq", "wk", "wo", "attn_norm", *mlp, "sinks") if k in lp}
                 named.update(embed=p["embed"], lm_head=p["lm_head"], kv=runner.kv.k[0])
                 r["specs"] = {k: list(a.sharding.spec) for k, a in named.items()}
                 r["shards"] = {k: [list(s.data.shape) for s in a.addressable_shards] for k, a in named.items()}
