@@ -16,10 +16,10 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 MODEL = FIXTURES / "tiny-llama"
 
 
-def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """The reference prompts plus random ones of mixed lengths (3..90 tokens)."""
+def _prompts(n: int, vocab: int, seed: int = 0, model: str = "tiny-llama") -> list[list[int]]:
+    """The reference prompts of `model` plus random ones of mixed lengths (3..90 tokens)."""
     rng = random.Random(seed)
-    refs = [c["prompt_ids"] for c in reference("tiny-llama")["cases"]]
+    refs = [c["prompt_ids"] for c in reference(model)["cases"]]
     out = list(refs)
     while len(out) < n:
         out.append([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 90))])
