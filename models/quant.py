@@ -7,6 +7,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+# Expert weights (experts_gate_up [E, hidden, 2, I], experts_down [E, I, hidden]) and the router stay in float:
+# `quantize_weight` takes scales over axis 0, which for them is the expert axis, not the input axis; int8 experts need
+# per-expert scales [E, *out] applied after the grouped matmul (models/moe.py), which it does not do.
 QUANTIZABLE = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
 METHODS = ("int8",)
 

@@ -26,8 +26,10 @@ __all__ = [
     "Leaf",
     "WeightError",
     "WeightReader",
-    "hf_to_params",
+    "hf_names",
     "hf_shapes",
+    "hf_to_params",
+    "table",
     "kv_params",
     "param_specs",
 ]
@@ -187,7 +189,7 @@ def _in_layer(entry: Entry, cfg: ModelConfig, i: int) -> bool:
     return entry.layers == ALL or (entry.layers == MOE) == cfg.is_moe_layer(i)
 
 
-def _names(entry: Entry, cfg: ModelConfig, layer: int | None) -> list[list[str]]:
+def hf_names(entry: Entry, cfg: ModelConfig, layer: int | None) -> list[list[str]]:
     """HF names of each pattern of the entry: one per expert for "{e}" patterns, else one."""
     prefix = "" if layer is None else f"model.layers.{layer}."
     experts = range(cfg.num_experts)
@@ -216,7 +218,7 @@ def hf_shapes(cfg: ModelConfig, optional: tuple[str, ...] = ()) -> dict[str, tup
             continue
         if entry.tied and cfg.tie_word_embeddings:
             continue
-        for names in _names(entry, cfg, layer):
+        for names in hf_names(entry, cfg, layer):
             out |= {n: tuple(dims[d] for d in entry.shape) for n in names}
     return out
 
@@ -267,7 +269,7 @@ class WeightReader:
         """The entry's parameter at `layer` (None for a global), or None for an optional tensor the checkpoint
         lacks. `kv_map`: source row of each output row of KV-head parameters."""
         cfg, dt, f32 = self.cfg, self.dtype, np.dtype(np.float32)
-        names = _names(entry, cfg, layer)
+        names = hf_names(entry, cfg, layer)
         if entry.tied and cfg.tie_word_embeddings:
             names = [[entry.tied]]
         elif entry.optional and not self.has(names[0][0]):

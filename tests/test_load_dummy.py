@@ -26,7 +26,10 @@ def _layout(params) -> dict:
     return jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype).name), params)
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"]
+
+
+@pytest.mark.parametrize("name", TINY_MODELS + MOE_MODELS)
 def test_same_pytree_as_the_real_loader(name, dtype="bfloat16"):  # norms stay float32: both dtypes are checked
     _, real = load_model(FIXTURES / name, dtype, cache=False)
     cfg, fake = load_model(FIXTURES / name, dtype, load_format="dummy")
@@ -93,7 +96,8 @@ from netra_jax import parallel
 from netra_jax.loader import load_model
 
 assert len(jax.devices()) == 4
-for name, tp in (("tiny-llama", 4),):  # 2 KV heads over 4 devices: each stored twice, as the real loader does
+# tiny-llama: 2 KV heads over 4 devices, each stored twice as the real loader does; the MoE models split experts
+for name, tp in (("tiny-llama", 4), ("tiny-qwen3-moe", 2), ("tiny-gpt-oss", 4)):
     path = f"{fixtures}/" + name
     mesh = parallel.make_mesh(tp)
     _, real = load_model(path, "float32", cache=False, mesh=mesh)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_to_gguf import to_gguf
 from test_gguf_quants import write_gguf
 
 import netra_jax.loader as loader
@@ -126,75 +127,6 @@ def test_second_load_restores_from_cache_without_dequantizing(smol, smol_cache, 
 
 
 # ----------------------------------------------------------------- tiny fixtures converted the llama.cpp way
-TO_GGUF = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-
-
-def to_gguf(model_dir: Path, out: Path) -> Path:
-    """Write a HF fixture as llama.cpp's converter would: its names, Llama Q/K rows permuted, Gemma norms + 1."""
-    from netra_jax.loader.hf import HFCheckpoint
-
-    d = json.loads((model_dir / "config.json").read_text())
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[
-        d["model_type"]
-    ]
-    nh, nkv = d["num_attention_heads"], d["num_key_value_heads"]
-    hd = d.get("head_dim") or d["hidden_size"] // nh
-    rp = d.get("rope_parameters") or {}
-    meta = {
-        f"{arch}.context_length": d["max_position_embeddings"],
-        f"{arch}.embedding_length": d["hidden_size"],
-        f"{arch}.block_count": d["num_hidden_layers"],
-        f"{arch}.feed_forward_length": d["intermediate_size"],
-        f"{arch}.attention.head_count": nh,
-        f"{arch}.attention.head_count_kv": nkv,
-        f"{arch}.attention.layer_norm_rms_epsilon": float(d["rms_norm_eps"]),
-        f"{arch}.attention.key_length": hd,
-        f"{arch}.attention.value_length": hd,
-        f"{arch}.rope.freq_base": float(rp.get("full_attention", rp).get("rope_theta", d.get("rope_theta", 1e4))),
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(d["vocab_size"])],
-        "tokenizer.ggml.eos_token_id": 2,
-    }
-    if arch == "gemma3":
-        meta[f"{arch}.attention.sliding_window"] = d["sliding_window"]
-        meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in d["layer_types"]]
-        meta[f"{arch}.rope.freq_base_swa"] = float(rp["sliding_attention"]["rope_theta"])
-    ck = HFCheckpoint(model_dir)
-    tensors = {}
-    for name in ck.keys():
-        a = np.array(ck.get(name), np.float32)
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            mod, kind = rest.rsplit(".", 1)
-            short = TO_GGUF.get(mod) or ("post_attention_norm" if arch == "gemma3" else "ffn_norm")
-            gname = f"blk.{i}.{short}.{kind}"
-            if arch == "llama" and short in ("attn_q", "attn_k"):  # llama.cpp LlamaModel.permute
-                n = nh if short == "attn_q" else nkv
-                a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-        else:
-            gname = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[name]
-        if arch == "gemma3" and gname.endswith("norm.weight"):
-            a = a + 1.0
-        tensors[gname] = a
-    return write_gguf(out, arch, meta, tensors)
-
-
 CFG_FIELDS = (
     "family",
     "vocab_size",
@@ -218,6 +150,15 @@ CFG_FIELDS = (
     "scale_embeddings",
     "rotary_dim",
     "eos_token_ids",
+    "attention_sinks",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_layers",
+    "norm_topk_prob",
+    "expert_act",
+    "swiglu_alpha",
+    "swiglu_limit",
 )
 
 

@@ -116,11 +116,10 @@ def _encode_mxfp4(rng, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, 
     return blocks, scales, value.reshape(*shape[:-1], shape[-1] * 32).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_gpt_oss(tmp_path_factory):
-    """tiny-gpt-oss with its experts stored as MXFP4 (as the published gpt-oss checkpoints are), and the bf16-layout
-    tensors they decode to: gate_up_proj [E, hidden, 2I] and down_proj [E, I, hidden]."""
-    d = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+def write_mxfp4_gpt_oss(d) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """tiny-gpt-oss in directory `d` with its experts stored as MXFP4 (as the published gpt-oss checkpoints are);
+    returns its config and the tensors with the bf16-layout experts the blocks decode to: gate_up_proj
+    [E, hidden, 2I] and down_proj [E, I, hidden]."""
     shutil.copytree(FIXTURES / "tiny-gpt-oss", d, dirs_exist_ok=True)
     cfg = ModelConfig.from_hf_dir(d)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -134,10 +133,15 @@ def mxfp4_gpt_oss(tmp_path_factory):
             tensors[x + name + "_blocks"], tensors[x + name + "_scales"] = blocks, scales
             tensors[x + name] = np.ascontiguousarray(value.swapaxes(1, 2))  # the bf16 checkpoint's [E, in, out]
     decoded = dict(tensors)
-    save_file(
-        {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}, d / "model.safetensors"
-    )
-    return d, cfg, decoded
+    stored = {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    save_file(stored, d / "model.safetensors")
+    return cfg, decoded
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    return d, *write_mxfp4_gpt_oss(d)
 
 
 def test_mxfp4_experts_are_dequantized_at_load(mxfp4_gpt_oss):

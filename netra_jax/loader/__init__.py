@@ -26,7 +26,7 @@ import numpy as np
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader import cache as param_cache
-from netra_jax.loader import dummy, gguf_loader, hf
+from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, mxfp4
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
 from netra_jax.loader.hf import CheckpointError, HFCheckpoint
@@ -134,7 +134,7 @@ def load_model(
     if cache:
         try:
             root = param_cache.default_root() if cache is True else Path(cache)
-            code = [m.__file__ for m in (weight_map, weight_reads, hf, gguf_loader)]
+            code = [m.__file__ for m in (weight_map, weight_reads, hf, mxfp4, gguf_loader, gguf_names)]
             key = param_cache.cache_key(files, dt, code_files=code)
         except OSError as e:  # e.g. an unwritable cache directory: load without the cache
             log.warning("parameter cache unavailable (%s); converting %s", e, path)
@@ -144,7 +144,7 @@ def load_model(
             log.info("loaded %s (%s) from the parameter cache in %.2fs", path, dt, time.perf_counter() - t0)
             return cfg, params if mesh is None else parallel.shard_params(params, cfg, mesh)
     if is_gguf:
-        get, has = gguf_loader.hf_view(source, cfg)
+        get, has = gguf_names.hf_view(source, cfg)
     else:
         ck = HFCheckpoint(path)
         get, has = ck.get, ck.has

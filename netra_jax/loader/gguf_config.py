@@ -17,6 +17,8 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # Gemma 3 keys llama.cpp's converter does not write, defaulted as llama.cpp's loader does (src/llama-model.cpp,
 # llama_model::load_hparams, case LLM_ARCH_GEMMA3): only when `gemma3.attention.sliding_window` is present and > 0
@@ -166,6 +168,7 @@ def gguf_to_hf_config(
     }
     if rotary_dim != head_dim:
         d["partial_rotary_factor"] = _partial_rotary_factor(rotary_dim, head_dim)
+    d.update(_mixture_of_experts(key, arch, n_layers, tensor_shapes))
     if arch != "gemma3":
         d["rope_theta"] = theta
         d["rope_scaling"] = rope or None
@@ -209,3 +212,31 @@ def config_from_gguf_metadata(
 ) -> ModelConfig:
     """ModelConfig of a GGUF file (see `gguf_to_hf_config`)."""
     return ModelConfig.from_hf_dict(gguf_to_hf_config(meta, tensor_shapes, rope_freqs))
+
+
+def _mixture_of_experts(key: Callable[..., Any], arch: str, n_layers: int, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """HF config fields of a mixture-of-experts GGUF (none for a dense one), as llama.cpp's converter writes them:
+    `expert_count`, `expert_used_count`, `expert_feed_forward_length` (Qwen3-MoE's expert width; gpt-oss and
+    Mixtral use `feed_forward_length`). Mixtral is arch "llama" with experts. Qwen3-MoE: llama.cpp always
+    renormalises the top-k weights unless `expert_weights_norm` says otherwise, and a layer without a router
+    (`ffn_gate_inp`) is a dense one (mlp_only_layers). gpt-oss: its layers alternate sliding (even) and full
+    attention, as llama.cpp's set_swa_pattern(2) and the HF config's default layer_types both say; the SwiGLU
+    clamp and slope are llama.cpp's constants (7.0, 1.702), which the HF config defaults to too."""
+    n_experts = int(key("expert_count", 0))
+    if not n_experts:
+        return {}
+    d: dict[str, Any] = {"num_local_experts": n_experts, "num_experts_per_tok": int(key("expert_used_count"))}
+    if arch == "llama":
+        d["architectures"] = ["MixtralForCausalLM"]
+    elif arch == "qwen3moe":
+        d["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+        d["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+        if any(n.endswith(".ffn_gate_inp.weight") for n in shapes):
+            d["mlp_only_layers"] = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
+    elif arch == "gpt-oss":
+        if (width := key("expert_feed_forward_length", None)) is not None:
+            d["intermediate_size"] = int(width)
+        if window := key("attention.sliding_window", None):
+            d["sliding_window"] = int(window)
+            d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    return d

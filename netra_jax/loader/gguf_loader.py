@@ -1,5 +1,5 @@
-"""GGUF files: a fast header parser (metadata + tensor table, bounds-checked), de-quantization through
-`gguf.quants`, and the map from llama.cpp tensor names back to the Hugging Face names `hf_to_params` reads.
+"""GGUF files: a fast header parser (metadata + tensor table, bounds-checked) and de-quantization through
+`gguf.quants` (llama.cpp tensor names -> the weight map's Hugging Face names: `loader.gguf_names`).
 
 The header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy view per metadata element and
 takes about 5 s on a 49k-token vocabulary; this parser takes a fraction of a second. Tensor data stays memory-mapped
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import mmap
 import os
-import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from netra_jax.config import ModelConfig
 from netra_jax.loader.hf import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -211,78 +209,3 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, lists), e.g.
     `tokenizer.ggml.tokens`, `tokenizer.ggml.merges`, `tokenizer.ggml.token_type`, `tokenizer.chat_template`."""
     return dict(GGUFFile(path).metadata)
-
-
-# ------------------------------------------------------------------ llama.cpp names -> Hugging Face names
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",  # the pre-MLP norm (Gemma 3: pre_feedforward_layernorm)
-    "post_attention_norm": "post_attention_layernorm",  # Gemma 3 sandwich norms
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
-
-
-def gguf_to_hf_name(name: str, arch: str) -> str | None:
-    """HF name of a llama.cpp tensor name, None for tensors the forward does not read (e.g. rope_freqs)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = _BLOCK_RE.fullmatch(name)
-    if not m or m.group(2) not in _BLOCK_NAMES:
-        return None
-    hf = _BLOCK_NAMES[m.group(2)]
-    if arch == "gemma3" and m.group(2) == "ffn_norm":
-        hf = "pre_feedforward_layernorm"
-    return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
-
-
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Llama Q/K row permutation (interleaved-pair rope) back to HF's rotate-half layout.
-
-    w: [n_heads * head_dim, ...] in llama.cpp order, where row h*hd + 2*j + s holds HF row h*hd + s*hd/2 + j."""
-    rows = w.shape[0]
-    if rows % (2 * n_heads):
-        raise CheckpointError(f"cannot un-permute {rows} rope rows over {n_heads} heads")
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def hf_view(gf: GGUFFile, cfg: ModelConfig):
-    """(get, has) over HF tensor names for `hf_to_params`, de-quantizing each GGUF tensor when asked for.
-
-    Llama-architecture Q/K rows are un-permuted; Gemma 3 norms, stored by llama.cpp as (1 + w), get 1 subtracted so
-    `hf_to_params`' own (1 + w) folding restores them."""
-    arch = gf.architecture or ""
-    where = {}
-    for name in gf.tensors:
-        hf = gguf_to_hf_name(name, arch)
-        if hf is not None:
-            where[hf] = name
-    q_heads = {".self_attn.q_proj.": cfg.num_heads, ".self_attn.k_proj.": cfg.num_kv_heads}
-
-    def get(hf: str) -> np.ndarray:
-        if hf not in where:
-            raise CheckpointError(f"{gf.path}: GGUF file lacks the tensor for {hf!r}")
-        a = gf.tensor(where[hf])
-        if arch == "llama":
-            for part, n in q_heads.items():
-                if part in hf:
-                    a = unpermute_rope_rows(a, n)
-        if arch == "gemma3" and hf.endswith("norm.weight"):
-            a = a - np.float32(1.0)
-        return a
-
-    return get, where.__contains__

@@ -1,0 +1,193 @@
+"""llama.cpp (GGUF) tensor names -> the Hugging Face names of the weight map: each GGUF tensor is routed to the
+parameter it feeds and the family's table (`models.weight_map`) names the HF tensor(s), so a GGUF file is read
+through the same table as a HF directory.
+
+llama.cpp's converter (convert_hf_to_gguf.py) changes some layouts, undone here lazily (a tensor is de-quantized
+when the weight map reads it, an expert's rows alone): merged expert tensors `ffn_{gate,up,down}_exps` [E, out, in]
+are split per expert for families storing one Linear per expert (Qwen3-MoE, Mixtral) or transposed to [E, in, out]
+and, for gpt-oss's gate/up, re-interleaved (gate = [..., ::2], up = [..., 1::2]); a fused `ffn_gate_up_exps` holds
+the gate rows then the up rows; old Mixtral files store `blk.N.ffn_gate.<expert>.weight` per expert; Llama-arch
+Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from netra_jax.config import ModelConfig
+from netra_jax.loader import gguf_loader
+from netra_jax.loader.gguf_loader import GGUFFile
+from netra_jax.loader.hf import CheckpointError
+from netra_jax.models import weight_map
+
+FUSED = -1  # a gate_up tensor holding both parts: gate rows, then up rows
+# llama.cpp tensor -> (parameters it may feed: the first one the family's table has, part of that parameter)
+_GLOBAL = {
+    "token_embd.weight": (("embed",), 0),
+    "output_norm.weight": (("final_norm",), 0),
+    "output.weight": (("lm_head",), 0),
+}
+_BLOCK = {
+    "attn_norm.weight": (("attn_norm",), 0),
+    "attn_q.weight": (("wq",), 0),
+    "attn_k.weight": (("wk",), 0),
+    "attn_v.weight": (("wv",), 0),
+    "attn_output.weight": (("wo",), 0),
+    "attn_q.bias": (("bq",), 0),
+    "attn_k.bias": (("bk",), 0),
+    "attn_v.bias": (("bv",), 0),
+    "attn_output.bias": (("bo",), 0),
+    "attn_q_norm.weight": (("q_norm",), 0),
+    "attn_k_norm.weight": (("k_norm",), 0),
+    "attn_sinks.weight": (("sinks",), 0),
+    "ffn_norm.weight": (("mlp_norm",), 0),  # the pre-MLP norm (Gemma 3's pre_feedforward_layernorm)
+    "post_attention_norm.weight": (("post_attn_norm", "mlp_norm"), 0),  # gpt-oss: its pre-MLP norm
+    "post_ffw_norm.weight": (("post_mlp_norm",), 0),
+    "ffn_gate.weight": (("w_gate_up",), 0),
+    "ffn_up.weight": (("w_gate_up",), 1),
+    "ffn_down.weight": (("w_down",), 0),
+    "ffn_gate_inp.weight": (("router",), 0),
+    "ffn_gate_inp.bias": (("router_bias",), 0),
+    "ffn_gate_exps.weight": (("experts_gate_up",), 0),
+    "ffn_up_exps.weight": (("experts_gate_up",), 1),
+    "ffn_gate_up_exps.weight": (("experts_gate_up",), FUSED),
+    "ffn_down_exps.weight": (("experts_down",), 0),
+    "ffn_gate_exps.bias": (("experts_gate_up_bias",), 0),
+    "ffn_up_exps.bias": (("experts_gate_up_bias",), 1),
+    "ffn_gate_up_exps.bias": (("experts_gate_up_bias",), FUSED),
+    "ffn_down_exps.bias": (("experts_down_bias",), 0),
+}
+_PER_EXPERT = {  # old Mixtral files: blk.N.<kind>.<expert>.weight
+    "ffn_gate": ("experts_gate_up", 0),
+    "ffn_up": ("experts_gate_up", 1),
+    "ffn_down": ("experts_down", 0),
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+\.(?:weight|bias))")
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(\d+)\.weight")
+
+
+@dataclass
+class LazyTensor:
+    """A tensor built when read: `shape`, and `make()` -> the numpy array (not kept, so a loader holds only the
+    tensors it is converting)."""
+
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return self.make()[idx]
+
+
+def _block(gf: GGUFFile, name: str, lead: tuple[int, ...] = ()) -> LazyTensor:
+    """GGUF tensor `name` de-quantized, or only its sub-array [lead] (one expert): quantized blocks run along the
+    last axis, so a leading index selects whole blocks."""
+    info = gf.tensors[name]
+    shape = info.shape[len(lead) :]
+
+    def make() -> np.ndarray:
+        return gguf_loader.dequantize(gf.raw(name)[lead], info.qtype, shape, f"{gf.path}: tensor {name!r}")
+
+    return LazyTensor(shape, make)
+
+
+def _apply(t: LazyTensor, fn: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
+    return LazyTensor(shape or t.shape, lambda: fn(t.make()))
+
+
+def _swap_last(t: LazyTensor) -> LazyTensor:  # [E, out, in] -> [E, in, out]
+    return _apply(t, lambda a: a.swapaxes(-1, -2), (*t.shape[:-2], t.shape[-1], t.shape[-2]))
+
+
+def _interleave(gate: LazyTensor, up: LazyTensor) -> LazyTensor:
+    """[..., I] twice -> [..., 2I] with gate = [..., ::2], up = [..., 1::2] (gpt-oss's layout)."""
+
+    def make() -> np.ndarray:
+        g = gate.make()
+        out = np.empty((*g.shape[:-1], 2 * g.shape[-1]), np.float32)
+        out[..., 0::2], out[..., 1::2] = g, up.make()
+        return out
+
+    return LazyTensor((*gate.shape[:-1], 2 * gate.shape[-1]), make)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Llama Q/K row permutation (interleaved-pair rope) back to HF's rotate-half layout.
+
+    w: [n_heads * head_dim, ...] in llama.cpp order, where row h*hd + 2*j + s holds HF row h*hd + s*hd/2 + j."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise CheckpointError(f"cannot un-permute {rows} rope rows over {n_heads} heads")
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Routes:
+    """The GGUF tensors of each (parameter, layer, expert): part -> tensor name (FUSED: both parts)."""
+
+    def __init__(self, gf: GGUFFile, table: dict[str, weight_map.Entry]):
+        self.parts: dict[tuple[str, int | None, int | None], dict[int, str]] = {}
+        for name in gf.tensors:
+            layer = expert = None
+            if name in _GLOBAL:
+                params, part = _GLOBAL[name]
+            elif m := _BLOCK_RE.fullmatch(name):
+                layer, (params, part) = int(m.group(1)), _BLOCK.get(m.group(2), ((), 0))
+            elif (m := _EXPERT_RE.fullmatch(name)) and m.group(2) in _PER_EXPERT:
+                param, part = _PER_EXPERT[m.group(2)]
+                layer, expert, params = int(m.group(1)), int(m.group(3)), (param,)
+            else:
+                continue  # e.g. rope_freqs: read by the config, not a parameter
+            param = next((p for p in params if p in table), None)
+            if param is not None:  # else a tensor this family's forward does not read
+                self.parts.setdefault((param, layer, expert), {})[part] = name
+
+
+def _halves(t: LazyTensor, axis: int) -> tuple[LazyTensor, LazyTensor]:
+    """(gate, up) of a fused gate_up tensor: the first and second half of `axis` (the output rows)."""
+    n = t.shape[axis] // 2
+    shape = list(t.shape)
+    shape[axis] = n
+    return tuple(
+        _apply(t, lambda a, k=k: np.take(a, range(k * n, (k + 1) * n), axis=axis), tuple(shape)) for k in (0, 1)
+    )
+
+
+def hf_view(gf: GGUFFile, cfg: ModelConfig):
+    """(get, has) over the HF tensor names of the family's weight map; `get` returns a `LazyTensor`."""
+    table = {e.param: e for e in weight_map.table(cfg)}
+    views: dict[str, LazyTensor] = {}
+    heads = {"wq": cfg.num_heads, "bq": cfg.num_heads, "wk": cfg.num_kv_heads, "bk": cfg.num_kv_heads}
+    permuted = gf.architecture == "llama"
+
+    def fix(t: LazyTensor, entry: weight_map.Entry, per_expert: bool) -> LazyTensor:
+        if len(t.shape) == 3 and not per_expert:  # a fused expert weight: llama.cpp [E, out, in], HF [E, in, out]
+            t = _swap_last(t)
+        if permuted and entry.param in heads:
+            t = _apply(t, lambda a, n=heads[entry.param]: unpermute_rope_rows(a, n))
+        if entry.transform == weight_map.NORM and cfg.norm_weight_offset:
+            t = _apply(t, lambda a: a - np.float32(1.0))
+        return t
+
+    for (param, layer, expert), parts in _Routes(gf, table).parts.items():
+        entry = table[param]
+        names = weight_map.hf_names(entry, cfg, layer)  # [pattern][expert] (one name when not per expert)
+        if expert is not None:  # an old per-expert tensor
+            for part, name in parts.items():
+                views[names[part][expert]] = _block(gf, name)
+            continue
+        per_expert = len(names[0]) > 1
+        for e, lead in enumerate([(e,) for e in range(len(names[0]))] if per_expert else [()]):
+            if FUSED in parts:
+                axis = -1 if parts[FUSED].endswith(".bias") else -2
+                by_part = dict(enumerate(_halves(_block(gf, parts[FUSED], lead), axis)))
+            else:
+                by_part = {part: _block(gf, name, lead) for part, name in parts.items()}
+            by_part = {part: fix(t, entry, per_expert) for part, t in by_part.items()}
+            if len(names) > 1 or len(by_part) == 1:  # one HF tensor per part
+                for part, t in by_part.items():
+                    views[names[part][e]] = t
+            else:  # both parts in one HF tensor: gpt-oss's interleaved gate/up
+                views[names[0][0]] = _interleave(by_part[0], by_part[1])
+    return views.__getitem__, views.__contains__
