@@ -28,6 +28,10 @@ class ChatTemplateError(ValueError):
     """A chat template is missing, unsafe, too costly, or failed to render for the given messages."""
 
 
+class NoChatTemplateError(ChatTemplateError):
+    """The model has no chat template (base models usually have none) and none was given."""
+
+
 @dataclass(frozen=True)
 class ChatTemplateLimits:
     """Bounds on one rendering. Jinja's sandbox alone bounds neither time nor memory; these do.

@@ -1,5 +1,6 @@
 """`netra-jax` command line: serve (OpenAI-compatible HTTP), chat / generate (one-off prompts), batch (OpenAI Batch
-JSONL) and bench. Engine flags follow vLLM's names; with no MODEL the embedded default model is used."""
+JSONL) and bench. Engine flags follow vLLM's names; with no MODEL the embedded default model is used. A model that
+cannot be loaded, or a chat without a chat template, is reported in one line with exit status 2."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from netra_jax.engine.engine import LLMEngine
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +74,43 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+class CLIError(Exception):
+    """A command cannot go on (the model does not load, no chat template): `main` prints it in one line, exits 2."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line; its type leads unless it is the usual OSError / ValueError."""
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    """`build_engine(config)`, any failure to load the model (missing, not a model, an unsupported architecture or
+    tokenizer, a damaged file) raised as CLIError."""
+    from netra_jax.api import build_engine, resolve_model_path
+
+    try:
+        return build_engine(config)
+    except Exception as e:
+        raise CLIError(f"cannot load the model {resolve_model_path(config.model)}: {one_line(e)}") from e
+
+
+def check_model(config: EngineConfig) -> None:
+    """Read the model's config and tokenizer (no weights), raising CLIError as `load_engine` does; for commands that
+    load the model elsewhere (Ray workers)."""
+    from netra_jax.api import resolve_model_path
+    from netra_jax.loader import load_config
+    from netra_jax.tokenizer import Tokenizer
+
+    path = resolve_model_path(config.model)
+    try:
+        if config.load_format != "dummy":
+            load_config(path)
+        Tokenizer.load(path)
+    except Exception as e:
+        raise CLIError(f"cannot load the model {path}: {one_line(e)}") from e
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -77,17 +119,32 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _one_off(a: argparse.Namespace, chat: bool) -> int:
-    from netra_jax.api import build_engine
+    from netra_jax.chat_template import NoChatTemplateError
     from netra_jax.sampling_params import SamplingParams
+    from netra_jax.serving.cli import load_chat_template
 
-    engine = build_engine(dataclasses.replace(engine_config(a), warmup=False))  # compile only what is used
+    template = None
+    if chat:
+        try:
+            template = load_chat_template(a.chat_template)
+        except (OSError, ValueError) as e:
+            raise CLIError(one_line(e)) from None
+    engine = load_engine(dataclasses.replace(engine_config(a), warmup=False))  # compile only what is used
     tok = engine.tokenizer
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}
         ]
-        prompt = {"prompt_token_ids": tok.encode_chat(messages)}
+        try:
+            prompt = {"prompt_token_ids": tok.encode_chat(messages, chat_template=template)}
+        except NoChatTemplateError:
+            raise CLIError(
+                "the model has no chat template (a base model?); give one with --chat-template (a file or the Jinja "
+                "source), or complete a raw prompt with `netra-jax generate`"
+            ) from None
+        except ValueError as e:
+            raise CLIError(f"the chat template does not render: {one_line(e)}") from None
     else:
         prompt = a.prompt
     engine.add_request("cli", prompt, sp)
@@ -110,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         _sampling_args(p)
         if name == "chat":
             p.add_argument("--system", default=None, help="system message (default: the template's own)")
+            p.add_argument(
+                "--chat-template", default=None, help="chat template (a file path or the Jinja source) to use"
+            )
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)
     try:
@@ -134,16 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if a.cmd in ("chat", "generate"):
-        return _one_off(a, a.cmd == "chat")
-    if a.cmd == "serve":
-        from netra_jax.serving.cli import serve
+    try:
+        if a.cmd in ("chat", "generate"):
+            return _one_off(a, a.cmd == "chat")
+        if a.cmd == "serve":
+            from netra_jax.serving.cli import serve
 
-        return serve(a)
-    if a.cmd == "batch":
-        from netra_jax.serving.batch import main as batch_main
+            return serve(a)
+        if a.cmd == "batch":
+            from netra_jax.serving.batch import main as batch_main
 
-        return batch_main(a)
+            return batch_main(a)
+    except CLIError as e:
+        print(f"netra-jax {a.cmd}: {e}", file=sys.stderr)
+        return 2
     parser.error(f"unknown command {a.cmd}")
     return 2
 

@@ -12,7 +12,12 @@ from typing import Any
 
 import tokenizers
 
-from netra_jax.chat_template import ChatTemplateError, ChatTemplateLimits, render_chat_template
+from netra_jax.chat_template import (
+    ChatTemplateError,
+    ChatTemplateLimits,
+    NoChatTemplateError,
+    render_chat_template,
+)
 from netra_jax.loader.gguf_loader import read_gguf_metadata
 from netra_jax.tokenizer_gguf import tokenizer_from_gguf_metadata
 
@@ -247,8 +252,9 @@ class Tokenizer:
             return named["default"]
         if named:
             raise ChatTemplateError(f"no default chat template; choose one of {sorted(named)} with chat_template=")
-        raise ChatTemplateError(
-            "this tokenizer has no chat template; pass chat_template= (a Jinja template) or send plain prompts"
+        raise NoChatTemplateError(
+            "the model has no chat template (a base model?); pass chat_template= (a Jinja template) or send plain "
+            "prompts"
         )
 
     def apply_chat_template(

@@ -272,7 +272,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    from netra_jax.cli import engine_config
+    from netra_jax.cli import check_model, engine_config, load_engine
 
     cfg = engine_config(a)
     if a.ray:
@@ -282,6 +282,7 @@ def main(a: argparse.Namespace) -> int:
             print(f"netra-jax batch --ray needs Ray Data: pip install 'netra-jax[ray]' ({e})", file=sys.stderr)
             return 2
 
+        check_model(cfg)  # the workers load it: a model that cannot load is reported here, in one line
         run_batch_ray(
             a.input,
             a.output,
@@ -293,5 +294,6 @@ def main(a: argparse.Namespace) -> int:
             progress=not a.no_progress,
         )
         return 0
-    run_batch(a.input, a.output, engine_config=cfg, max_in_flight=a.max_in_flight, progress=not a.no_progress)
+    engine = load_engine(cfg)
+    run_batch(a.input, a.output, engine, max_in_flight=a.max_in_flight, progress=not a.no_progress)
     return 0

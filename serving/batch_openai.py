@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError as PydanticValidationError
 
+from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving.protocol import ResponseFormat
 from netra_jax.serving.structured import structured_outputs_for
@@ -140,6 +141,13 @@ def _chat_prompt(body: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
     try:
         text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, **kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    except NoChatTemplateError:
+        raise RequestError(
+            "the model has no chat template (a base model?), so it cannot answer chat requests; send completion "
+            "requests (/v1/completions) instead",
+            code="no_chat_template",
+            param="messages",
+        ) from None
     except Exception as e:  # template errors of any kind are the request's problem
         raise RequestError(f"could not apply the chat template: {e}", param="messages") from e
 

@@ -148,8 +148,8 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: di
 
 
 def serve(args: argparse.Namespace) -> int:
-    from netra_jax.api import build_engine, resolve_model_path
-    from netra_jax.cli import engine_config
+    from netra_jax.api import resolve_model_path
+    from netra_jax.cli import CLIError, engine_config, load_engine
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
 
@@ -162,9 +162,9 @@ def serve(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     t0 = time.perf_counter()
     try:
-        engine = build_engine(dataclasses.replace(cfg, warmup=False))
-    except (OSError, ValueError) as e:  # missing, refused (pickles, remote code) or damaged checkpoints
-        print(f"netra-jax serve: cannot load the model: {e}", file=sys.stderr)
+        engine = load_engine(dataclasses.replace(cfg, warmup=False))
+    except CLIError as e:  # missing, refused (pickles, remote code), unsupported or damaged checkpoints
+        print(f"netra-jax serve: {e}", file=sys.stderr)
         return 2
     mc = engine.model_config
     name = served_model_name(args)
@@ -174,6 +174,10 @@ def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"netra-jax serve: the chat template does not render: {e}", file=sys.stderr)
             return 2
+    elif not engine.tokenizer.special.chat_templates:
+        print(
+            "netra-jax: the model has no chat template: chat requests get 400 (--chat-template gives one)", flush=True
+        )
     dtype = str(next(iter(_leaves(engine.runner.params))).dtype)
     print(
         f"netra-jax: loaded {resolve_model_path(cfg.model)} as {name!r} ({mc.architecture}, {mc.num_layers} layers, "

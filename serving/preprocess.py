@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
 from netra_jax.sampling_params import SamplingParams
@@ -14,6 +15,10 @@ from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, Compl
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template (a base model?), so it cannot answer chat requests; start the server with "
+    "--chat-template (a file or the Jinja source) to give it one, or send plain prompts to /v1/completions"
+)
 _FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
@@ -93,6 +98,8 @@ async def chat_prompt(
         text = await asyncio.to_thread(
             tok.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )
+    except NoChatTemplateError:
+        raise bad(NO_CHAT_TEMPLATE, "messages", code="no_chat_template") from None
     except (ValueError, TypeError) as e:
         raise bad(f"chat template failed: {e}", "messages") from None
     return text, check_ids(engine, tok.encode(text, add_special_tokens=False), "messages")

@@ -113,12 +113,14 @@ def write_spm_gguf(
     arch: str = "llama",
     add_space_prefix: bool | None = None,
     chat_template: str | None = None,
+    tokenizer_model: str = "llama",
     hidden: int = 32,
     layers: int = 2,
     seed: int = 0,
 ) -> Path:
     """A loadable GGUF model: the vocabulary's tokenizer metadata as llama.cpp writes it for a llama-architecture
-    model (`add_space_prefix` only when given, as the Gemma converters do) and tiny random weights."""
+    model (`add_space_prefix` only when given, as the Gemma converters do) and tiny random weights.
+    `tokenizer_model` other than "llama" makes a file whose tokenizer kind is unknown (for error tests)."""
     tokens, scores, types = spm_vocab(proto)
     heads, kv_heads, ffn = 4, 2, 2 * hidden
     head_dim = hidden // heads
@@ -134,7 +136,7 @@ def write_spm_gguf(
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_scores(scores)

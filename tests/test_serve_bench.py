@@ -440,13 +440,22 @@ def test_launch_starts_waits_for_ready_and_stops_the_server(tmp_path, monkeypatc
     assert res["config"]["base_url"].startswith("http://127.0.0.1:") and res["config"]["launch"] is True
 
 
-def test_launch_reports_a_server_that_exits(tmp_path, monkeypatch):
+def test_launch_reports_a_server_that_exits(tmp_path, monkeypatch, capsys):
     from netra_jax.bench import launch
 
-    code = "import sys; print('cannot load the model'); sys.exit(2)"
+    code = "import sys; print('starting'); print('cannot load the model'); sys.exit(2)"
     monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, "-c", code])
-    with pytest.raises(SystemExit, match="exited with status 2:\ncannot load the model"):
+    with pytest.raises(SystemExit) as e:  # status 2: the server refused to start; its last line says why
         with launch.launched("missing.gguf", log_path=str(tmp_path / "log")):
+            pytest.fail("the block must not run")
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err == "netra-jax bench serve: the launched server did not start: cannot load the model\n"
+    )
+    code = "import sys; print('crashed'); sys.exit(3)"
+    monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, "-c", code])
+    with pytest.raises(SystemExit, match="exited with status 3:\ncrashed"):
+        with launch.launched("missing.gguf", log_path=str(tmp_path / "log3")):
             pytest.fail("the block must not run")
 
 

@@ -39,6 +39,10 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path, head
     t0 = time.monotonic()
     with httpx.Client(timeout=5.0) as client:
         while True:
+            if proc.poll() == 2:  # it refused to start (a model that cannot load, a bad flag): its last line says why
+                why = _tail(log, 1) or "exit status 2"
+                print(f"netra-jax bench serve: the launched server did not start: {why}", file=sys.stderr)
+                raise SystemExit(2)
             if proc.poll() is not None:
                 raise SystemExit(f"the launched server exited with status {proc.returncode}:\n{_tail(log)}")
             try:
