@@ -188,3 +188,14 @@ def test_gguf_rope_errors():
     for bad in (7, 18, 0):
         with pytest.raises(ConfigError, match="rope.dimension_count"):
             config_from_gguf_metadata(meta | {"qwen3.rope.dimension_count": bad}, shapes(hf))
+
+
+def test_gguf_gpt_oss_keeps_its_unrounded_yarn_ramp():
+    """gpt-oss GGUF files carry no `truncate` key; the HF config's truncate=false is what the weights were made for."""
+    hf = REF["rope_configs"]["tiny-gpt-oss"]["config"]
+    moe = {"expert_count": hf["num_local_experts"], "expert_used_count": hf["num_experts_per_tok"]}
+    meta = gguf_metadata(hf, "gpt-oss") | {f"gpt-oss.{k}": v for k, v in moe.items()}
+    meta["gpt-oss.attention.sliding_window"] = hf["sliding_window"]
+    got, want = config_from_gguf_metadata(meta, shapes(hf)), ModelConfig.from_hf_dict(hf)
+    assert not got.rope_full.truncate
+    assert (got.rope_full, got.rope_sliding, got.rotary_dim) == (want.rope_full, want.rope_sliding, want.rotary_dim)
