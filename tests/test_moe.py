@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from netra_jax.config import ModelConfig
 from netra_jax.loader import load_model
-from netra_jax.models.moe import MOE_KEYS, moe_mlp, route
+from netra_jax.models.moe import MOE_KEYS, _grouped_matmul_blocks, grouped_matmul, moe_mlp, route
 
 LAYER = 1
 
@@ -153,3 +153,21 @@ def test_token_output_independent_of_companions(name):
     alone = np.asarray(f(jnp.asarray(x[:1]), params, cfg))
     np.testing.assert_array_equal(mixed[0], batch[0])  # same shape, other companions: bitwise
     assert np.abs(alone[0] - batch[0]).max() <= 1e-6 * max(1.0, np.abs(batch[0]).max())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, 130])
+def test_grouped_matmul(rows):
+    """Both implementations (ragged_dot, the CPU block loop) against numpy, with empty and uneven groups; on CPU the
+    compiled product is the block loop, not ragged_dot's masked product over every group."""
+    rng = np.random.default_rng(rows)
+    G, K, N = 5, 24, 40
+    sizes = np.bincount(np.sort(rng.integers(0, G, rows)) if rows > 2 else [1, 3][:rows], minlength=G)
+    x = rng.normal(size=(rows, K)).astype(np.float32)
+    w = rng.normal(size=(G, K, N)).astype(np.float32)
+    group = np.repeat(np.arange(G), sizes)
+    want = np.einsum("rk,rkn->rn", x.astype(np.float64), w[group].astype(np.float64))
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32))
+    for fn in (jax.lax.ragged_dot, _grouped_matmul_blocks, grouped_matmul):
+        np.testing.assert_allclose(np.asarray(jax.jit(fn)(*args)), want, rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(grouped_matmul).lower(*args).as_text()
+    assert "while" in hlo and f"{G}x{rows}x{K}" not in hlo  # no [groups, rows, K] masked copy of the rows
