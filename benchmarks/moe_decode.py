@@ -132,16 +132,7 @@ class HF:
 
     def __init__(self, python: str, model_dir: str, log_dir: str):
         self.err = open(os.path.join(log_dir, "hf_stderr.txt"), "w+")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
-        self.proc = subprocess.Popen(
-            [python, __file__, "--hf-worker", model_dir],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.err,
-            text=True,
-            env=env,
-        )
-        rl.Phase.children.append(self.proc.pid)
+        self.proc = ot.start_worker(python, __file__, model_dir, self.err)
         self._read()  # loaded
 
     def _read(self) -> dict:

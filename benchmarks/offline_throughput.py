@@ -249,6 +249,21 @@ def hf_worker(inp: str) -> None:
         print(json.dumps(gen(ps, job["max_tokens"] if batch else job["batch1_tokens"])), flush=True)
 
 
+def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen:
+    """`python script --hf-worker arg` offline, talking JSON lines over stdin/stdout; its CPU time counts as ours."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+    proc = subprocess.Popen(
+        [python, script, "--hf-worker", arg],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    rl.Phase.children.append(proc.pid)
+    return proc
+
+
 class HFClient:
     """The baseline worker as a long-lived subprocess, so its runs interleave with ours under the same load."""
 
@@ -267,18 +282,9 @@ class HFClient:
                 }
             )
         )
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
         self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
         self.python = hf_python
-        self.proc = subprocess.Popen(
-            [hf_python, __file__, "--hf-worker", inp],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.err,
-            text=True,
-            env=env,
-        )
-        rl.Phase.children.append(self.proc.pid)
+        self.proc = start_worker(hf_python, __file__, inp, self.err)
 
     def _ask(self, cmd: str | None) -> dict:
         if cmd is not None:
