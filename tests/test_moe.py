@@ -171,3 +171,17 @@ def test_grouped_matmul(rows):
         np.testing.assert_allclose(np.asarray(jax.jit(fn)(*args)), want, rtol=1e-5, atol=1e-5)
     hlo = jax.jit(grouped_matmul).lower(*args).as_text()
     assert "while" in hlo and f"{G}x{rows}x{K}" not in hlo  # no [groups, rows, K] masked copy of the rows
+
+
+def test_gpu_lowering_uses_ragged_dot():
+    """Lowered for an (abstract) H200, the experts are XLA's ragged-dot instruction, not the CPU block loop."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    name = "tiny-gpt-oss"
+    cfg = ModelConfig.from_hf_dir(FIXTURES / name)
+    gpu = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    x = jax.ShapeDtypeStruct((16, cfg.hidden_size), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=gpu)):
+        hlo = jax.jit(moe_mlp, static_argnums=2).trace(x, moe_params(name), cfg).lower(lowering_platforms=("cuda",))
+    text = hlo.as_text()
+    assert "chlo.ragged_dot" in text and "stablehlo.while" not in text
