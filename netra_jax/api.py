@@ -18,7 +18,7 @@ from netra_jax import assets, parallel
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
-from netra_jax.loader import load_model
+from netra_jax.loader import load_config, load_model
 from netra_jax.models.quant import quantize_params
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.tokenizer import Tokenizer
@@ -53,10 +53,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.quantization and tp > 1:
         raise ValueError("quantization is not supported together with tensor parallelism yet")
     mesh = parallel.make_mesh(tp) if tp > 1 else None
+    load_config(path)  # the path, format and architecture are checked from headers alone,
+    tokenizer = Tokenizer.load(path)  # and the tokenizer next: an unusable model fails before any weight is read
     cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format)
     if config.quantization:
         params = quantize_params(params, config.quantization)
-    tokenizer = Tokenizer.load(path)
     engine = LLMEngine(config, cfg, params, tokenizer)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
     if config.warmup:
