@@ -64,19 +64,21 @@ def _block_rows(rows: int, groups: int) -> int:
 
 
 def _grouped_matmul_blocks(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """grouped_matmul as a loop per group over blocks of its rows: each block is one [B, K] @ [K, N] dot with the
-    group's matrix, so the work follows the rows each group has (a group without rows is skipped, its matrix not
-    even read) and the shapes stay static (the trip counts are data)."""
+    """grouped_matmul as a loop over groups and, inside, over blocks of the group's rows: each block is one
+    [B, K] @ [K, N] dot with the group's matrix, so the work follows the rows each group has (a group without rows
+    is skipped, its matrix not even read). Both loops are `fori_loop`s with data trip counts: the shapes stay
+    static and the program's size does not grow with the number of groups (unrolled over 128 experts, one layer
+    took 6 s to compile; as a loop 0.3 s, and it runs as fast)."""
     R, K = rows.shape
     G, _, N = w.shape
     B = _block_rows(R, G)
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G] first row of each group
     padded = jnp.concatenate([rows, jnp.zeros((B, K), rows.dtype)])  # [R + B, K]: a block never reads past the end
     out = jnp.zeros((R + B, N), rows.dtype)
-    for g in range(G):  # in group order: rows a block writes past its group's end belong to later groups
 
-        def group(out, g=g):
-            wg = w[g]  # [K, N], taken once for all the group's blocks
+    def group(g, out):  # in group order: rows a block writes past its group's end belong to later groups
+        def run(out):
+            wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], taken once for all the group's blocks
 
             def block(b, out):
                 r = starts[g] + b * B
@@ -85,8 +87,9 @@ def _grouped_matmul_blocks(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
 
             return jax.lax.fori_loop(0, (group_sizes[g] + B - 1) // B, block, out)
 
-        out = jax.lax.cond(group_sizes[g] > 0, group, lambda out: out, out)
-    return out[:R]
+        return jax.lax.cond(group_sizes[g] > 0, run, lambda out: out, out)
+
+    return jax.lax.fori_loop(0, G, group, out)[:R]
 
 
 def _grouped_experts(rows: jax.Array, expert: jax.Array, group_sizes: jax.Array, lp: dict, cfg) -> jax.Array:
