@@ -8,8 +8,8 @@ Decode tokens/s on both sides = batch * (new - 1) / (time of a greedy generate o
 single token): the prefill and the first token cancel out, what is left is `new - 1` decode steps. Prompts are random
 token ids of one length (no padding on the transformers side, no prefix cache on ours), `temperature 0` and no EOS
 stop on both sides. Runs are paired and alternate which side goes first, under the same load; the baseline is a
-long-lived subprocess in an interpreter with torch + transformers (found as `offline_throughput.find_hf_python`
-does; /work/hfenv on the project's machines), started with this file and `--hf-worker`.
+long-lived subprocess in an interpreter with torch + transformers (`--hf-python`, `NETRA_HF_PYTHON`, or found as
+`offline_throughput.find_hf_python` does), started with this file and `--hf-worker`.
 """
 
 from __future__ import annotations
@@ -299,9 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     news = [int(n) for n in args.new_tokens.split(",")]
     if args.quick:
         batches, news, args.repeats = [1, 4], [8, 8], 1
-    python = ot.find_hf_python(args.hf_python) or ("/work/hfenv/bin/python" if Path("/work/hfenv").exists() else None)
+    python = ot.find_hf_python(args.hf_python)
     if python is None:
-        raise SystemExit("no interpreter with torch + transformers: pass --hf-python")
+        raise SystemExit("no interpreter with torch + transformers: pass --hf-python or set NETRA_HF_PYTHON")
     tmp = tempfile.mkdtemp(prefix="moe-decode-")
     phases: dict = {}
     result: dict = {

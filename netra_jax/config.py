@@ -197,6 +197,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.rotary_dim:  # frozen: set once, before anyone reads it
             object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.expert_act not in EXPERT_ACTIVATIONS:
+            raise ConfigError(
+                f"unknown expert activation {self.expert_act!r}; supported: {', '.join(EXPERT_ACTIVATIONS)}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -372,7 +376,8 @@ def _moe_fields(d: dict[str, Any], family: str, n_layers: int, intermediate: int
         num_experts_per_tok=top_k,
         moe_intermediate_size=expert_inter,
         moe_layers=layers,
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)) if family == "qwen3_moe" else True,
+        # Qwen3-MoE's config defaults to plain top-k probabilities; Mixtral and gpt-oss always renormalise
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)) if family == "qwen3_moe" else True,
     )
     if family == "gpt_oss":
         out.update(

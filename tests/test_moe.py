@@ -6,6 +6,7 @@ other tokens in the step."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 
 import jax
@@ -185,3 +186,20 @@ def test_gpu_lowering_uses_ragged_dot():
         hlo = jax.jit(moe_mlp, static_argnums=2).trace(x, moe_params(name), cfg).lower(lowering_platforms=("cuda",))
     text = hlo.as_text()
     assert "chlo.ragged_dot" in text and "stablehlo.while" not in text
+
+
+def test_moe_config_fields_follow_transformers_defaults():
+    """Qwen3-MoE renormalises the top-k only when its config says so (transformers' default is False); dense layers
+    come from mlp_only_layers and decoder_sparse_step; Mixtral and gpt-oss always renormalise."""
+    d = json.loads((FIXTURES / "tiny-qwen3-moe" / "config.json").read_text())
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is True  # the fixture sets it
+    d.pop("norm_topk_prob")
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is False
+    d.update(num_hidden_layers=6, mlp_only_layers=[0], decoder_sparse_step=2)
+    assert ModelConfig.from_hf_dict(d).moe_layers == (False, True, False, True, False, True)
+    for name in ("tiny-mixtral", "tiny-gpt-oss"):
+        d = json.loads((FIXTURES / name / "config.json").read_text())
+        assert ModelConfig.from_hf_dict(d | {"norm_topk_prob": False}).norm_topk_prob is True
+    d = json.loads((FIXTURES / "tiny-gpt-oss" / "config.json").read_text())
+    with pytest.raises(ValueError, match="expert activation"):
+        ModelConfig.from_hf_dict(d).replace(expert_act="gelu")
