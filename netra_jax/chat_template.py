@@ -29,7 +29,21 @@ class ChatTemplateError(ValueError):
 
 
 class NoChatTemplateError(ChatTemplateError):
-    """The model has no chat template (base models usually have none) and none was given."""
+    """The model has no chat template (base models usually have none) and none was given. The message is one sentence
+    saying so, then `hint`: what the caller's user can do about it (a flag, an argument, another endpoint)."""
+
+    BASE = "the model has no chat template (a base model?), so it cannot answer chat requests"
+
+    def __init__(self, hint: str) -> None:
+        super().__init__(self.message(hint))
+        self.hint = hint
+
+    @classmethod
+    def message(cls, hint: str) -> str:
+        return f"{cls.BASE}; {hint}"
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # pickled (Ray workers) from its hint, not its whole message
+        return type(self), (self.hint,)
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,12 @@ class IncrementalDetokenizer:
         """Emit `text` (the decoded window up to token `upto`) past the prefix, then slide the window."""
         chunk = text[len(self._prefix_text) :]  # "" when the new tokens show nothing (skipped special tokens)
         start = self._read  # the new prefix starts where the last read ended
-        if self.skip_special_tokens and all(i in self._special for i in self._window[start:upto]):
+        if not chunk and self.skip_special_tokens and all(i in self._special for i in self._window[start:upto]):
             # Tokens that decode to nothing are dropped rather than made the new prefix: a window opening on them
-            # would let a SentencePiece decoder strip the `▁` space of the text that follows them.
+            # would let a SentencePiece decoder strip the `▁` space of the text that follows them. A special id that
+            # does show text (a plain token the model's files call special) is emitted as any other token.
             del self._window[start:upto]
-            return chunk
+            return ""
         del self._window[:start]
         self._read = upto - start
         self._prefix_text = self._decode(self._window[: self._read])

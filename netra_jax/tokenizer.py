@@ -252,10 +252,7 @@ class Tokenizer:
             return named["default"]
         if named:
             raise ChatTemplateError(f"no default chat template; choose one of {sorted(named)} with chat_template=")
-        raise NoChatTemplateError(
-            "the model has no chat template (a base model?); pass chat_template= (a Jinja template) or send plain "
-            "prompts"
-        )
+        raise NoChatTemplateError("pass chat_template= (a Jinja template) or send plain prompts")
 
     def apply_chat_template(
         self,

@@ -143,8 +143,7 @@ def _chat_prompt(body: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
     except NoChatTemplateError:
         raise RequestError(
-            "the model has no chat template (a base model?), so it cannot answer chat requests; send completion "
-            "requests (/v1/completions) instead",
+            NoChatTemplateError.message("send completion requests (/v1/completions) instead"),
             code="no_chat_template",
             param="messages",
         ) from None

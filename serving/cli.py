@@ -149,6 +149,7 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: di
 
 def serve(args: argparse.Namespace) -> int:
     from netra_jax.api import resolve_model_path
+    from netra_jax.chat_template import NoChatTemplateError
     from netra_jax.cli import CLIError, engine_config, load_engine
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
@@ -175,9 +176,8 @@ def serve(args: argparse.Namespace) -> int:
             print(f"netra-jax serve: the chat template does not render: {e}", file=sys.stderr)
             return 2
     elif not engine.tokenizer.special.chat_templates:
-        print(
-            "netra-jax: the model has no chat template: chat requests get 400 (--chat-template gives one)", flush=True
-        )
+        hint = "they get 400 (start the server with --chat-template to give it one)"
+        print(f"netra-jax: {NoChatTemplateError.message(hint)}", flush=True)
     dtype = str(next(iter(_leaves(engine.runner.params))).dtype)
     print(
         f"netra-jax: loaded {resolve_model_path(cfg.model)} as {name!r} ({mc.architecture}, {mc.num_layers} layers, "

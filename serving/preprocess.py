@@ -15,9 +15,9 @@ from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, Compl
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
-NO_CHAT_TEMPLATE = (
-    "the model has no chat template (a base model?), so it cannot answer chat requests; start the server with "
-    "--chat-template (a file or the Jinja source) to give it one, or send plain prompts to /v1/completions"
+NO_CHAT_TEMPLATE = NoChatTemplateError.message(
+    "start the server with --chat-template (a file or the Jinja source) to give it one, or send plain prompts to "
+    "/v1/completions"
 )
 _FIELDS = set(SamplingParams.__dataclass_fields__)
 

@@ -4,6 +4,7 @@ Covers Hugging Face directories, GGUF metadata (SmolLM2 and synthetic files), th
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from netra_jax.assets import default_model_path
-from netra_jax.chat_template import ChatTemplateError, ChatTemplateLimits, render_chat_template
+from netra_jax.chat_template import ChatTemplateError, ChatTemplateLimits, NoChatTemplateError, render_chat_template
 from netra_jax.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from netra_jax.loader.gguf_loader import read_gguf_metadata
 from netra_jax.tokenizer import Tokenizer
@@ -188,8 +189,10 @@ def test_named_templates_eos_lists_and_token_dicts(tmp_path: Path) -> None:
 
 def test_missing_template_is_a_clear_error(tmp_path: Path) -> None:
     tok = Tokenizer.load(_tiny_dir(tmp_path, {"eos_token": "<|im_end|>"}))
-    with pytest.raises(ChatTemplateError, match="no chat template"):
+    with pytest.raises(NoChatTemplateError, match="no chat template") as raised:
         tok.apply_chat_template(USER)
+    assert str(raised.value).startswith(NoChatTemplateError.BASE) and "chat_template=" in str(raised.value)
+    assert str(pickle.loads(pickle.dumps(raised.value))) == str(raised.value)  # as raised in a Ray worker
     assert tok.encode_chat(USER, chat_template=CHATML) == _reference(FIXTURES / "tiny-llama")["chat"]["prompt_ids"]
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
@@ -361,3 +364,14 @@ def test_detokenizer_decodes_a_bounded_window(tiny: Tokenizer, monkeypatch: pyte
     monkeypatch.undo()
     assert "".join(chunks) == tiny.decode(ids)
     assert max(lengths) <= PROMPT_CONTEXT_TOKENS + MAX_HELD_TOKENS + 1 < len(ids) // 10
+
+
+def test_detokenizer_text_is_the_streamed_text_when_a_special_id_decodes(tmp_path: Path) -> None:
+    """An id counted special by the model's files but a plain token of the vocabulary (here the pad id of
+    generation_config.json) decodes to text: that text is streamed and is part of `text` (what stop strings see)."""
+    tok = Tokenizer.load(_tiny_dir(tmp_path, {"eos_token": "<|im_end|>"}, {"pad_token_id": 300}))
+    word = tok.decode([300])
+    assert 300 in tok.all_special_ids and word
+    ids = [*tok.encode("Paris"), 300, *tok.encode(" is")]
+    chunks = _stream(tok, ids, [1] * len(ids))
+    assert "".join(chunks) == tok.decode(ids) and word in "".join(chunks)
