@@ -15,6 +15,8 @@ from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
 
+log = logging.getLogger(__name__)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
@@ -84,15 +86,27 @@ def one_line(e: BaseException) -> str:
     return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"
 
 
+# What a model that cannot be loaded raises: missing or unreadable files (OSError, FileNotFoundError), a damaged,
+# refused or unsupported checkpoint, config or tokenizer (ValueError: CheckpointError, ConfigError, the tokenizer's and
+# the GGUF reader's errors), a checkpoint larger than memory. Anything else is a bug of ours and keeps its traceback.
+_LOAD_ERRORS = (OSError, ValueError, MemoryError)
+
+
+def _cannot_load(path: object, e: BaseException) -> CLIError:
+    """The one line for the user; the traceback goes to the debug log (`--log-level DEBUG`)."""
+    log.debug("cannot load the model %s", path, exc_info=e)
+    return CLIError(f"cannot load the model {path}: {one_line(e)}")
+
+
 def load_engine(config: EngineConfig) -> LLMEngine:
-    """`build_engine(config)`, any failure to load the model (missing, not a model, an unsupported architecture or
+    """`build_engine(config)`; a model that cannot be loaded (missing, not a model, an unsupported architecture or
     tokenizer, a damaged file) raised as CLIError."""
     from netra_jax.api import build_engine, resolve_model_path
 
     try:
         return build_engine(config)
-    except Exception as e:
-        raise CLIError(f"cannot load the model {resolve_model_path(config.model)}: {one_line(e)}") from e
+    except _LOAD_ERRORS as e:
+        raise _cannot_load(resolve_model_path(config.model), e) from e
 
 
 def check_model(config: EngineConfig) -> None:
@@ -107,8 +121,8 @@ def check_model(config: EngineConfig) -> None:
         if config.load_format != "dummy":
             load_config(path)
         Tokenizer.load(path)
-    except Exception as e:
-        raise CLIError(f"cannot load the model {path}: {one_line(e)}") from e
+    except _LOAD_ERRORS as e:
+        raise _cannot_load(path, e) from e
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -139,10 +153,11 @@ def _one_off(a: argparse.Namespace, chat: bool) -> int:
         try:
             prompt = {"prompt_token_ids": tok.encode_chat(messages, chat_template=template)}
         except NoChatTemplateError:
-            raise CLIError(
-                "the model has no chat template (a base model?); give one with --chat-template (a file or the Jinja "
-                "source), or complete a raw prompt with `netra-jax generate`"
-            ) from None
+            hint = (
+                "give one with --chat-template (a file or the Jinja source), or complete a raw prompt with "
+                "`netra-jax generate`"
+            )
+            raise CLIError(NoChatTemplateError.message(hint)) from None
         except ValueError as e:
             raise CLIError(f"the chat template does not render: {one_line(e)}") from None
     else:

@@ -14,7 +14,9 @@ import pytest
 from spm_gguf import write_spm_gguf
 from test_server import start_server
 
-from netra_jax.cli import main
+import netra_jax.cli
+from netra_jax.cli import CLIError, main
+from netra_jax.config import EngineConfig
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "spm-gguf" / "reference.json").read_text("utf-8"))
 PROTO = base64.b64decode(REFERENCE["vocabs"]["llama-bpe"]["proto"])
@@ -134,3 +136,29 @@ def test_base_model_serves_completions_and_refuses_chat(base_model) -> None:
             assert "no chat template" in err["message"] and "--chat-template" in err["message"]
     finally:
         server.stop()
+
+
+def _failing(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize(
+    "command, replaced", [("load_engine", "api.build_engine"), ("check_model", "loader.load_config")]
+)
+def test_load_errors_are_one_line_with_the_traceback_at_debug_level_and_bugs_keep_theirs(
+    command: str, replaced: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A model that cannot be loaded is one line for the user and its traceback a debug record; any other exception
+    is a bug of ours and propagates with its own traceback."""
+    call, config = getattr(netra_jax.cli, command), EngineConfig(model=str(tmp_path))
+    monkeypatch.setattr(f"netra_jax.{replaced}", _failing(ValueError("the file is damaged")))
+    with caplog.at_level("DEBUG", logger="netra_jax.cli"), pytest.raises(CLIError, match="the file is damaged"):
+        call(config)
+    (record,) = [r for r in caplog.records if r.name == "netra_jax.cli"]
+    assert record.levelname == "DEBUG" and record.exc_info[1].args == ("the file is damaged",)
+    monkeypatch.setattr(f"netra_jax.{replaced}", _failing(KeyError("a bug of ours")))
+    with pytest.raises(KeyError, match="a bug of ours"):
+        call(config)
