@@ -312,7 +312,8 @@ class WeightReader:
 
 
 def hf_to_params(cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype) -> dict:
-    """The whole parameter pytree as numpy arrays, from HF-named tensors."""
+    """The whole parameter pytree as numpy arrays, from HF-named tensors (each leaf read block by block into its
+    array: `weight_reads.Leaf.read`)."""
     leaves = WeightReader(cfg, get, has, dtype).leaves()
     return {
         **{k: v.read_all() for k, v in leaves.items() if k != "layers"},

@@ -3,8 +3,11 @@ that reads any slice of its parameter from the source tensors, touching only the
 
 Sources are numpy arrays or array-like views (`shape` and `__getitem__` over slices: memory maps, de-quantizing
 views); `Leaf.read(index)` takes one slice per parameter axis (step 1), as `jax.make_array_from_callback` asks for a
-device's shard, and the whole index reads the whole parameter. `Reads` logs (tensor name, shape read, bytes) per
-read, so tests can check that a device reads its slice and nothing more."""
+device's shard, and the whole index reads the whole parameter. A large read is done in blocks along the leaf's
+`block_axis` (the axis whose slices are contiguous runs of the source: experts, rows of a Linear weight) into one
+preallocated array of the parameter's dtype, so its transient copies (de-quantized float32, transposes, casts) are
+one block's, not the whole parameter's (gpt-oss-120b's MXFP4 gate_up is 8.5 GB in float32 per layer). `Reads` logs
+(tensor name, shape read, bytes) per read, so tests can check that a device reads its slice and nothing more."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import numpy as np
 
 Index = tuple[slice, ...]
+BLOCK_BYTES = 64 << 20  # float32 bytes of one block of a read (its transient copies are a few of these)
 
 
 class WeightError(ValueError):
@@ -23,11 +27,32 @@ class WeightError(ValueError):
 
 @dataclass
 class Leaf:
-    """One parameter: its global shape and dtype, and `read(index) -> numpy slice` of it."""
+    """One parameter: its global shape and dtype, and `read(index) -> numpy slice` of it (`read_block` reads one
+    block; `block_axis`: the axis a large read is split along)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    read: Callable[[Index], np.ndarray]
+    read_block: Callable[[Index], np.ndarray]
+    block_axis: int = 0
+
+    def read(self, idx: Index) -> np.ndarray:
+        """The slice `idx` (one step-1 slice per axis), read in blocks of about `BLOCK_BYTES` (as float32) along
+        `block_axis` into one array of the leaf's dtype."""
+        if not self.shape:
+            return self.read_block(idx)
+        ax = self.block_axis
+        extent = [s.stop - s.start for s in idx]
+        row_bytes = 4 * int(np.prod(extent[:ax] + extent[ax + 1 :], dtype=np.int64))  # one index along ax
+        step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+        if step >= extent[ax]:
+            return self.read_block(idx)
+        out = np.empty(extent, self.dtype)
+        for start in range(0, extent[ax], step):
+            part = slice(start, min(start + step, extent[ax]))
+            block = list(idx)
+            block[ax] = slice(idx[ax].start + part.start, idx[ax].start + part.stop)
+            out[(slice(None),) * ax + (part,)] = self.read_block(tuple(block))
+        return out
 
     def read_all(self) -> np.ndarray:
         return self.read(tuple(slice(0, n) for n in self.shape))
@@ -51,6 +76,20 @@ class Source:
 
     name: str
     a: Any
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """A tensor [..., 2I] whose columns interleave gate and up (gpt-oss's `gate_up_proj`), given by its two halves
+    [..., I] (array-likes, e.g. a GGUF file's separate gate and up experts), which `deinterleave` reads directly
+    instead of building the interleaved tensor to take it apart again."""
+
+    gate: Any
+    up: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.gate.shape[:-1], 2 * self.gate.shape[-1])
 
 
 def _rows(rows: slice, out_map: np.ndarray | None) -> slice | np.ndarray:
@@ -91,7 +130,7 @@ def linear(src: Source, reads: Reads, dtype, out_map=None) -> Leaf:
         i, o = idx
         return np.ascontiguousarray(reads.take(src.name, src.a, (_rows(o, out_map), i)).T).astype(dtype)
 
-    return Leaf(shape, np.dtype(dtype), read)
+    return Leaf(shape, np.dtype(dtype), read, block_axis=1)  # blocks of source rows
 
 
 def gate_up(gate: Source, up: Source, reads: Reads, dtype) -> Leaf:
@@ -104,7 +143,7 @@ def gate_up(gate: Source, up: Source, reads: Reads, dtype) -> Leaf:
         cols = [np.ascontiguousarray(reads.take(p.name, p.a, (i, h)).T) for p in parts[k]]  # [h, i] each
         return np.stack(cols, axis=1).astype(dtype)
 
-    return Leaf((hidden, 2, inter), np.dtype(dtype), read)
+    return Leaf((hidden, 2, inter), np.dtype(dtype), read, block_axis=2)  # blocks of source rows
 
 
 def experts_gate_up(gates: Sequence[Source], ups: Sequence[Source], reads: Reads, dtype) -> Leaf:
@@ -129,20 +168,31 @@ def experts_down(downs: Sequence[Source], reads: Reads, dtype) -> Leaf:
 
     def read(idx: Index) -> np.ndarray:
         e, i, h = idx
-        return np.stack([reads.take(p.name, p.a, (h, i)).T for p in downs[e]]).astype(dtype)
+        out = np.empty((e.stop - e.start, i.stop - i.start, h.stop - h.start), dtype)
+        for ee, p in enumerate(downs[e]):
+            out[ee] = reads.take(p.name, p.a, (h, i)).T
+        return out
 
     return Leaf((len(downs), inter, hidden), np.dtype(dtype), read)
 
 
 def deinterleave(src: Source, reads: Reads, dtype) -> Leaf:
-    """[..., 2I] with gate and up interleaved (gate = [..., ::2], up = [..., 1::2], gpt-oss) -> [..., 2, I]."""
+    """[..., 2I] with gate and up interleaved (gate = [..., ::2], up = [..., 1::2], gpt-oss) -> [..., 2, I]; an
+    `Interleaved` source gives its halves directly."""
     *lead, two_i = src.a.shape
+
+    def halves(lead_idx: list[slice], k: slice, i: slice) -> list[np.ndarray]:  # [..., n] per part in k
+        if isinstance(src.a, Interleaved):
+            return [reads.take(src.name, h, (*lead_idx, i)) for h in (src.a.gate, src.a.up)[k]]
+        x = reads.take(src.name, src.a, (*lead_idx, slice(2 * i.start, 2 * i.stop)))  # [..., 2n], pairs (gate, up)
+        return [x[..., kk::2] for kk in range(k.start, k.stop)]
 
     def read(idx: Index) -> np.ndarray:
         *lead_idx, k, i = idx
-        x = reads.take(src.name, src.a, (*lead_idx, slice(2 * i.start, 2 * i.stop)))  # [..., 2n], pairs (gate, up)
-        x = x.reshape(*x.shape[:-1], -1, 2)  # [..., n, 2]
-        return np.ascontiguousarray(np.moveaxis(x, -1, -2)[..., k, :]).astype(dtype)  # [..., k, n]
+        out = np.empty((*(s.stop - s.start for s in lead_idx), k.stop - k.start, i.stop - i.start), dtype)
+        for kk, part in enumerate(halves(lead_idx, k, i)):
+            out[..., kk, :] = part
+        return out
 
     return Leaf((*lead, 2, two_i // 2), np.dtype(dtype), read)
 

@@ -1,6 +1,9 @@
 """The weight map on the mixture-of-experts fixtures (Qwen3-MoE, Mixtral, gpt-oss): every parameter's shape, dtype
 and values against the safetensors tensors transformed by hand here (transposes, gate/up stacking, gpt-oss's
-interleave undone), MXFP4 experts against hand-encoded blocks, and per-device slice reads under tensor parallelism."""
+interleave undone), MXFP4 experts against hand-encoded blocks, per-device slice reads under tensor parallelism, and
+large parameters read in blocks. tiny-gpt-oss's experts are square (hidden = intermediate = 64), so a copy with
+intermediate 96 checks that no hidden/intermediate axis is swapped (tiny-qwen3-moe: 32 vs 64, tiny-mixtral: 96 vs
+64 are not square)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.loader import load_model
 from netra_jax.loader.hf import HFCheckpoint
-from netra_jax.models import weight_map
+from netra_jax.models import weight_map, weight_reads
 from netra_jax.models.weight_map import hf_to_params
 
 MOE_MODELS = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss")
@@ -86,21 +89,69 @@ def expected_params(cfg: ModelConfig, t: dict[str, np.ndarray]) -> dict:
 FLOAT32_PARAMS = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm", "sinks", "router_bias"}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", MOE_MODELS)
-def test_moe_checkpoint_loads_to_the_contract_pytree(name, dtype):
-    cfg, params = load_model(FIXTURES / name, dtype, cache=False)
-    want = expected_params(cfg, load_file(FIXTURES / name / "model.safetensors"))
+def assert_params_are(params: dict, want: dict, dtype) -> None:
+    """Every leaf of `params` has the structure, shape, dtype (float32 for norms, sinks and the router bias) and
+    values of `want` (cast to that dtype)."""
     assert jax.tree.structure(params) == jax.tree.structure(want)
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     for (path, got), ref in zip(flat, jax.tree.leaves(want), strict=True):
         key = str(getattr(path[-1], "key", ""))
         assert got.dtype == (np.float32 if key in FLOAT32_PARAMS else np.dtype(dtype)), path
         assert got.shape == ref.shape, path
-        np.testing.assert_array_equal(np.asarray(got), ref.astype(got.dtype), err_msg=str(path))
+        np.testing.assert_array_equal(np.asarray(got), ref.astype(got.dtype), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_moe_checkpoint_loads_to_the_contract_pytree(name, dtype):
+    cfg, params = load_model(FIXTURES / name, dtype, cache=False)
+    assert_params_are(params, expected_params(cfg, load_file(FIXTURES / name / "model.safetensors")), dtype)
     lp = params["layers"][0]
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert lp["experts_gate_up"].shape == (E, H, 2, I) and lp["experts_down"].shape == (E, I, H)
+
+
+NON_SQUARE_INTER = 96  # tiny-gpt-oss's hidden size is 64
+
+
+def write_non_square_gpt_oss(d, stored=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """tiny-gpt-oss in directory `d` with intermediate size 96 and random experts of the new shapes (gate_up_proj
+    [E, 64, 192] interleaved, down_proj [E, 96, 64], their biases), every tensor stored as `stored` (float32 or
+    bfloat16); returns its config and the tensors as stored, in float32."""
+    shutil.copytree(FIXTURES / "tiny-gpt-oss", d, dirs_exist_ok=True)
+    hf_cfg = json.loads((d / "config.json").read_text()) | {"intermediate_size": NON_SQUARE_INTER}
+    (d / "config.json").write_text(json.dumps(hf_cfg))
+    cfg = ModelConfig.from_hf_dir(d)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    tensors = load_file(d / "model.safetensors")
+    rng = np.random.default_rng(1)
+    shapes = {
+        "gate_up_proj": (E, H, 2 * I),
+        "gate_up_proj_bias": (E, 2 * I),
+        "down_proj": (E, I, H),
+        "down_proj_bias": (E, H),
+    }
+    for i in range(cfg.num_layers):
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{i}.mlp.experts.{name}"] = rng.standard_normal(shape, np.float32)
+    tensors = {k: v.astype(stored) for k, v in tensors.items()}
+    save_file(tensors, d / "model.safetensors")
+    return cfg, {k: v.astype(np.float32) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("stored", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_non_square_gpt_oss_experts(stored, tmp_path):
+    cfg, tensors = write_non_square_gpt_oss(tmp_path, stored)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert (H, I) == (64, NON_SQUARE_INTER)
+    for dtype in ("float32", "bfloat16"):
+        _, params = load_model(tmp_path, dtype, cache=False)
+        assert_params_are(params, expected_params(cfg, tensors), dtype)
+        lp = params["layers"][1]
+        assert lp["experts_gate_up"].shape == (E, H, 2, I) and lp["experts_gate_up_bias"].shape == (E, 2, I)
+        assert lp["experts_down"].shape == (E, I, H) and lp["experts_down_bias"].shape == (E, H)
+        gu = tensors["model.layers.1.mlp.experts.gate_up_proj"]  # [E, hidden, 2I]: gate in even columns
+        np.testing.assert_array_equal(np.asarray(lp["experts_gate_up"][3, 5, 1, 7]), gu[3, 5, 15].astype(dtype))
 
 
 def _encode_mxfp4(rng, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,11 +167,11 @@ def _encode_mxfp4(rng, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, 
     return blocks, scales, value.reshape(*shape[:-1], shape[-1] * 32).astype(np.float32)
 
 
-def write_mxfp4_gpt_oss(d) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """tiny-gpt-oss in directory `d` with its experts stored as MXFP4 (as the published gpt-oss checkpoints are);
-    returns its config and the tensors with the bf16-layout experts the blocks decode to: gate_up_proj
-    [E, hidden, 2I] and down_proj [E, I, hidden]."""
-    shutil.copytree(FIXTURES / "tiny-gpt-oss", d, dirs_exist_ok=True)
+def write_mxfp4_gpt_oss(d, src=FIXTURES / "tiny-gpt-oss") -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The gpt-oss checkpoint `src` (float32) in directory `d` with its experts stored as MXFP4 (as the published
+    gpt-oss checkpoints are); returns its config and the tensors with the bf16-layout experts the blocks decode to:
+    gate_up_proj [E, hidden, 2I] and down_proj [E, I, hidden]."""
+    shutil.copytree(src, d, dirs_exist_ok=True)
     cfg = ModelConfig.from_hf_dir(d)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     tensors = load_file(d / "model.safetensors")
@@ -144,8 +195,18 @@ def mxfp4_gpt_oss(tmp_path_factory):
     return d, *write_mxfp4_gpt_oss(d)
 
 
-def test_mxfp4_experts_are_dequantized_at_load(mxfp4_gpt_oss):
-    d, cfg, decoded = mxfp4_gpt_oss
+@pytest.fixture(scope="module")
+def mxfp4_non_square(tmp_path_factory):
+    """The non-square gpt-oss (intermediate 96) with MXFP4 experts: 3 groups of 32 per down_proj row."""
+    src = tmp_path_factory.mktemp("gpt-oss-96")
+    write_non_square_gpt_oss(src)
+    d = tmp_path_factory.mktemp("gpt-oss-96-mxfp4")
+    return d, *write_mxfp4_gpt_oss(d, src)
+
+
+@pytest.mark.parametrize("checkpoint", ["mxfp4_gpt_oss", "mxfp4_non_square"])
+def test_mxfp4_experts_are_dequantized_at_load(checkpoint, request):
+    d, cfg, decoded = request.getfixturevalue(checkpoint)
     assert not HFCheckpoint(d).has("model.layers.0.mlp.experts.gate_up_proj_unknown")
     _, params = load_model(d, "float32", cache=False)
     want = expected_params(cfg, decoded)
@@ -192,9 +253,48 @@ def test_experts_split_on_the_intermediate_axis_read_per_device(name):
     assert specs["router"] == ()
 
 
-def test_mxfp4_slices_read_per_device(mxfp4_gpt_oss):
-    d, cfg, _ = mxfp4_gpt_oss
+@pytest.mark.parametrize("checkpoint", ["mxfp4_gpt_oss", "mxfp4_non_square"])
+def test_mxfp4_slices_read_per_device(checkpoint, request):
+    d, cfg, _ = request.getfixturevalue(checkpoint)
     assert _assert_slices_read_alone(cfg, HFCheckpoint(d), tp=2) == 2 + cfg.num_layers * 11
+
+
+SMALL_BLOCK = 3000  # bytes: one expert per block, row blocks that do not align with heads or groups of 32
+
+
+def _read_in_blocks(cfg, ck, budget: int) -> tuple[dict, list]:
+    """The whole parameter pytree read with blocks of `budget` bytes, and the log of source reads."""
+    old, weight_reads.BLOCK_BYTES = weight_reads.BLOCK_BYTES, budget
+    try:
+        reader = weight_map.WeightReader(cfg, ck.get, ck.has, np.float32)
+        leaves = reader.leaves()
+        params = jax.tree.map(lambda leaf: leaf.read_all(), leaves, is_leaf=lambda x: isinstance(x, weight_map.Leaf))
+    finally:
+        weight_reads.BLOCK_BYTES = old
+    return params, reader.reads.log
+
+
+@pytest.mark.parametrize("checkpoint", [*MOE_MODELS, "mxfp4_gpt_oss", "mxfp4_non_square"])
+def test_large_parameters_are_read_in_blocks(checkpoint, request):
+    """A read larger than weight_reads.BLOCK_BYTES goes block by block (gpt-oss's experts one at a time instead of
+    de-quantizing all of a layer's) into one array, with the same values."""
+    if checkpoint in MOE_MODELS:
+        d = FIXTURES / checkpoint
+        cfg, tensors = ModelConfig.from_hf_dir(d), load_file(d / "model.safetensors")
+    else:
+        d, cfg, tensors = request.getfixturevalue(checkpoint)
+    ck = HFCheckpoint(d)
+    params, log = _read_in_blocks(cfg, ck, SMALL_BLOCK)
+    assert_params_are(params, expected_params(cfg, tensors), np.float32)
+    _, whole_log = _read_in_blocks(cfg, ck, weight_reads.BLOCK_BYTES)
+    if cfg.family == "gpt_oss":  # fused [E, hidden, 2I] experts: one expert per read, all at once by default
+
+        def experts_per_read(log: list) -> set[int]:
+            return {shape[0] for name, shape, _ in log if name.endswith(("gate_up_proj", "down_proj"))}
+
+        assert experts_per_read(log) == {1} and experts_per_read(whole_log) == {cfg.num_experts}
+    assert max(b for _, _, b in log) <= max(SMALL_BLOCK, 4 * cfg.hidden_size * 2 * cfg.moe_intermediate_size)
+    assert len(log) > len(whole_log)
 
 
 def test_check_tp_counts_the_expert_width():

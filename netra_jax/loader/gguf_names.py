@@ -2,11 +2,13 @@
 parameter it feeds and the family's table (`models.weight_map`) names the HF tensor(s), so a GGUF file is read
 through the same table as a HF directory.
 
-llama.cpp's converter (convert_hf_to_gguf.py) changes some layouts, undone here lazily (a tensor is de-quantized
-when the weight map reads it, an expert's rows alone): merged expert tensors `ffn_{gate,up,down}_exps` [E, out, in]
+llama.cpp's converter (convert_hf_to_gguf.py) changes some layouts, undone here lazily: a tensor is de-quantized
+when the weight map reads it, and only the leading-axis range (rows, experts) the read covers, so a large parameter
+read in blocks de-quantizes one block at a time. Merged expert tensors `ffn_{gate,up,down}_exps` [E, out, in]
 are split per expert for families storing one Linear per expert (Qwen3-MoE, Mixtral) or transposed to [E, in, out]
-and, for gpt-oss's gate/up, re-interleaved (gate = [..., ::2], up = [..., 1::2]); a fused `ffn_gate_up_exps` holds
-the gate rows then the up rows; old Mixtral files store `blk.N.ffn_gate.<expert>.weight` per expert; Llama-arch
+(gpt-oss, whose gate and up halves are handed to the weight map as `weight_reads.Interleaved`, the interleaved
+`gate_up_proj` they stand for, read without building it); a fused `ffn_gate_up_exps` holds the gate rows then the
+up rows; old Mixtral files store `blk.N.ffn_gate.<expert>.weight` per expert; Llama-arch
 Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted."""
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from netra_jax.loader import gguf_loader
 from netra_jax.loader.gguf_loader import GGUFFile
 from netra_jax.loader.hf import CheckpointError
 from netra_jax.models import weight_map
+from netra_jax.models.weight_reads import Interleaved
 
 FUSED = -1  # a gate_up tensor holding both parts: gate rows, then up rows
 # llama.cpp tensor -> (parameters it may feed: the first one the family's table has, part of that parameter)
@@ -71,46 +74,46 @@ _EXPERT_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(\d+)\.weight")
 
 @dataclass
 class LazyTensor:
-    """A tensor built when read: `shape`, and `make()` -> the numpy array (not kept, so a loader holds only the
-    tensors it is converting)."""
+    """A tensor built when read: `shape`, and `make(rows)` -> the numpy array of the leading-axis range `rows` (a
+    step-1 slice), built then and not kept, so a loader holds only the block it is converting."""
 
     shape: tuple[int, ...]
-    make: Callable[[], np.ndarray]
+    make: Callable[[slice], np.ndarray]
 
-    def __getitem__(self, idx) -> np.ndarray:
-        return self.make()[idx]
+    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
+        """`idx`: a step-1 slice of the leading axis (as the weight map's readers take), then any index of the rest."""
+        lead, rest = idx[0], idx[1:]
+        if not isinstance(lead, slice) or lead.step not in (None, 1):
+            raise TypeError(f"a lazy GGUF tensor reads step-1 slices of its leading axis, not {lead!r}")
+        start, stop, _ = lead.indices(self.shape[0])
+        return self.make(slice(start, max(start, stop)))[(slice(None), *rest)]
 
 
 def _block(gf: GGUFFile, name: str, lead: tuple[int, ...] = ()) -> LazyTensor:
-    """GGUF tensor `name` de-quantized, or only its sub-array [lead] (one expert): quantized blocks run along the
-    last axis, so a leading index selects whole blocks."""
+    """GGUF tensor `name` de-quantized, or only its sub-array [lead] (one expert), a range of leading rows at a
+    time: quantized blocks run along the last axis, so leading indices select whole blocks (a 1-D tensor is one
+    row of blocks: de-quantized whole)."""
     info = gf.tensors[name]
     shape = info.shape[len(lead) :]
+    what = f"{gf.path}: tensor {name!r}"
 
-    def make() -> np.ndarray:
-        return gguf_loader.dequantize(gf.raw(name)[lead], info.qtype, shape, f"{gf.path}: tensor {name!r}")
+    def make(rows: slice) -> np.ndarray:
+        if len(shape) == 1:
+            return gguf_loader.dequantize(gf.raw(name)[lead], info.qtype, shape, what)[rows]
+        raw = gf.raw(name)[(*lead, rows)]
+        return gguf_loader.dequantize(raw, info.qtype, (raw.shape[0], *shape[1:]), what)
 
     return LazyTensor(shape, make)
 
 
 def _apply(t: LazyTensor, fn: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
-    return LazyTensor(shape or t.shape, lambda: fn(t.make()))
+    """`fn` applied to each block read: `fn` must act on each leading index alone (elementwise, per-expert
+    transposes, slices of other axes)."""
+    return LazyTensor(shape or t.shape, lambda rows: fn(t.make(rows)))
 
 
 def _swap_last(t: LazyTensor) -> LazyTensor:  # [E, out, in] -> [E, in, out]
     return _apply(t, lambda a: a.swapaxes(-1, -2), (*t.shape[:-2], t.shape[-1], t.shape[-2]))
-
-
-def _interleave(gate: LazyTensor, up: LazyTensor) -> LazyTensor:
-    """[..., I] twice -> [..., 2I] with gate = [..., ::2], up = [..., 1::2] (gpt-oss's layout)."""
-
-    def make() -> np.ndarray:
-        g = gate.make()
-        out = np.empty((*g.shape[:-1], 2 * g.shape[-1]), np.float32)
-        out[..., 0::2], out[..., 1::2] = g, up.make()
-        return out
-
-    return LazyTensor((*gate.shape[:-1], 2 * gate.shape[-1]), make)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -121,6 +124,21 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     if rows % (2 * n_heads):
         raise CheckpointError(f"cannot un-permute {rows} rope rows over {n_heads} heads")
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermuted(t: LazyTensor, n_heads: int) -> LazyTensor:
+    """`unpermute_rope_rows` of a lazy tensor: rows are permuted within each head, so a range of rows is read from
+    the whole heads that cover it."""
+    if t.shape[0] % (2 * n_heads):
+        raise CheckpointError(f"cannot un-permute {t.shape[0]} rope rows over {n_heads} heads")
+    hd = t.shape[0] // n_heads
+
+    def make(rows: slice) -> np.ndarray:
+        h0, h1 = rows.start // hd, max(-(-rows.stop // hd), rows.start // hd + 1)
+        heads = unpermute_rope_rows(t.make(slice(h0 * hd, h1 * hd)), h1 - h0)
+        return heads[rows.start - h0 * hd : rows.stop - h0 * hd]
+
+    return LazyTensor(t.shape, make)
 
 
 class _Routes:
@@ -146,11 +164,17 @@ class _Routes:
 
 def _halves(t: LazyTensor, axis: int) -> tuple[LazyTensor, LazyTensor]:
     """(gate, up) of a fused gate_up tensor: the first and second half of `axis` (the output rows)."""
+    axis %= len(t.shape)
     n = t.shape[axis] // 2
-    shape = list(t.shape)
-    shape[axis] = n
+    shape = (*t.shape[:axis], n, *t.shape[axis + 1 :])
+    if axis == 0:  # the leading axis: a range of a half is a range of the whole, shifted
+
+        def part(k: int) -> LazyTensor:
+            return LazyTensor(shape, lambda rows: t.make(slice(rows.start + k * n, rows.stop + k * n)))
+
+        return part(0), part(1)
     return tuple(
-        _apply(t, lambda a, k=k: np.take(a, range(k * n, (k + 1) * n), axis=axis), tuple(shape)) for k in (0, 1)
+        _apply(t, lambda a, k=k: a[(slice(None),) * axis + (slice(k * n, (k + 1) * n),)], shape) for k in (0, 1)
     )
 
 
@@ -165,7 +189,7 @@ def hf_view(gf: GGUFFile, cfg: ModelConfig):
         if len(t.shape) == 3 and not per_expert:  # a fused expert weight: llama.cpp [E, out, in], HF [E, in, out]
             t = _swap_last(t)
         if permuted and entry.param in heads:
-            t = _apply(t, lambda a, n=heads[entry.param]: unpermute_rope_rows(a, n))
+            t = _unpermuted(t, heads[entry.param])
         if entry.transform == weight_map.NORM and cfg.norm_weight_offset:
             t = _apply(t, lambda a: a - np.float32(1.0))
         return t
@@ -188,6 +212,6 @@ def hf_view(gf: GGUFFile, cfg: ModelConfig):
             if len(names) > 1 or len(by_part) == 1:  # one HF tensor per part
                 for part, t in by_part.items():
                     views[names[part][e]] = t
-            else:  # both parts in one HF tensor: gpt-oss's interleaved gate/up
-                views[names[0][0]] = _interleave(by_part[0], by_part[1])
+            else:  # both parts in one HF tensor: gpt-oss's interleaved gate/up, given as its halves
+                views[names[0][0]] = Interleaved(by_part[0], by_part[1])
     return views.__getitem__, views.__contains__
