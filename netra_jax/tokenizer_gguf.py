@@ -107,6 +107,45 @@ def _byte_level_tokenizer(
 
 
 _KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+# llama.cpp's end-of-generation texts (src/llama-vocab.cpp, the special_eog_ids loop)
+_EOG_TEXTS = frozenset(
+    [
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    ]
+)
+
+
+def end_of_generation_ids(tokens: list[str]) -> list[int]:
+    """Ids that end generation by their text, as llama.cpp adds them to its end-of-generation set (llama-vocab.cpp,
+    `special_eog_ids`): converters do not always write an eot key (Gemma 3's <end_of_turn>, gpt-oss's <|return|> and
+    <|call|>). As there, <|end|> closes a message but not the turn in the harmony format (<|return|> with <|call|>)
+    and in solar-open's (<|calls|> with <|flush|>), so it is left out then."""
+    found = {t: i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
+    calls = "<|call|>" in found or "<|calls|>" in found
+    if calls and ("<|return|>" in found or "<|flush|>" in found):
+        found.pop("<|end|>", None)
+    return sorted(found.values())
 
 
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
@@ -150,6 +189,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> tuple[
         token_at(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")
     )
     ends = [token_at(f"tokenizer.ggml.{k}_token_id")[1] for k in ("eos", "eot", "eom")]
+    ends += end_of_generation_ids(tokens)
     add_bos = meta.get("tokenizer.ggml.add_bos_token", bos_by_default)  # llama.cpp's default where the file is silent
     edges = [(bos, bos_id)] if add_bos and bos_id is not None else []
     tail = [(eos, eos_id)] if meta.get("tokenizer.ggml.add_eos_token") and eos_id is not None else []

@@ -12,7 +12,7 @@ from test_tokenizer import FIXTURES, _write_tiny_gguf
 from tokenizers import decoders, pre_tokenizers
 
 from netra_jax.tokenizer import Tokenizer
-from netra_jax.tokenizer_gguf import _PRE_STYLES, _gguf_pre_tokenizer
+from netra_jax.tokenizer_gguf import _PRE_STYLES, _gguf_pre_tokenizer, tokenizer_from_gguf_metadata
 
 # The split regexes of llama.cpp's src/llama-vocab.cpp (llm_tokenizer_bpe, per LLAMA_VOCAB_PRE_TYPE_*), copied from
 # there: where llama.cpp runs an adaptation of the regex for std::regex, the original it quotes from the model's
@@ -119,7 +119,8 @@ def test_gpt_4o_vocabulary_tokenizes_end_to_end(tmp_path) -> None:
         assert tok.encode(text) == expected, repr(text)
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode("<|im_start|>user") == [1, *tok.encode("user")]
-    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == (2, 0)  # the file's <|im_end|>, then <|endoftext|> by its text as llama.cpp
 
 
 def _bpe_gguf(path, pre: str | None, add_bos: bool | None) -> Tokenizer:
@@ -160,3 +161,26 @@ def test_a_file_without_a_pre_tokenizer_splits_as_llama_cpp_default(tmp_path, ca
     for text in TEXTS:
         pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
         assert [decoders.ByteLevel().decode([p]) for p in pieces] == _llama_cpp_split(LLAMA_CPP_SPLITS["default"], text)
+
+
+def _eog_ids(tokens: list[str], **keys: int) -> tuple[int, ...]:
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.token_type": [3 if t.startswith("<") else 1 for t in tokens],
+    }
+    meta |= {f"tokenizer.ggml.{k}_token_id": v for k, v in keys.items()}
+    return tokenizer_from_gguf_metadata(meta, "test")[1]["eos_token_ids"]
+
+
+def test_end_of_generation_tokens_found_by_text_as_llama_cpp() -> None:
+    """llama.cpp's converter writes no eot key for Gemma 3, whose turns end with <end_of_turn>; gpt-oss ends with
+    <|return|> or <|call|>, where <|end|> only closes a message (src/llama-vocab.cpp, special_eog_ids)."""
+    gemma = ["<pad>", "<eos>", "<bos>", "a", "<end_of_turn>"]
+    assert _eog_ids(gemma, eos=1, bos=2) == (1, 4)
+    harmony = ["a", "<|endoftext|>", "<|end|>", "<|return|>", "<|call|>", "<|start|>"]
+    assert _eog_ids(harmony, eos=3) == (3, 1, 4)
+    assert _eog_ids(["a", "<|end|>", "<|im_end|>", "b"], eos=2) == (2, 1)  # <|end|> ends a turn elsewhere
+    assert _eog_ids(["a", "b", "c"]) == ()

@@ -46,7 +46,8 @@ def test_bpe_vocab_matches_sentencepiece(tmp_path: Path, name: str) -> None:
     proto = train_spm(v["model_type"], v["add_dummy_prefix"])
     sp = spm.SentencePieceProcessor(model_proto=proto)
     tok = Tokenizer.load(_gguf(tmp_path, name, proto))
-    assert tok.vocab_size == sp.vocab_size() and tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
+    assert tok.vocab_size == sp.vocab_size() and tok.bos_token_id == 1
+    assert tok.eos_token_ids == (2, sp.piece_to_id("<|im_end|>"))  # </s>, then <|im_end|> by its text (llama.cpp)
     byte_fallback = 0
     for text in TEXTS:
         ids = tok.encode(text)

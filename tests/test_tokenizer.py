@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 from gguf import GGUFReader, GGUFWriter
 
 from netra_jax.assets import default_model_path
@@ -18,7 +19,6 @@ from netra_jax.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, Increm
 from netra_jax.loader.gguf_loader import read_gguf_metadata
 from netra_jax.tokenizer import Tokenizer
 
-FIXTURES = Path("/work/shared/fixtures")
 TINY_DIRS = sorted(p for p in FIXTURES.glob("tiny-*") if p.is_dir())
 SMOLLM_CASES = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())["cases"]
 MULTIBYTE = "Héllo wörld! 你好，世界。 Emoji: 😀🎉👍🏽 family 👨‍👩‍👧 naïve café — «quotes» ∑∫ 日本語のテキスト"
@@ -93,7 +93,8 @@ def test_smollm2_gguf_matches_reference(smollm: Tokenizer, case: dict) -> None:
 
 def test_smollm2_special_tokens(smollm: Tokenizer) -> None:
     assert smollm.vocab_size == 49152
-    assert smollm.eos_token_ids == (2,) and smollm.bos_token_id == 1 and smollm.pad_token_id == 2
+    # the file's eos <|im_end|>, then <|endoftext|>, which llama.cpp also ends generation at by its text
+    assert smollm.eos_token_ids == (2, 0) and smollm.bos_token_id == 1 and smollm.pad_token_id == 2
     assert smollm.id_to_token(1) == "<|im_start|>" and len(smollm.all_special_ids) == 17
     ids = smollm.encode("<|im_start|>user\nHi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
@@ -127,7 +128,8 @@ def test_gguf_tokenizer_matches_hf_tokenizer(tmp_path: Path, tiny: Tokenizer) ->
         assert tok.decode(case["prompt_ids"]) == case["text"]
     assert tok.encode_chat(ref["chat"]["messages"]) == ref["chat"]["prompt_ids"]
     assert tok.encode(MULTIBYTE) == tiny.encode(MULTIBYTE)
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id) == (1, (2,), 0)
+    # the file's eos <|im_end|>, then <|endoftext|>, which llama.cpp also ends generation at by its text
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id) == (1, (2, 0), 0)
     with_bos = Tokenizer.load(_write_tiny_gguf(tmp_path / "b.gguf", add_bos=True))
     assert with_bos.encode("Hi") == [1, *tok.encode("Hi")]
     assert with_bos.encode("Hi", add_special_tokens=False) == tok.encode("Hi")
