@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from hf_to_gguf import to_gguf
 from test_gguf_quants import write_gguf
 
@@ -25,9 +25,6 @@ from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUFFile
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.attention import AttentionMetadata
-
-FIXTURES = Path("/work/shared/fixtures")
-
 
 SMOL_REF = json.loads((FIXTURES / "smollm2/reference.json").read_text())
 T_PAD = 40  # one compiled shape for every prompt (37, 26, 38 tokens) and for the decode steps
@@ -297,3 +294,25 @@ def test_unsupported_architectures(tmp_path):
     with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
         load_model(d, cache=False)
     assert isinstance(ModelConfig.from_hf_dir(FIXTURES / "tiny-llama"), ModelConfig)
+
+
+def test_auto_dtype_without_a_config_dtype_follows_the_stored_weights(tmp_path):
+    """A config.json naming no dtype (published gpt-oss) loads in the floating dtype most of its bytes are stored in,
+    as transformers' "auto" does, not float32 (twice the memory)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    src = FIXTURES / "tiny-llama"
+    d = tmp_path / "bf16-no-dtype"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, d / "model.safetensors")
+    config = json.loads((d / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (d / "config.json").write_text(json.dumps(config))
+    _, params = load_model(d, cache=False)
+    assert params["layers"][0]["wq"].dtype == jnp.bfloat16 and params["embed"].dtype == jnp.bfloat16
+    assert params["layers"][0]["attn_norm"].dtype == jnp.float32  # norms stay float32
+    _, params = load_model(src, cache=False)  # the fixture's own float32 weights and config
+    assert params["layers"][0]["wq"].dtype == jnp.float32

@@ -2,7 +2,8 @@
 the orbax parameter cache; `read_gguf_metadata` exposes a GGUF file's tokenizer and chat-template fields.
 
 dtype="auto" rule: a HF directory keeps its config's `torch_dtype`/`dtype` when that is float32 or bfloat16
-(float16 becomes bfloat16, none given means float32); a GGUF file, de-quantized to float32 first, is float32 on the
+(float16 becomes bfloat16; a config naming none takes the floating dtype holding most of the safetensors bytes, else
+float32); a GGUF file, de-quantized to float32 first, is float32 on the
 CPU backend (exact against float32 references, and XLA's CPU bf16 matmuls are slow) and bfloat16 on accelerators.
 Norm weights are always float32.
 
@@ -29,7 +30,7 @@ from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, mxfp4
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
-from netra_jax.loader.hf import CheckpointError, HFCheckpoint
+from netra_jax.loader.hf import CheckpointError, HFCheckpoint, stored_float_dtype
 from netra_jax.models import weight_map, weight_reads
 
 __all__ = [
@@ -111,7 +112,7 @@ def load_model(
     t0 = time.perf_counter()
     cfg, source, files = _open_source(path)
     is_gguf = isinstance(source, GGUFFile)
-    src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype"))
+    src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype") or stored_float_dtype(path))
     dt = _resolve_dtype(dtype, src_dtype, is_gguf)
     if load_format == "dummy":
         if is_gguf:

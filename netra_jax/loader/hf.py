@@ -27,6 +27,28 @@ _DTYPES = {
 }
 
 
+_FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def stored_float_dtype(model_dir: str | Path) -> str | None:
+    """The floating dtype holding most of a checkpoint's bytes ("float32" | "float16" | "bfloat16"), read from the
+    safetensors headers alone; None when there is no readable safetensors file. The dtype of a checkpoint whose
+    config.json names none (published gpt-oss configs do not: bfloat16 weights, MXFP4 experts)."""
+    size: dict[str, int] = {}
+    for path in Path(model_dir).glob("*.safetensors"):
+        try:
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, struct.error, ValueError):
+            continue  # a damaged file is reported by the loader itself
+        for name, meta in header.items():
+            if name != "__metadata__" and meta.get("dtype") in _FLOAT_DTYPES:
+                a, b = meta["data_offsets"]
+                size[_FLOAT_DTYPES[meta["dtype"]]] = size.get(_FLOAT_DTYPES[meta["dtype"]], 0) + b - a
+    return max(size, key=size.get) if size else None
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, corrupt or of a refused kind."""
 
