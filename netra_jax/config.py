@@ -214,6 +214,15 @@ class ModelConfig:
         """Sliding window of layer i (keys with q_pos - k_pos < window are visible), None for full attention."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model serves: max_position_embeddings, or YaRN's original context times its
+        factor when that is longer (Qwen3's long-context recipe adds YaRN and keeps max_position_embeddings)."""
+        rc = self.rope_full
+        if rc.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(rc.original_max_position_embeddings * rc.factor))
+        return self.max_position_embeddings
+
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
 

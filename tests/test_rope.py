@@ -199,3 +199,21 @@ def test_gguf_gpt_oss_keeps_its_unrounded_yarn_ramp():
     got, want = config_from_gguf_metadata(meta, shapes(hf)), ModelConfig.from_hf_dict(hf)
     assert not got.rope_full.truncate
     assert (got.rope_full, got.rope_sliding, got.rotary_dim) == (want.rope_full, want.rope_sliding, want.rotary_dim)
+
+
+def test_yarn_extends_the_served_context():
+    """Qwen3's long-context recipe adds YaRN (factor 4 over 32768) and keeps max_position_embeddings at 40960: the
+    model serves original x factor tokens; a longer max_model_len is refused, not silently cut."""
+    from conftest import FIXTURES
+
+    from netra_jax import LLM
+
+    hf = tiny_yarn_config()
+    hf["max_position_embeddings"] = 40960
+    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert ModelConfig.from_hf_dict(hf).max_context == 131072
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    assert ModelConfig.from_hf_dict(hf).max_context == 40960
+    with pytest.raises(ValueError, match="longer than the model's context of 512"):
+        LLM(str(FIXTURES / "tiny-llama"), max_model_len=513, warmup=False)
+    assert LLM(str(FIXTURES / "tiny-llama"), max_model_len=512, warmup=False).engine.max_model_len == 512

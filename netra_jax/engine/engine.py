@@ -53,9 +53,12 @@ class LLMEngine:
         self.model_config = model_cfg
         self.tokenizer = tokenizer
         self.vocab_size = model_cfg.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
-        )
+        if config.max_model_len and config.max_model_len > model_cfg.max_context:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is longer than the model's context of {model_cfg.max_context}"
+                " tokens (max_position_embeddings, or YaRN's original context times its factor)"
+            )
+        self.max_model_len = config.max_model_len or model_cfg.max_context
         self.overlap = config.async_scheduling
         cache, sched = config.cache, config.scheduler
         kv_dtype = params["embed"].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
