@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
@@ -24,8 +25,6 @@ from netra_jax.ops.paged_attention_triton import KernelConfig, choose_config, pa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from kv_write_triton import write_kv_triton  # noqa: E402  (the GPU check's comparison kernel, not the runtime's)
-
-FIXTURES = Path("/work/shared/fixtures")
 
 # The one warning these tests mean to silence: lowering a Triton kernel for CUDA announces the backend's removal.
 TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
