@@ -15,7 +15,6 @@ long-lived subprocess in an interpreter with torch + transformers (`--hf-python`
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -304,12 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no interpreter with torch + transformers: pass --hf-python or set NETRA_HF_PYTHON")
     tmp = tempfile.mkdtemp(prefix="moe-decode-")
     phases: dict = {}
-    result: dict = {
-        "benchmark": "moe_decode_cpu",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": rl.machine_info(),
-        "phases": phases,
-    }
+    result = rl.run_record("moe_decode_cpu", phases)
     try:
         model_dir = os.path.join(tmp, "model")
         with rl.Phase(phases, "make_model"):

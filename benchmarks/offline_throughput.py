@@ -367,12 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}
-    result: dict = {
-        "benchmark": "offline_throughput",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": rl.machine_info(),
-        "phases": phases,
-    }
+    result = rl.run_record("offline_throughput", phases)
     tok = Tokenizer.load(args.model)
     convs = [[{"role": "user", "content": q}] for q in questions(args.num_prompts)]
     prompt_ids = [

@@ -3,6 +3,7 @@ the FLOPs and bytes of a decode step, and where an engine's decode step spends i
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import statistics
@@ -194,6 +195,16 @@ def machine_info() -> dict:
         pass
     info["numpy"] = np.__version__
     return info
+
+
+def run_record(benchmark: str, phases: dict) -> dict:
+    """The head of a benchmark's result JSON: its name, the date, the machine, and `phases` (filled by `Phase`)."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "phases": phases,
+    }
 
 
 QUIET_CORES = 0.2  # a run counts as quiet when other processes used less CPU than this on average
