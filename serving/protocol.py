@@ -49,6 +49,16 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaSpec | None = None
 
 
+class StructuredOutputsSpec(_Strict):
+    """vLLM's `structured_outputs` object: exactly one of these constrains the output."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -80,6 +90,15 @@ class SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM extra: token ids of the prompt and of each choice
+    prompt_logprobs: int | None = None  # vLLM extra: logprobs of every prompt token (and this many alternatives)
+    structured_outputs: StructuredOutputsSpec | None = None  # vLLM extra; so are the four guided_* forms below
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = 0  # vLLM extra: lower runs first under --scheduling-policy priority
+    request_id: str | None = None  # vLLM extra: the response id is built from it
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM extra: keep the last k prompt tokens
 
     def _limit(self) -> int | None:
         return self.max_tokens
@@ -134,12 +153,53 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON object's text (OpenAI), or the object itself
+
+
+class ToolCallParam(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, for templates that render it
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -147,10 +207,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted and ignored
-    add_generation_prompt: bool = True  # vLLM extra
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" when tools are given, else "none" (OpenAI's default)
+    parallel_tool_calls: bool | None = None  # False: at most one tool call per answer
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    add_generation_prompt: bool = True  # vLLM extras from here on
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    echo: bool = False  # the last message's content is put before each choice's text
 
     def _limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -172,6 +236,9 @@ class DetokenizeRequest(_Strict):
 
 
 # ---------------------------------------------------------------------------------------------------- responses
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
 class PromptTokensDetails(_Out):
     cached_tokens: int = 0
 
@@ -181,6 +248,14 @@ class UsageInfo(_Out):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(_Out):
+    """vLLM's prompt_logprobs entry: one per prompt position (None for the first), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionLogprobs(_Out):
@@ -194,10 +269,11 @@ class CompletionChoice(_Out):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token id that ended it
     token_ids: list[int] | None = _opt()  # vLLM extras (return_token_ids)
     prompt_token_ids: list[int] | None = _opt()
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _opt()  # vLLM extra (prompt_logprobs)
 
 
 class CompletionResponse(_Out):
@@ -227,17 +303,44 @@ class ChatLogprobs(_Out):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    """A piece of a streamed tool call: the first has id, type and name; later ones append to arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = _opt()  # vLLM extra: the thinking, when a reasoning parser is on
 
 
 class ChatChoice(_Out):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _opt()
 
@@ -251,18 +354,21 @@ class ChatCompletionResponse(_Out):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = _opt()
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _opt()  # vLLM extra (prompt_logprobs)
 
 
 class DeltaMessage(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Out):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _opt()
 
