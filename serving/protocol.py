@@ -52,7 +52,8 @@ class ResponseFormat(_Strict):
 class StructuredOutputsSpec(_Strict):
     """vLLM's `structured_outputs` object: exactly one of these constrains the output."""
 
-    json: dict[str, Any] | str | None = None
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
