@@ -3,8 +3,8 @@ vLLM's /tokenize and /detokenize, /health, /ready and /metrics; API key, body ca
 
 from __future__ import annotations
 
+import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,17 +19,16 @@ from starlette.background import BackgroundTask
 from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
 from netra_jax.engine.scheduler import QueueFullError
 from netra_jax.serving import preprocess as pre
+from netra_jax.serving.chat import chat_response, prepare_chat
+from netra_jax.serving.completion import completion_response, prepare_completion
+from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError, envelope, install_error_handlers
 from netra_jax.serving.generation import ClientDisconnected, Generation, race_disconnect
 from netra_jax.serving.metrics import ServerMetrics
 from netra_jax.serving.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from netra_jax.serving.protocol import (
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -39,7 +38,6 @@ from netra_jax.serving.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from netra_jax.serving.render import TokenText, chat_logprobs, completion_logprobs, finish, usage
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
 from netra_jax.structured_output import StructuredOutputError
 
@@ -51,10 +49,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    model_name: str
+    ctx: ServingContext
     metrics: ServerMetrics
-    tokens: TokenText
-    chat_template: str | None
     ready: Callable[[], bool]
     retry_after: int = 1
     draining: bool = False
@@ -63,6 +59,18 @@ class ServerState:
     @property
     def llm(self):
         return self.engine.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.ctx.model_name
+
+    @property
+    def tokens(self):
+        return self.ctx.tokens
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.ctx.chat_template
 
 
 async def parse_body[M: BaseModel](raw: Request, model: type[M]) -> M:
@@ -110,10 +118,8 @@ def create_app(
     metrics = ServerMetrics(engine)
     st = ServerState(
         engine,
-        served_model_name,
+        ServingContext.of(engine.engine, served_model_name, chat_template),
         metrics,
-        TokenText(engine.engine.tokenizer),
-        chat_template,
         ready or (lambda: engine.engine.ready),
         retry_after,
         created=int(time.time()),
@@ -133,13 +139,7 @@ def create_app(
         )
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != st.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {st.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        pre.check_model(st.ctx, model)
 
     def check_serving() -> None:
         if not engine.is_alive:
@@ -193,7 +193,8 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise pre.bad("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            _, ids = await pre.chat_prompt(st.llm, req.messages, req.add_generation_prompt, st.chat_template)
+            msgs = pre.template_messages(req.messages)
+            _, ids = await asyncio.to_thread(pre.chat_prompt, st.llm, msgs, req.add_generation_prompt, st.chat_template)
         else:
             ids = st.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [st.tokens.text(i) for i in ids] if req.return_token_strs else None
@@ -229,105 +230,49 @@ def create_app(
             body, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(close)
         )
 
+    def stream_context(plan, req, num_logprobs, echo) -> StreamContext:
+        return StreamContext(
+            plan.id,
+            int(time.time()),
+            st.model_name,
+            plan.params.n,
+            st.tokens,
+            num_logprobs,
+            req.include_usage,
+            req.continuous_usage,
+            metrics,
+            echo,
+            req.return_token_ids,
+        )
+
     @app.post("/v1/completions", response_model=None, openapi_extra=_doc(CompletionRequest))
     async def completions(raw: Request) -> Response | CompletionResponse:
         req = await parse_body(raw, CompletionRequest)
         check_model(req.model)
         check_serving()
-        pre.completion_checks(req)
-        prompts = pre.completion_prompts(st.llm, req)
-        sp = pre.sampling_params(st.llm, req, req.logprobs, [len(ids) for _, ids in prompts])
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        echo = None
-        if req.echo:
-            echo = [t if t is not None else st.llm.tokenizer.decode(ids, req.skip_special_tokens) for t, ids in prompts]
-        gen = Generation(
-            engine, [{"prompt": t, "prompt_token_ids": ids} if t else ids for t, ids in prompts], sp, rid, metrics
-        )
+        plan = prepare_completion(st.ctx, req)
+        gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
-            ctx = StreamContext(
-                rid,
-                int(time.time()),
-                st.model_name,
-                sp.n,
-                st.tokens,
-                req.logprobs,
-                req.include_usage,
-                req.continuous_usage,
-                metrics,
-                echo,
-                req.return_token_ids,
-            )
+            ctx = stream_context(plan, req, plan.num_logprobs, plan.echo)
             return sse(completion_stream(gen, res[0], res[1], ctx), gen)
-        choices = []
-        for i, out in enumerate(res):
-            for o in out.outputs:
-                head = echo[i] if echo else ""
-                lps = None
-                if req.logprobs is not None and o.logprobs is not None:
-                    lps = completion_logprobs(o.logprobs, st.tokens, req.logprobs, len(head))
-                reason, stop_reason = finish(o)
-                choice = CompletionChoice(
-                    index=i * sp.n + o.index,
-                    text=head + o.text,
-                    logprobs=lps,
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                )
-                if req.return_token_ids:
-                    choice.token_ids, choice.prompt_token_ids = list(o.token_ids), list(out.prompt_token_ids)
-                choices.append(choice)
-        return CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage(res))
+        return completion_response(st.ctx, req, plan, res)
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=_doc(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response | ChatCompletionResponse:
         req = await parse_body(raw, ChatCompletionRequest)
         check_model(req.model)
         check_serving()
-        k = pre.chat_checks(req)
-        text, ids = await pre.chat_prompt(st.llm, req.messages, req.add_generation_prompt, st.chat_template)
-        sp = pre.sampling_params(st.llm, req, k, [len(ids)])
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation(engine, [{"prompt": text, "prompt_token_ids": ids}], sp, rid, metrics)
+        plan = await asyncio.to_thread(prepare_chat, st.ctx, req)
+        gen = Generation(engine, [plan.prompt], plan.params, plan.engine_id, metrics)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
-            ctx = StreamContext(
-                rid,
-                int(time.time()),
-                st.model_name,
-                sp.n,
-                st.tokens,
-                k,
-                req.include_usage,
-                req.continuous_usage,
-                metrics,
-                return_token_ids=req.return_token_ids,
-            )
+            ctx = stream_context(plan, req, plan.num_logprobs, None if plan.echo is None else [plan.echo])
             return sse(chat_stream(gen, res[0], res[1], ctx), gen)
-        choices = []
-        for o in res[0].outputs:
-            lps = None
-            if k is not None and o.logprobs is not None:
-                lps = ChatLogprobs(content=chat_logprobs(o.logprobs, st.tokens, k))
-            reason, stop_reason = finish(o)
-            choices.append(
-                ChatChoice(
-                    index=o.index,
-                    message=ChatResponseMessage(content=o.text),
-                    logprobs=lps,
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                    token_ids=list(o.token_ids) if req.return_token_ids else None,
-                )
-            )
-        resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage(res))
-        if req.return_token_ids:
-            resp.prompt_token_ids = list(res[0].prompt_token_ids)
-        return resp
+        return chat_response(st.ctx, req, plan, res)
 
     return app

@@ -10,9 +10,9 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from netra_jax.serving import context
 from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lines: used by serving.batch_ray)
     CHAT_URL,
     Progress,
@@ -25,6 +25,7 @@ from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lin
     success_line,
 )
 from netra_jax.serving.batch_openai import ChatJob, RequestError, prepare, response_body
+from netra_jax.serving.context import ServingContext
 
 if TYPE_CHECKING:
     from netra_jax.config import EngineConfig
@@ -32,17 +33,8 @@ if TYPE_CHECKING:
 
 
 def served_model_name(config: EngineConfig) -> str:
-    """The name a request's `model` must carry (the server's rule): config.served_model_name, else the model path's
-    name (a .gguf file's stem: `SmolLM2-135M-Instruct.Q4_1` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`, a
-    directory's name: `tiny-llama`), else the default model's name, `SmolLM2-135M-Instruct`."""
-    if config.served_model_name:
-        return config.served_model_name
-    if not config.model:
-        from netra_jax.assets import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    p = Path(config.model)
-    return p.stem if p.suffix.lower() == ".gguf" else p.name
+    """The name a request's `model` must carry: the server's rule (serving.context.served_model_name)."""
+    return context.served_model_name(config.model, config.served_model_name)
 
 
 # ---------------------------------------------------------------------- the engine loop
@@ -51,13 +43,14 @@ class _Runner:
 
     def __init__(self, engine: LLMEngine, model_name: str, emit: Callable[[dict], None], window: int):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
+        self.ctx = ServingContext.of(engine, model_name)
         self.jobs: dict[str, ChatJob] = {}  # engine request id -> its job
         self.in_flight = 0
         self._next = 0
 
     def submit(self, work: Work) -> None:
         try:
-            job = prepare(work, self.engine, self.model_name, chat=work.url == CHAT_URL)
+            job = prepare(work, self.ctx, chat=work.url == CHAT_URL)
         except RequestError as e:
             self.emit(error_line(work.custom_id, str(e), e.code, line=work.line, status=e.status, param=e.param))
             return
@@ -107,7 +100,7 @@ class _Runner:
             if failed:
                 self.emit(error_line(w.custom_id, failed, "server_error", line=w.line, status=500))
             else:
-                self.emit(success_line(w.custom_id, response_body(job, outs, self.model_name)))
+                self.emit(success_line(w.custom_id, response_body(job, outs, self.ctx)))
 
     def abort_all(self) -> None:
         for rid in list(self.jobs):

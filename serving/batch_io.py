@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from netra_jax.serving.errors import envelope
+
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 DUPLICATE = "duplicate_custom_id"  # error code of a repeated custom_id (the first occurrence is the one served)
@@ -27,10 +29,8 @@ def error_line(
     """A failed request. `response` is null when no request could be formed (malformed line), else the HTTP error
     the server would have answered; `error` is set in both cases and names the input line."""
     response = None
-    if status is not None:
-        kind = "server_error" if status >= 500 else "invalid_request_error"
-        err = {"message": message, "type": kind, "param": param, "code": code}
-        response = {"status_code": status, "request_id": _rid("req"), "body": {"error": err}}
+    if status is not None:  # the body is the server's error envelope for the same failure
+        response = {"status_code": status, "request_id": _rid("req"), "body": envelope(status, message, param, code)}
     return {
         "id": _rid("batch_req"),
         "custom_id": custom_id,

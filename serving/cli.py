@@ -59,17 +59,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    if getattr(args, "served_model_name", None):
-        return args.served_model_name
-    if not args.model:
-        from netra_jax.assets import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    p = Path(args.model)
-    return p.stem if p.suffix.lower() == ".gguf" else p.name
-
-
 def check_model_root(model: str | None, root: str | None) -> None:
     """ValueError if `model` has a `..` component or resolves (symlinks included) outside `root`. No-op without a
     root, or without a model argument (the embedded default model is always allowed)."""
@@ -153,6 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     from netra_jax.cli import CLIError, engine_config, load_engine
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
+    from netra_jax.serving.context import served_model_name
 
     try:
         check_model_root(args.model, args.allowed_model_root)
@@ -168,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"netra-jax serve: {e}", file=sys.stderr)
         return 2
     mc = engine.model_config
-    name = served_model_name(args)
+    name = served_model_name(args.model, args.served_model_name)
     if template is not None:
         try:
             engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)

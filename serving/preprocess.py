@@ -1,15 +1,17 @@
 """Turning validated API requests into engine inputs: prompts (text, token ids, batches, chat messages through the
-server's chat template) as token ids, and SamplingParams checked against the model, each failure an APIError(400)."""
+chat template; vLLM's truncate_prompt_tokens) as token ids, and SamplingParams (with the one structured-output
+constraint a request may give) checked against the model. Each failure is an APIError(400) naming the field."""
 
 from __future__ import annotations
 
-import asyncio
+import uuid
 from typing import Any
 
 from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
-from netra_jax.sampling_params import SamplingParams
+from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
@@ -20,6 +22,15 @@ NO_CHAT_TEMPLATE = NoChatTemplateError.message(
     "/v1/completions"
 )
 _FIELDS = set(SamplingParams.__dataclass_fields__)
+# chat_template_kwargs may not set what the request's own fields (or the server) decide
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -35,8 +46,41 @@ def check_ids(engine: LLMEngine, ids: list[int], param: str) -> list[int]:
     return ids
 
 
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    """404 unless `model` is absent or the served model's name."""
+    if model is not None and model != ctx.model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def response_id(prefix: str, req: SamplingRequest) -> str:
+    """The response's id: `<prefix>-<request_id>` when the request names one (vLLM's extra), else a random one."""
+    return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
+
+
+def truncate(engine: LLMEngine, ids: list[int], k: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `k` tokens (-1: the model's context length)."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = engine.max_model_len
+    if k == 0:
+        raise bad("truncate_prompt_tokens must be -1 or at least 1, got 0", "truncate_prompt_tokens")
+    if k > engine.max_model_len:
+        raise bad(
+            f"truncate_prompt_tokens ({k}) is larger than the model's context of {engine.max_model_len} tokens",
+            "truncate_prompt_tokens",
+        )
+    return ids[-k:]
+
+
 def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists.
+    With truncate_prompt_tokens the ids keep their tail and the text is dropped (it no longer matches them)."""
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -53,9 +97,11 @@ def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[
         if isinstance(item, str):
             if not item:
                 raise bad("prompt must not be an empty string", "prompt")
-            out.append((item, check_ids(engine, engine.tokenizer.encode(item), "prompt")))
+            text, ids = item, check_ids(engine, engine.tokenizer.encode(item), "prompt")
         else:
-            out.append((None, check_ids(engine, list(item), "prompt")))
+            text, ids = None, check_ids(engine, list(item), "prompt")
+        kept = truncate(engine, ids, req.truncate_prompt_tokens)
+        out.append((text if len(kept) == len(ids) else None, kept))
     return out
 
 
@@ -88,21 +134,83 @@ def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     return msg
 
 
-async def chat_prompt(
-    engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool, chat_template: str | None
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """Extra chat-template variables: vLLM's chat_template_kwargs (e.g. enable_thinking) and reasoning_effort."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise bad(
+                f"chat_template_kwargs may not set {key!r}: it is decided by the request's own fields or the server",
+                f"chat_template_kwargs.{key}",
+            )
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return kwargs
+
+
+def chat_prompt(
+    engine: LLMEngine,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """The server's chat template applied to the messages (in a thread: a template may run up to its time limit)."""
-    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    """The chat template applied to template-ready messages (a template may run up to its time limit: the server
+    calls this in a thread). Returns the prompt text and its ids."""
     tok = engine.tokenizer
     try:
-        text = await asyncio.to_thread(
-            tok.apply_chat_template, msgs, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        text = tok.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except NoChatTemplateError:
         raise bad(NO_CHAT_TEMPLATE, "messages", code="no_chat_template") from None
     except (ValueError, TypeError) as e:
         raise bad(f"chat template failed: {e}", "messages") from None
     return text, check_ids(engine, tok.encode(text, add_special_tokens=False), "messages")
+
+
+def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The one output constraint of a request: response_format (json_object / json_schema), vLLM's
+    structured_outputs, or its older guided_json / guided_regex / guided_choice / guided_grammar. Two are a 400."""
+    given: list[tuple[str, StructuredOutputsParams]] = []
+    try:
+        fmt = structured_outputs_for(req.response_format)
+    except StructuredOutputError as e:
+        raise bad(str(e), "response_format", "invalid_response_format") from None
+    if fmt is not None:
+        given.append(("response_format", fmt))
+    so = req.structured_outputs
+    if so is not None:
+        spec = StructuredOutputsParams(
+            json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object)
+        )
+        given.append(("structured_outputs", spec))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        if getattr(req, name) is not None:
+            given.append((name, StructuredOutputsParams(**{key: getattr(req, name)})))
+    if req.guided_grammar is not None:
+        given.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
+    if len(given) > 1:
+        names = ", ".join(n for n, _ in given)
+        raise bad(f"give at most one output constraint, got {names}", given[1][0])
+    if not given:
+        return None
+    name, spec = given[0]
+    try:
+        return spec.validate()
+    except ValueError as e:
+        raise bad(str(e).replace("structured_outputs", name, 1), name, "invalid_response_format") from None
 
 
 def _param_of(message: str, req: SamplingRequest) -> str | None:
@@ -121,12 +229,9 @@ def sampling_params(
     engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None, prompt_lens: list[int]
 ) -> SamplingParams:
     """SamplingParams validated against the model; max_tokens must leave every prompt inside the context.
-    A response_format's schema is compiled when the engine admits the request (StructuredOutputError: 400)."""
-    try:
-        sp = req.sampling_params(num_logprobs)
-        sp.structured_outputs = structured_outputs_for(req.response_format)
-    except StructuredOutputError as e:
-        raise bad(str(e), "response_format", "invalid_response_format") from None
+    A constraint's grammar is compiled when the engine admits the request (StructuredOutputError: 400)."""
+    sp = req.sampling_params(num_logprobs)
+    sp.structured_outputs = structured_outputs_of(req)
     try:
         sp.validate(engine.vocab_size)
     except ValueError as e:

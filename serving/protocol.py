@@ -123,6 +123,7 @@ class SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -142,6 +143,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions; None: the rest of the context
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

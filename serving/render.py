@@ -10,6 +10,7 @@ from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.serving.protocol import (
     ChatLogprobEntry,
     CompletionLogprobs,
+    PromptLogprob,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -119,3 +120,21 @@ def usage(outs: Sequence[RequestOutput | None]) -> UsageInfo:
         total_tokens=p + c,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def prompt_logprobs(
+    entries: Sequence[dict[int, Logprob] | None] | None, tt: TokenText
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: logprob, rank, decoded_token}
+    holding the prompt's own token and the requested alternatives."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=tt.text(t, lp))
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]

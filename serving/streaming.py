@@ -38,7 +38,7 @@ class StreamContext:
     include_usage: bool
     continuous_usage: bool
     metrics: ServerMetrics | None = None
-    echo: list[str] | None = None  # completions: prompt text per prompt
+    echo: list[str] | None = None  # completions: prompt text per prompt; chat: the echoed final message
     return_token_ids: bool = False
 
 
@@ -74,6 +74,9 @@ async def chat_stream(gen: Generation, first, rest, ctx: StreamContext) -> Async
     try:
         for j in range(ctx.n):
             yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+        if ctx.echo:  # vLLM's echo on chat: the final assistant message's text opens each choice
+            for j in range(ctx.n):
+                yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=ctx.echo[0]))])
         async for _, out in _events(first, rest):
             for o in out.outputs:
                 j = o.index

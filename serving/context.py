@@ -1,0 +1,41 @@
+"""What every OpenAI request is prepared and answered against: the engine, the served model's one name, its chat
+template, per-token text. The server and batch jobs build one each, so both answer a body the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from netra_jax.serving.render import TokenText
+
+if TYPE_CHECKING:
+    from netra_jax.engine.engine import LLMEngine
+
+
+def served_model_name(model: str | None, override: str | None = None) -> str:
+    """The name a request's `model` must carry: `override` (--served-model-name), else the model path's name (a
+    .gguf file's stem: `SmolLM2-135M-Instruct.Q4_1` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`, a directory's name:
+    `tiny-llama`), else the embedded default model's name, `SmolLM2-135M-Instruct`."""
+    if override:
+        return override
+    if not model:
+        from netra_jax.assets import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    p = Path(model)
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """`chat_template`: Jinja source replacing the checkpoint's (requests cannot supply one)."""
+
+    llm: LLMEngine
+    model_name: str
+    tokens: TokenText
+    chat_template: str | None = None
+
+    @classmethod
+    def of(cls, llm: LLMEngine, model_name: str, chat_template: str | None = None) -> ServingContext:
+        return cls(llm, model_name, TokenText(llm.tokenizer), chat_template)
