@@ -72,7 +72,8 @@ class LLM:
     dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
     enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices),
-    async_scheduling (schedule step N+1 while step N runs on the device),
+    async_scheduling (schedule step N+1 while step N runs on the device), scheduling_policy ("fcfs" | "priority":
+    serve by each request's priority, see `generate`),
     quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
     config.json, for benchmarks)."""
 
@@ -97,6 +98,7 @@ class LLM:
         compilation_cache_dir: str | None = None,
         load_format: str = "auto",
         async_scheduling: bool = True,
+        scheduling_policy: str = "fcfs",
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
@@ -111,7 +113,11 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                scheduling_policy=scheduling_policy,
+            ),
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             quantization=quantization,
@@ -141,9 +147,9 @@ class LLM:
         return self.engine.runner.prompt_logits(ids)
 
     # ------------------------------------------------------------------ generation
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> str:
         rid = str(next(self._ids))
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, priority=priority)
         return rid
 
     def _normalize(self, prompts, params) -> tuple[list[PromptType], list[SamplingParams]]:
@@ -164,13 +170,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for all prompts at once through the batching engine; outputs in prompt order."""
+        """Generate for all prompts at once through the batching engine; outputs in prompt order. `priority`: one
+        per prompt, smaller served first (needs scheduling_policy="priority" unless all are 0), as in vLLM."""
         prompts, plist = self._normalize(prompts, sampling_params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, plist, strict=True):
-                ids.append(self._add(p, sp))
+            for p, sp, prio in zip(prompts, plist, priority, strict=True):
+                ids.append(self._add(p, sp, prio))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

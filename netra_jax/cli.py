@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine.request_queue import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -32,6 +33,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: first come first served | priority: by each request's priority (lower first), then arrival; "
+        "the lowest-priority running request is preempted when the KV cache runs out",
+    )
     p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (per-channel scales)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
@@ -63,7 +71,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=a.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_waiting=a.max_waiting,
+            scheduling_policy=a.scheduling_policy,
         ),
         attention_backend=a.attention_backend,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -412,6 +412,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill above it)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_waiting: int | None = None  # queue cap; None = unbounded
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting order (priority, arrival), lowest priority preempted
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,8 @@ def test_randomized_simulation(seed, num_blocks, budget, max_seqs, caching):
 
 def test_host_modules_import_no_jax():
     root = Path(__file__).resolve().parents[1] / "netra_jax"
-    for rel in ("engine/request.py", "engine/block_pool.py", "engine/scheduler.py", "sampling_params.py"):
+    host = ("request.py", "request_queue.py", "block_pool.py", "sched_output.py", "scheduler.py")
+    for rel in [f"engine/{m}" for m in host] + ["sampling_params.py"]:
         tree = ast.parse((root / rel).read_text())
         for node in ast.walk(tree):
             names = []

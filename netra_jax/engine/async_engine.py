@@ -56,6 +56,7 @@ class _Cmd:
     out_q: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     fn: Callable[[LLMEngine], Any] | None = None
+    priority: int = 0
 
 
 class AsyncEngine:
@@ -100,14 +101,16 @@ class AsyncEngine:
         return len(self._queues)
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come. `priority` (vLLM's): smaller is served first under
+        `--scheduling-policy priority`; a non-zero value under fcfs is a ValueError, as any bad input."""
         loop = asyncio.get_running_loop()
         reply, out_q = loop.create_future(), asyncio.Queue()
         with self._lock:
             if self.dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(f"engine is not running: {self.dead!r}")
-            self._send(_Cmd("add", request_id, prompt, params, reply, out_q, loop))
+            self._send(_Cmd("add", request_id, prompt, params, reply, out_q, loop, priority=priority))
         try:
             await reply  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:  # the caller left while the request was being admitted
@@ -174,7 +177,7 @@ class AsyncEngine:
                     self._post(cmd.loop, _set_exc, cmd.reply, e)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
             except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
                 self._post(cmd.loop, _set_exc, cmd.reply, e)
                 continue

@@ -15,6 +15,7 @@ from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.input_processor import InputProcessor, PromptType
 from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
@@ -113,12 +114,15 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
+        `priority`: smaller is served first; anything but 0 needs `--scheduling-policy priority` (ValueError).
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state = self.inputs.process(request_id, prompt, params, arrival_time)
+        check_priority(priority, self.config.scheduler.scheduling_policy)
+        state = self.inputs.process(request_id, prompt, params, arrival_time, priority)
         added = []
         try:
             for sample in state.samples:

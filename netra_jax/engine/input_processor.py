@@ -40,7 +40,12 @@ class InputProcessor:
         self._rng = random.Random(seed)
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestState:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -61,7 +66,7 @@ class InputProcessor:
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             # only the first sample computes the prompt's logprob rows; its siblings share its cached blocks
             sp = params.clone(seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            req = Request(rid, ids, sp, eos_token_ids=self.eos_token_ids, arrival_time=arrival)
+            req = Request(rid, ids, sp, eos_token_ids=self.eos_token_ids, arrival_time=arrival, priority=priority)
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             sample = SampleState(
                 req,

@@ -4,6 +4,7 @@ Host-only bookkeeping; the scheduler moves it between states and the engine read
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -36,6 +37,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+_creation_order = itertools.count()  # breaks ties of equal arrival times in the priority order
 
 
 class ContextLengthError(ValueError):
@@ -90,6 +93,7 @@ class Request:
         eos_token_ids: Iterable[int] | int | None = (),
         arrival_time: float | None = None,
         cache_key: str | bytes | None = None,
+        priority: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -126,6 +130,8 @@ class Request:
         self.num_preemptions = 0
 
         self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        self.priority = priority  # smaller is served first under the "priority" scheduling policy
+        self._order = next(_creation_order)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -158,6 +164,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Order of service under the "priority" policy: priority, then arrival time, then creation order."""
+        return self.priority, self.arrival_time, self._order
 
     @property
     def max_output_tokens(self) -> int | None:

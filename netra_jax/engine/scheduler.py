@@ -5,68 +5,33 @@ Steps may overlap: a request can be scheduled again before its previous step's s
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 from netra_jax.config import SchedulerConfig
 from netra_jax.engine.block_pool import BlockPool, chain_hashes
 from netra_jax.engine.request import Request, RequestStatus, check_context_length
+from netra_jax.engine.request_queue import check_priority, make_waiting_queue
+from netra_jax.engine.sched_output import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
 
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs one step computes at most (a static step shape)
-
-
-def prompt_logprob_rows(req: Request, start: int, n: int) -> range:
-    """Positions of [start, start + n) whose logits give a prompt logprob (each predicts the next prompt token);
-    empty unless the request asks for prompt logprobs."""
-    if req.sampling_params.prompt_logprobs is None:
-        return range(0)
-    return range(start, min(start + n, req.num_prompt_tokens - 1))
+__all__ = [
+    "PROMPT_LOGPROB_ROWS",
+    "QueueFullError",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "prompt_logprob_rows",
+]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `SchedulerConfig.max_waiting`; the caller should retry later."""
 
 
-@dataclass
-class ScheduledRequest:
-    """Compute `request.all_token_ids[start:start + num_new_tokens]` at positions start.. into `block_ids` (the
-    whole block table); `sample` is True when this reaches the end of the sequence, so a next token is drawn.
-    With overlapped steps the last of these tokens may be a placeholder, sampled by the step still in flight
-    (`token_ids` is then one shorter than num_new_tokens). `epoch`: the request's preemption count when scheduled."""
-
-    request: Request
-    num_new_tokens: int
-    start: int
-    block_ids: list[int]
-    sample: bool
-    epoch: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous schedule()
-    settled: bool = False  # its results were applied (update_from_output) or its scheduling undone (cancel)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
-    """Running requests are served first (in admission order), then waiting ones FCFS while the token budget,
-    `max_num_seqs` and the pool allow. When a running request cannot get a block, the most recently admitted
-    running request is preempted (blocks freed, recomputed later from prompt + output)."""
+    """Running requests are served first (in admission order), then waiting ones in the policy's order (arrival, or
+    priority then arrival) while the token budget, `max_num_seqs` and the pool allow. When a running request cannot
+    get a block, the policy's victim is preempted (blocks freed, recomputed later from prompt + output): the most
+    recently admitted request (fcfs) or the lowest-priority one (priority). Under "priority" a waiting request that
+    finds no room also preempts a running request of strictly lower priority (larger value)."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
@@ -79,7 +44,7 @@ class Scheduler:
         self.pool = pool
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
-        self._waiting: deque[Request] = deque()
+        self._waiting = make_waiting_queue(config.scheduling_policy)
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
@@ -124,12 +89,13 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.block_ids:
             raise ValueError(f"request {req.request_id!r} was already scheduled (status {req.status.name})")
+        check_priority(req.priority, self._waiting.policy)
         cap = self.config.max_waiting
         if cap is not None and len(self._waiting) >= cap:
             raise QueueFullError(f"waiting queue is full ({cap} requests)")
         req.max_total_tokens = self._token_limit(req)
         self._requests[req.request_id] = req
-        self._waiting.append(req)
+        self._waiting.add(req)
 
     def _token_limit(self, req: Request) -> int:
         p, mt, bs = req.num_tokens, req.sampling_params.max_tokens, self.block_size
@@ -170,9 +136,10 @@ class Scheduler:
                 continue
             need = self.pool.blocks_needed(req.num_scheduled_end + n) - len(req.block_ids)
             while need > self.pool.num_free_blocks:
-                victim = self._running.pop()  # most recently admitted; never one already scheduled this step
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                victim = self._waiting.victim(self._running)
+                if self._running.index(victim) < i:  # (priority) already scheduled this step: undone
+                    i -= 1
+                budget += self._evict(out, victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
@@ -203,10 +170,10 @@ class Scheduler:
         caching = pool.enable_prefix_caching
         pending: set[bytes] | None = None  # hashes of full blocks that running requests are still computing
         deferred: list[Request] = []
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
+        while self._waiting and budget > 0:
+            req = self._waiting.peek()
             if req.num_placeholders:  # preempted while its last token was in flight: resumes once it is known
-                deferred.append(self._waiting.popleft())
+                deferred.append(self._waiting.pop())
                 continue
             hits: list[int] = []
             if caching and req.sampling_params.prompt_logprobs is None:  # (prompt logprobs need every row computed)
@@ -216,14 +183,23 @@ class Scheduler:
                     if pending is None:
                         pending = self._pending_hashes()
                     if req.block_hashes[k] in pending:
-                        deferred.append(self._waiting.popleft())
+                        deferred.append(self._waiting.pop())
                         continue
             num_computed = len(hits) * bs
             n = self._chunk(req, num_computed, budget)
-            need = pool.blocks_needed(num_computed + n) - len(hits)
-            if n <= 0 or need + pool.num_revived(hits) > pool.num_free_blocks:
+            if n <= 0:
                 break
-            self._waiting.popleft()
+            need = pool.blocks_needed(num_computed + n) - len(hits)
+            full = len(self._running) >= self.config.max_num_seqs
+            if full or need + pool.num_revived(hits) > pool.num_free_blocks:
+                victims = self._victims_making_room(req, hits, need)
+                if not victims:
+                    break
+                for victim in victims:
+                    budget += self._evict(out, victim)
+                pending = None
+                continue
+            self._waiting.pop()
             pool.take(hits)
             req.block_ids = hits + pool.allocate(need)
             req.num_computed_tokens = num_computed
@@ -237,7 +213,41 @@ class Scheduler:
             budget -= n
             if pending is not None:
                 self._add_pending(pending, req)
-        self._waiting.extendleft(reversed(deferred))
+        self._waiting.prepend(deferred)
+
+    def _victims_making_room(self, req: Request, hits: list[int], need: int) -> list[Request]:
+        """The fewest running requests, in the policy's victim order, whose preemption gives waiting `req` a seat
+        and `need` new blocks besides its prefix hits; [] when the policy allows none or all of them would not
+        suffice (nothing is preempted in vain). Blocks shared with requests that stay are not counted as freed."""
+        pool = self.pool
+        seats = len(self._running) - self.config.max_num_seqs + 1  # victims needed for a seat
+        free, dropped = pool.num_free_blocks, {}  # block -> references the chosen victims drop
+        chosen = []
+        for victim in self._waiting.victims_for(req, self._running):
+            chosen.append(victim)
+            for b in victim.block_ids:
+                dropped[b] = dropped.get(b, 0) + 1
+                free += dropped[b] == pool.ref_count(b)
+            revived = sum(1 for b in hits if pool.ref_count(b) == dropped.get(b, 0))
+            if len(chosen) >= seats and need + revived <= free:
+                return chosen
+        return []
+
+    def _evict(self, out: SchedulerOutput, victim: Request) -> int:
+        """Preempt running `victim`, first taking its entry of this step (if any) out of `out`; returns the tokens
+        that entry had from the step's budget."""
+        self._running.remove(victim)
+        freed = 0
+        for k, s in enumerate(out.scheduled):
+            if s.request is victim:  # undo `_entry` (the in-flight count is dropped by _preempt)
+                del out.scheduled[k]
+                victim.num_placeholders -= s.sample
+                self._prompt_rows_left += len(prompt_logprob_rows(victim, s.start, s.num_new_tokens))
+                freed = s.num_new_tokens
+                break
+        self._preempt(victim)
+        out.preempted_ids.append(victim.request_id)
+        return freed
 
     def _pending_hashes(self) -> set[bytes]:
         pending: set[bytes] = set()
@@ -270,7 +280,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(req)
+        self._waiting.prepend([req])
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
