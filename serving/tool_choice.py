@@ -1,0 +1,171 @@
+"""tool_choice as vLLM applies it: which tools the chat template shows, which parser reads the answer, and for
+"required" or a named function the structured-output grammar that makes the model write valid calls (arguments
+valid for the tool's schema whatever the model), plus the readers turning that constrained text into tool calls."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from netra_jax.sampling_params import StructuredOutputsParams
+from netra_jax.serving.errors import APIError
+from netra_jax.serving.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
+from netra_jax.serving.tool_parsers import JsonCallList, ToolParser
+from netra_jax.serving.tool_parsers.json_call import JsonCall
+from netra_jax.structured_output import StructuredOutputError, grammar_for
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+_EMPTY_OBJECT = {"type": "object", "properties": {}}
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class ToolChoicePlan:
+    """`mode`: none (answer is content), auto (the server's parser reads it), required / named (a grammar
+    writes calls). `tools`: the template's `tools` (None: not shown)."""
+
+    mode: Literal["none", "auto", "required", "named"]
+    tools: list[ChatCompletionTool] | None = None
+    function: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
+    """A tool's arguments schema (a copy): an absent or empty one is the empty object, as vLLM makes it."""
+    params = copy.deepcopy(tool.function.parameters) if tool.function.parameters else dict(_EMPTY_OBJECT)
+    if not any(k in params for k in ("type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
+        params["type"] = "object"
+    return params
+
+
+def required_schema(tools: list[ChatCompletionTool], parallel_tool_calls: bool) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}`, at
+    least one (exactly one when parallel_tool_calls is false). The tools' `$defs` move to the root, where their
+    `#/$defs/...` references point; one name defined two ways is a 400."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        params = _parameters(tool)
+        for name, schema in params.pop("$defs", {}).items():
+            if name in defs and defs[name] != schema:
+                raise _bad(
+                    f"tools[{i}]: the schema name {name!r} in $defs is defined differently by another tool; "
+                    "tool_choice 'required' needs one definition per name",
+                    f"tools.{i}.function.parameters",
+                )
+            defs[name] = schema
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    """The spec, once its grammar compiles (so a bad tool schema is a 400 naming the tools, before admission)."""
+    import llguidance
+
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar_for(spec.validate()))
+    except (StructuredOutputError, ValueError) as e:
+        error = str(e)
+    if error:
+        raise _bad(f"the tool's parameters schema cannot be enforced: {error}", param)
+    return spec
+
+
+def plan_tool_choice(
+    req: ChatCompletionRequest, auto_enabled: bool, exclude_tools_when_none: bool = False, constrained: bool = False
+) -> ToolChoicePlan:
+    """Validate `tools` / `tool_choice` (400 naming the field) and decide how the answer is produced and read.
+    Absent tool_choice is "auto" with tools and "none" without (OpenAI's default, and vLLM's: "auto" without
+    --enable-auto-tool-choice is a 400). `constrained`: the request already has an output constraint."""
+    tools, choice = req.tools, req.tool_choice
+    if tools is not None and not tools:
+        raise _bad("tools must not be an empty array; leave it out to offer no tools", "tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolChoicePlan("none", None if exclude_tools_when_none else tools)
+    if not tools:
+        raise _bad("when using tool_choice, tools must be set", "tool_choice")
+    if choice == "auto":
+        if not auto_enabled:
+            raise _bad(AUTO_NEEDS_FLAGS, "tool_choice")
+        return ToolChoicePlan("auto", tools)
+    if constrained:
+        raise _bad(
+            "tool_choice 'required' or a named function writes its calls under a grammar, so it cannot be combined "
+            "with response_format, structured_outputs or guided_*",
+            "tool_choice",
+        )
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        tool = next((t for t in tools if t.function.name == name), None)
+        if tool is None:
+            raise _bad(
+                f"tool_choice names the function {name!r}, which is not one of the tools "
+                f"({', '.join(t.function.name for t in tools)})",
+                "tool_choice.function.name",
+            )
+        spec = StructuredOutputsParams(json=_parameters(tool))
+        i = tools.index(tool)
+        return ToolChoicePlan("named", tools, name, _checked(spec, f"tools.{i}.function.parameters"))
+    spec = StructuredOutputsParams(json=required_schema(tools, parallel))
+    return ToolChoicePlan("required", tools, None, _checked(spec, "tools"))
+
+
+class NamedToolOutput(ToolParser):
+    """The output of a named tool choice: the arguments object itself, the one call of that function."""
+
+    def __init__(self, function: str, make_id: Callable[[], str] | None = None) -> None:
+        super().__init__(make_id)
+        self._call = JsonCall(self, name=function)
+        self._started = False
+
+    def _run(self, final: bool) -> None:
+        if not self._started:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return
+            self._started = True
+            if self._buf[0] != "{":  # not written under the grammar: nothing to read as a call
+                self._call.invalid = True
+        if not (self._call.done or self._call.invalid):
+            self._buf = self._buf[self._call.feed(self._buf) :]
+        if self._call.done or self._call.invalid:
+            self.emit_content(self._buf)
+            self._buf = ""
+        elif final:
+            self._call.close()
+
+
+class RequiredToolOutput(ToolParser):
+    """The output of tool_choice "required": a JSON array of `{"name", "parameters"}` calls."""
+
+    def __init__(self, make_id: Callable[[], str] | None = None) -> None:
+        super().__init__(make_id)
+        self._list = JsonCallList(self, ("parameters",))
+
+    def _run(self, final: bool) -> None:
+        if not (self._list.done or self._list.invalid):
+            self._buf = self._buf[self._list.feed(self._buf) :]
+        if self._list.done or self._list.invalid:
+            self.emit_content(self._buf)
+            self._buf = ""
+        elif final:
+            self._list.close()
