@@ -68,7 +68,7 @@ class _Runner:
         try:
             for k, (prompt, sp) in enumerate(job.prompts):
                 rid = f"batch-{self._next}.{k}"
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, prompt, sp, priority=job.plan.priority)
                 added.append(rid)
         except (QueueFullError, ValueError):
             for rid in added:

@@ -32,9 +32,11 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         metrics: ServerMetrics | None = None,
+        priority: int = 0,
     ) -> None:
         self.engine = engine
         self.params = params
+        self.priority = priority
         self.metrics = metrics
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.last: list[RequestOutput | None] = [None] * len(prompts)
@@ -45,7 +47,7 @@ class Generation:
 
     async def _pump(self, i: int, prompt: PromptType) -> None:
         try:
-            async for out in self.engine.generate(prompt, self.params, self.rids[i]):
+            async for out in self.engine.generate(prompt, self.params, self.rids[i], self.priority):
                 self._q.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
