@@ -20,6 +20,8 @@ from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
 from netra_jax.engine.scheduler import QueueFullError
 from netra_jax.serving import preprocess as pre
 from netra_jax.serving.chat import chat_response, prepare_chat
+from netra_jax.serving.chat_messages import chat_messages
+from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.completion import completion_response, prepare_completion
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError, envelope, install_error_handlers
@@ -112,13 +114,15 @@ def create_app(
     cors_origins: list[str] | None = None,
     ready: Callable[[], bool] | None = None,
     retry_after: int = 1,
+    chat_output: ChatOutputConfig | None = None,
 ) -> FastAPI:
     """An app serving `engine` as the model `served_model_name`. `chat_template`: Jinja source replacing the
-    checkpoint's (requests cannot supply one). `ready`: warm-up finished (default: the engine's `ready` flag)."""
+    checkpoint's (requests cannot supply one). `ready`: warm-up finished (default: the engine's `ready` flag).
+    `chat_output`: tool-call and reasoning parsers for chat answers (--enable-auto-tool-choice and friends)."""
     metrics = ServerMetrics(engine)
     st = ServerState(
         engine,
-        ServingContext.of(engine.engine, served_model_name, chat_template),
+        ServingContext.of(engine.engine, served_model_name, chat_template, chat_output),
         metrics,
         ready or (lambda: engine.engine.ready),
         retry_after,
@@ -193,7 +197,7 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise pre.bad("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            msgs = pre.template_messages(req.messages)
+            msgs = chat_messages(req.messages)
             _, ids = await asyncio.to_thread(pre.chat_prompt, st.llm, msgs, req.add_generation_prompt, st.chat_template)
         else:
             ids = st.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -272,7 +276,7 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
             ctx = stream_context(plan, req, plan.num_logprobs, None if plan.echo is None else [plan.echo])
-            return sse(chat_stream(gen, res[0], res[1], ctx), gen)
+            return sse(chat_stream(gen, res[0], res[1], ctx, plan.output), gen)
         return chat_response(st.ctx, req, plan, res)
 
     return app

@@ -11,13 +11,14 @@ from typing import Any
 from netra_jax.engine.outputs import CompletionOutput, RequestOutput
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving import preprocess as pre
+from netra_jax.serving.chat_messages import chat_messages, template_tools
+from netra_jax.serving.chat_output import ChatOutput
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatResponseMessage,
 )
 from netra_jax.serving.render import chat_logprobs, finish, prompt_logprobs, usage
 
@@ -35,12 +36,14 @@ class ChatPlan:
     num_logprobs: int | None  # alternatives per sampled token; None: no logprobs
     echo: str | None
     priority: int
+    output: ChatOutput  # how each choice's text is read: reasoning, tool calls, content
 
 
 def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
     """Validate `req` against the served model and render its prompt (APIError(400) naming the field). The chat
     template may run up to its time limit: the server calls this in a thread."""
     k = pre.chat_checks(req)
+    tools = ctx.chat_output.plan_tools(req)
     add_generation_prompt = req.add_generation_prompt
     if req.continue_final_message:
         if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
@@ -50,17 +53,20 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
         if req.messages[-1].role != "assistant":
             raise pre.bad("continue_final_message needs an assistant message last", "continue_final_message")
         add_generation_prompt = False
-    messages = pre.template_messages(req.messages)
+    messages = chat_messages(req.messages)
     text, ids = pre.chat_prompt(
         ctx.llm,
         messages,
         add_generation_prompt,
         ctx.chat_template,
         req.continue_final_message,
+        template_tools(tools.tools),
         **pre.template_kwargs(req),
     )
     kept = pre.truncate(ctx.llm, ids, req.truncate_prompt_tokens)
     params = pre.sampling_params(ctx.llm, req, k, [len(kept)])
+    output = ChatOutput.plan(ctx.chat_output, req, tools, ctx.llm.tokenizer, text, ctx.llm.inputs.eos_token_ids)
+    output.adjust(params)
     echo = None
     if req.echo and req.messages[-1].role == "assistant":
         echo = messages[-1].get("content") or ""
@@ -74,6 +80,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
         num_logprobs=k,
         echo=echo,
         priority=req.priority,
+        output=output,
     )
 
 
@@ -81,12 +88,16 @@ def _choice(req: ChatCompletionRequest, plan: ChatPlan, ctx: ServingContext, o: 
     lps = None
     if plan.num_logprobs is not None and o.logprobs is not None:
         lps = ChatLogprobs(content=chat_logprobs(o.logprobs, ctx.tokens, plan.num_logprobs))
+    reader = plan.output.choice()
+    message = reader.message(o.text)
+    if plan.echo:
+        message.content = plan.echo + (message.content or "")
     reason, stop_reason = finish(o)
     return ChatChoice(
         index=o.index,
-        message=ChatResponseMessage(content=(plan.echo or "") + o.text),
+        message=message,
         logprobs=lps,
-        finish_reason=reason,
+        finish_reason=reader.finish_reason(reason),
         stop_reason=stop_reason,
         token_ids=list(o.token_ids) if req.return_token_ids else None,
     )

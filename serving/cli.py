@@ -57,6 +57,48 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)",
     )
+    add_chat_output_args(p)
+
+
+def add_chat_output_args(p: argparse.ArgumentParser) -> None:
+    """How chat answers are read, with vLLM's flags (serve and batch)."""
+    from netra_jax.serving.reasoning import REASONING_PARSERS
+    from netra_jax.serving.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default when tools are sent): the --tool-call-parser reads calls from the text',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="put <think>...</think> into reasoning_content: qwen3, deepseek_r1",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='with tool_choice "none" the chat template is not shown the tools (by default it is, as in vLLM)',
+    )
+
+
+def chat_output_config(args: argparse.Namespace):
+    """The ChatOutputConfig of the flags above; ValueError for a combination vLLM refuses too."""
+    from netra_jax.serving.chat_output import ChatOutputConfig
+
+    return ChatOutputConfig(
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+    )
 
 
 def check_model_root(model: str | None, root: str | None) -> None:
@@ -147,6 +189,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_model_root(args.model, args.allowed_model_root)
         template = load_chat_template(args.chat_template)
+        chat_output = chat_output_config(args)
     except (OSError, ValueError) as e:
         print(f"netra-jax serve: {e}", file=sys.stderr)
         return 2
@@ -191,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         cors_origins=origins,
         ready=warm.is_set,
+        chat_output=chat_output,
     )
     if args.enable_debug_endpoints:
         from netra_jax.serving.debug import install_debug_routes

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.render import TokenText
 
 if TYPE_CHECKING:
@@ -29,13 +30,21 @@ def served_model_name(model: str | None, override: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class ServingContext:
-    """`chat_template`: Jinja source replacing the checkpoint's (requests cannot supply one)."""
+    """`chat_template`: Jinja source replacing the checkpoint's (requests cannot supply one). `chat_output`: how
+    chat answers are read (tool-call and reasoning parsers)."""
 
     llm: LLMEngine
     model_name: str
     tokens: TokenText
     chat_template: str | None = None
+    chat_output: ChatOutputConfig = ChatOutputConfig()
 
     @classmethod
-    def of(cls, llm: LLMEngine, model_name: str, chat_template: str | None = None) -> ServingContext:
-        return cls(llm, model_name, TokenText(llm.tokenizer), chat_template)
+    def of(
+        cls,
+        llm: LLMEngine,
+        model_name: str,
+        chat_template: str | None = None,
+        chat_output: ChatOutputConfig | None = None,
+    ) -> ServingContext:
+        return cls(llm, model_name, TokenText(llm.tokenizer), chat_template, chat_output or ChatOutputConfig())

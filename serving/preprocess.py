@@ -13,7 +13,7 @@ from netra_jax.engine.request import ContextLengthError, check_context_length
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError
-from netra_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
@@ -103,39 +103,6 @@ def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[
         kept = truncate(engine, ids, req.truncate_prompt_tokens)
         out.append((text if len(kept) == len(ids) else None, kept))
     return out
-
-
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
-    if m.role in ("tool", "function"):
-        raise bad(
-            f"messages[{i}]: role {m.role!r} is not supported (tool calling is not implemented)", f"messages.{i}.role"
-        )
-    if m.tool_calls:
-        raise bad(f"messages[{i}]: tool_calls are not supported", f"messages.{i}.tool_calls")
-    if isinstance(m.content, list):
-        parts = []
-        for j, part in enumerate(m.content):
-            if part.type != "text" or part.text is None:
-                raise bad(
-                    f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
-                    f"messages.{i}.content",
-                )
-            parts.append(part.text)
-        content = "".join(parts)
-    elif m.content is None:
-        if m.role != "assistant":
-            raise bad(f"messages[{i}]: content is required for role {m.role!r}", f"messages.{i}.content")
-        content = ""
-    else:
-        content = m.content
-    msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
-    if m.name is not None:
-        msg["name"] = m.name
-    return msg
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -258,11 +225,7 @@ def completion_checks(req: CompletionRequest) -> None:
 
 
 def chat_checks(req: ChatCompletionRequest) -> int | None:
-    """Rejects tool calling; returns the number of top logprobs (None: no logprobs)."""
-    if req.tools:
-        raise bad("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise bad("tool_choice is not supported", "tool_choice")
+    """The number of top logprobs (None: no logprobs). Tools and tool_choice are serving.tool_choice's."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None

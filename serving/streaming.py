@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from netra_jax.engine.async_engine import EngineDeadError
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.serving.chat_output import ChatOutput
 from netra_jax.serving.errors import envelope
 from netra_jax.serving.generation import Generation
 from netra_jax.serving.metrics import ServerMetrics
@@ -63,7 +64,11 @@ async def _events(first: tuple[int, RequestOutput] | None, rest: AsyncIterator[t
         yield ev
 
 
-async def chat_stream(gen: Generation, first, rest, ctx: StreamContext) -> AsyncIterator[str]:
+async def chat_stream(
+    gen: Generation, first, rest, ctx: StreamContext, output: ChatOutput | None = None
+) -> AsyncIterator[str]:
+    """`output`: how each choice's text is read (reasoning, tool calls); None: all of it is content."""
+    readers = None if output is None else [output.choice() for _ in range(ctx.n)]
     sent_lp = [0] * ctx.n
     sent_ids = [0] * ctx.n
     done = [False] * ctx.n
@@ -88,11 +93,14 @@ async def chat_stream(gen: Generation, first, rest, ctx: StreamContext) -> Async
                     sent_lp[j] = len(o.logprobs)
                     lps = ChatLogprobs(content=chat_logprobs(new, ctx.tokens, ctx.num_logprobs)) if new else None
                 reason, stop_reason = finish(o)
-                if not o.delta_text and lps is None and reason is None:
+                delta = DeltaMessage(content=o.delta_text) if o.delta_text else None
+                if readers is not None:  # a reader may hold text back (a tag in the making) until it decides
+                    delta = (readers[j].finish if reason is not None else readers[j].feed)(o.delta_text)
+                    reason = readers[j].finish_reason(reason)
+                if delta is None and lps is None and reason is None:
                     continue
-                delta = DeltaMessage(content=o.delta_text) if o.delta_text else DeltaMessage()
                 choice = ChatStreamChoice(
-                    index=j, delta=delta, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
+                    index=j, delta=delta or DeltaMessage(), logprobs=lps, finish_reason=reason, stop_reason=stop_reason
                 )
                 if ctx.return_token_ids:
                     choice.token_ids = o.token_ids[sent_ids[j] :]
