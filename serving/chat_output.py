@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatResponseMessage, DeltaMessage
 from netra_jax.serving.reasoning import ReasoningParser, get_reasoning_parser
-from netra_jax.serving.tool_choice import NamedToolOutput, RequiredToolOutput, ToolChoicePlan, plan_tool_choice
+from netra_jax.serving.tool_choice import (
+    NamedToolOutput,
+    RequiredToolOutput,
+    ToolChoicePlan,
+    apply_tool_grammar,
+    plan_tool_choice,
+)
 from netra_jax.serving.tool_parsers import ToolParser, assemble, get_tool_parser
 from netra_jax.serving.tool_parsers.base import held_prefix, merge_deltas
 from netra_jax.tokenizer import Tokenizer
@@ -42,8 +48,9 @@ class ChatOutputConfig:
             return None
         return get_tool_parser(self.tool_call_parser)
 
-    def plan_tools(self, req: ChatCompletionRequest, constrained: bool) -> ToolChoicePlan:
-        return plan_tool_choice(req, self.auto_tools is not None, self.exclude_tools_when_tool_choice_none, constrained)
+    def plan_tools(self, req: ChatCompletionRequest) -> ToolChoicePlan:
+        """Validate the request's tools and tool_choice against these flags (APIError(400) naming the field)."""
+        return plan_tool_choice(req, self.auto_tools is not None, self.exclude_tools_when_tool_choice_none)
 
 
 def _lost_when_skipped(tokenizer: Tokenizer, tags: Sequence[str]) -> bool:
@@ -98,8 +105,7 @@ class ChatOutput:
 
     def adjust(self, params: SamplingParams) -> None:
         """The engine side of this plan: the grammar of tool_choice "required" / named; special tokens kept."""
-        if self.tools.structured_outputs is not None:
-            params.structured_outputs = self.tools.structured_outputs
+        apply_tool_grammar(self.tools, params)
         if self.keep_special_tokens:
             params.skip_special_tokens = False
 

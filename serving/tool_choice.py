@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from netra_jax.sampling_params import StructuredOutputsParams
+from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
 from netra_jax.serving.tool_parsers import JsonCallList, ToolParser
@@ -88,11 +88,11 @@ def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsPara
 
 
 def plan_tool_choice(
-    req: ChatCompletionRequest, auto_enabled: bool, exclude_tools_when_none: bool = False, constrained: bool = False
+    req: ChatCompletionRequest, auto_enabled: bool, exclude_tools_when_none: bool = False
 ) -> ToolChoicePlan:
     """Validate `tools` / `tool_choice` (400 naming the field) and decide how the answer is produced and read.
     Absent tool_choice is "auto" with tools and "none" without (OpenAI's default, and vLLM's: "auto" without
-    --enable-auto-tool-choice is a 400). `constrained`: the request already has an output constraint."""
+    --enable-auto-tool-choice is a 400)."""
     tools, choice = req.tools, req.tool_choice
     if tools is not None and not tools:
         raise _bad("tools must not be an empty array; leave it out to offer no tools", "tools")
@@ -106,12 +106,6 @@ def plan_tool_choice(
         if not auto_enabled:
             raise _bad(AUTO_NEEDS_FLAGS, "tool_choice")
         return ToolChoicePlan("auto", tools)
-    if constrained:
-        raise _bad(
-            "tool_choice 'required' or a named function writes its calls under a grammar, so it cannot be combined "
-            "with response_format, structured_outputs or guided_*",
-            "tool_choice",
-        )
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -127,6 +121,20 @@ def plan_tool_choice(
         return ToolChoicePlan("named", tools, name, _checked(spec, f"tools.{i}.function.parameters"))
     spec = StructuredOutputsParams(json=required_schema(tools, parallel))
     return ToolChoicePlan("required", tools, None, _checked(spec, "tools"))
+
+
+def apply_tool_grammar(plan: ToolChoicePlan, params: SamplingParams) -> None:
+    """Give the engine the grammar of "required" / a named function; a request that brings its own output
+    constraint as well is a 400 (one grammar per request)."""
+    if plan.structured_outputs is None:
+        return
+    if params.structured_outputs is not None:
+        raise _bad(
+            "tool_choice 'required' or a named function writes its calls under a grammar, so it cannot be combined "
+            "with response_format, structured_outputs or guided_*",
+            "tool_choice",
+        )
+    params.structured_outputs = plan.structured_outputs
 
 
 class NamedToolOutput(ToolParser):

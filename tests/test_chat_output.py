@@ -16,7 +16,7 @@ from netra_jax.serving.chat_messages import chat_messages, template_tools
 from netra_jax.serving.chat_output import ChatOutput, ChatOutputConfig
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest
-from netra_jax.serving.tool_choice import AUTO_NEEDS_FLAGS, plan_tool_choice
+from netra_jax.serving.tool_choice import AUTO_NEEDS_FLAGS, apply_tool_grammar, plan_tool_choice
 from netra_jax.serving.tool_parsers import assemble
 from netra_jax.structured_output import StructuredOutputs
 from netra_jax.tokenizer import Tokenizer
@@ -89,8 +89,10 @@ def test_bad_tool_requests_name_the_field(body, param):
 
 
 def test_required_with_another_constraint_is_refused():
+    plan = plan_tool_choice(request(tools=[WEATHER], tool_choice="required"), True)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(APIError, match="cannot be combined") as e:
-        plan_tool_choice(request(tools=[WEATHER], tool_choice="required"), True, constrained=True)
+        apply_tool_grammar(plan, params)
     assert e.value.param == "tool_choice"
 
 
@@ -191,7 +193,7 @@ def read(output: ChatOutput, text: str, step: int):
 def test_reasoning_then_tool_calls_then_content(tok):
     config = ChatOutputConfig(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
     req = request(tools=[WEATHER])
-    out = ChatOutput.plan(config, req, config.plan_tools(req, False), tok, "<|im_start|>assistant\n")
+    out = ChatOutput.plan(config, req, config.plan_tools(req), tok, "<|im_start|>assistant\n")
     call = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
     text = f"<think>\nuse <tool_call> here\n</think>\n\nChecking.<tool_call>\n{call}\n</tool_call>"
     whole = out.choice()
@@ -214,7 +216,7 @@ def test_reasoning_then_tool_calls_then_content(tok):
 def test_named_and_required_and_none(tok):
     config = ChatOutputConfig()
     named = request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    out = ChatOutput.plan(config, named, config.plan_tools(named, False), tok, "")
+    out = ChatOutput.plan(config, named, config.plan_tools(named), tok, "")
     p = out.choice()
     msg = p.message('{"city":"Paris","unit":"c"}')
     assert msg.content is None and msg.tool_calls[0].function.arguments == '{"city":"Paris","unit":"c"}'
@@ -224,14 +226,14 @@ def test_named_and_required_and_none(tok):
     assert params.structured_outputs == out.tools.structured_outputs and params.skip_special_tokens
 
     required = request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
-    out = ChatOutput.plan(config, required, config.plan_tools(required, False), tok, "")
+    out = ChatOutput.plan(config, required, config.plan_tools(required), tok, "")
     p = out.choice()
     msg = p.message('[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{}}]')
     assert [c.function.name for c in msg.tool_calls] == ["get_time"]  # parallel_tool_calls=false keeps the first
     assert p.finish_reason("stop") == "tool_calls"
 
     none = request(tools=[WEATHER], tool_choice="none")
-    out = ChatOutput.plan(config, none, config.plan_tools(none, False), tok, "")
+    out = ChatOutput.plan(config, none, config.plan_tools(none), tok, "")
     text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     assert out.choice().message(text).content == text and out.choice().message("").content == ""
 
@@ -244,9 +246,9 @@ def test_special_token_tags_keep_special_tokens(tok):
     special = Tokenizer(backend, tok.special)
     config = ChatOutputConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
     req = request(tools=[WEATHER])
-    plain = ChatOutput.plan(config, req, config.plan_tools(req, False), tok, "", eos_token_ids=[2])
+    plain = ChatOutput.plan(config, req, config.plan_tools(req), tok, "", eos_token_ids=[2])
     assert not plain.keep_special_tokens and plain.drop_suffixes == ()
-    out = ChatOutput.plan(config, req, config.plan_tools(req, False), special, "", eos_token_ids=[2])
+    out = ChatOutput.plan(config, req, config.plan_tools(req), special, "", eos_token_ids=[2])
     assert out.keep_special_tokens and out.drop_suffixes == ("<|im_end|>",)
     params = SamplingParams()
     out.adjust(params)
