@@ -28,15 +28,19 @@ from netra_jax.serving.errors import APIError, envelope, install_error_handlers
 from netra_jax.serving.generation import ClientDisconnected, Generation, race_disconnect
 from netra_jax.serving.metrics import ServerMetrics
 from netra_jax.serving.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from netra_jax.serving.openapi import doc, install_openapi
 from netra_jax.serving.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ProbeStatus,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -83,11 +87,6 @@ async def parse_body[M: BaseModel](raw: Request, model: type[M]) -> M:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-def _doc(model: type[BaseModel]) -> dict:
-    schema = {"application/json": {"schema": model.model_json_schema()}}
-    return {"requestBody": {"required": True, "content": schema}}
-
-
 def _engine_error(e: BaseException, retry_after: int) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -130,6 +129,7 @@ def create_app(
     )
     app = FastAPI(title="netra_jax", version="0.1.0")
     app.state.server = st
+    install_openapi(app)
     install_error_handlers(app, metrics.count_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=metrics.count_error)
     if api_key:
@@ -156,20 +156,20 @@ def create_app(
             )
 
     # ------------------------------------------------------------------ probes and metadata
-    @app.get("/health")
+    @app.get("/health", openapi_extra=doc(response=ProbeStatus))
     async def health() -> Response:
         if engine.is_alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse(envelope(503, f"engine is not running: {engine.dead!r}", code="engine_dead"), 503)
 
-    @app.get("/ready")
+    @app.get("/ready", openapi_extra=doc(response=ProbeStatus))
     async def ready_probe() -> Response:
         if engine.is_alive and st.ready() and not st.draining:
             return JSONResponse({"status": "ready"})
         why = "engine is not running" if not engine.is_alive else "shutting down" if st.draining else "warming up"
         return JSONResponse(envelope(503, why, code="not_ready"), 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=doc(media_type="text/plain"))
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -181,16 +181,16 @@ def create_app(
             max_model_len=st.llm.max_model_len,
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=doc(response=ModelList))
     async def models() -> ModelList:
         return ModelList(data=[card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
     async def model(model_id: str) -> ModelCard:
         check_model(model_id)
         return card()
 
-    @app.post("/tokenize", openapi_extra=_doc(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=doc(TokenizeRequest, TokenizeResponse))
     async def tokenize(raw: Request) -> TokenizeResponse:
         req = await parse_body(raw, TokenizeRequest)
         check_model(req.model)
@@ -204,7 +204,7 @@ def create_app(
         strs = [st.tokens.text(i) for i in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=st.llm.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize", openapi_extra=_doc(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=doc(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(raw: Request) -> DetokenizeResponse:
         req = await parse_body(raw, DetokenizeRequest)
         check_model(req.model)
@@ -249,7 +249,11 @@ def create_app(
             req.return_token_ids,
         )
 
-    @app.post("/v1/completions", response_model=None, openapi_extra=_doc(CompletionRequest))
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        openapi_extra=doc(CompletionRequest, CompletionResponse, stream=CompletionChunk),
+    )
     async def completions(raw: Request) -> Response | CompletionResponse:
         req = await parse_body(raw, CompletionRequest)
         check_model(req.model)
@@ -264,7 +268,11 @@ def create_app(
             return sse(completion_stream(gen, res[0], res[1], ctx), gen)
         return completion_response(st.ctx, req, plan, res)
 
-    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_doc(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=doc(ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk),
+    )
     async def chat_completions(raw: Request) -> Response | ChatCompletionResponse:
         req = await parse_body(raw, ChatCompletionRequest)
         check_model(req.model)

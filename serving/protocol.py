@@ -425,6 +425,12 @@ class DetokenizeResponse(_Out):
     prompt: str
 
 
+class ProbeStatus(_Out):
+    """/health's and /ready's answer while they pass."""
+
+    status: Literal["ok", "ready"]
+
+
 class ErrorInfo(_Out):
     message: str
     type: str
