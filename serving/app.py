@@ -44,6 +44,7 @@ from netra_jax.serving.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from netra_jax.serving.responses import install_responses_routes
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
 from netra_jax.structured_output import StructuredOutputError
 
@@ -287,4 +288,7 @@ def create_app(
             return sse(chat_stream(gen, res[0], res[1], ctx, plan.output), gen)
         return chat_response(st.ctx, req, plan, res)
 
+    install_responses_routes(
+        app, st, parse_body=parse_body, check_serving=check_serving, start=start, sse=sse, client_closed=CLIENT_CLOSED
+    )
     return app
