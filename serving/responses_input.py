@@ -137,7 +137,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
 
 
 def _tools(req: ResponsesRequest) -> list[ChatCompletionTool] | None:
-    if req.tools is None:
+    if not req.tools:  # [] is no tools (the Agents SDK sends it; chat requests refuse an empty list)
         return None
     out = []
     for i, tool in enumerate(req.tools):

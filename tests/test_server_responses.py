@@ -5,11 +5,14 @@ streamed event sequence rebuilds the same response, and stateful or unsupported 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from test_server import MODEL, start_server
 from test_structured_output import SCHEMA, check_schema
 
@@ -25,11 +28,38 @@ CHAT_TURNS = [
     {"role": "user", "content": "And another one?"},
 ]
 FORMAT = {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC"]}}, "required": ["tz"], "additionalProperties": False}
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "A city's weather",
+        "parameters": WEATHER,
+        "strict": True,
+    },
+    {"type": "function", "name": "get_time", "parameters": TIME},
+]
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")
+    s = start_server(
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "128",
+        "--num-kv-pages",
+        "64",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
     yield s
     s.stop()
     assert s.proc.returncode == 0, s.log.read_text()[-3000:]
@@ -149,6 +179,163 @@ def test_output_text_logprobs_are_the_chat_logprobs(client):
     events = list(client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=2, **kw))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in got]
+
+
+# ---------------------------------------------------------------------------------------------------- tools
+def _check_call(item) -> None:
+    args = json.loads(item.arguments)
+    if item.name == "get_weather":
+        assert set(args) == {"city", "unit"} and len(args["city"]) <= 8 and args["unit"] in ("c", "f"), args
+    else:
+        assert item.name == "get_time" and args == {"tz": "UTC"}, args
+    assert item.call_id and item.id.startswith("fc_") and item.status == "completed"
+
+
+def _without_ids(items) -> list[dict]:
+    return [i.model_dump(exclude={"id", "call_id"}) for i in items]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
+def test_forced_function_calls_whole_and_streamed(client, choice):
+    kw = dict(model=MODEL, input="Weather in Oslo?", tools=TOOLS, tool_choice=choice, max_output_tokens=100)
+    r = client.responses.create(temperature=0, **kw)
+    assert r.status == "completed" and r.output and {i.type for i in r.output} == {"function_call"}
+    for item in r.output:
+        _check_call(item)
+    if choice != "required":
+        assert [i.name for i in r.output] == ["get_time"] and r.tool_choice.name == "get_time"
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]
+    events = list(client.responses.create(stream=True, temperature=0, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    per_call = []
+    for e in events[2:-1]:
+        if e.type == "response.output_item.added":
+            assert e.item.type == "function_call" and e.item.arguments == "" and e.item.status == "in_progress"
+            per_call.append([e.type])
+        else:
+            per_call[-1].append(e.type)
+            assert e.output_index == len(per_call) - 1
+    for types in per_call:
+        assert types[0] == "response.output_item.added" and set(types[1:-2]) == {
+            "response.function_call_arguments.delta"
+        }
+        assert types[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == "".join(args) == "".join(i.arguments for i in r.output)
+    assert events[-1].type == "response.completed"
+    assert _without_ids(events[-1].response.output) == _without_ids(r.output)
+    sampled = client.responses.create(temperature=1.0, top_p=0.95, extra_body={"seed": 7}, **kw)
+    for item in sampled.output:
+        _check_call(item)
+
+
+def test_function_call_output_turn_is_the_chat_tool_history(client):
+    first = client.responses.create(
+        model=MODEL, input="Weather in Oslo?", tools=TOOLS, tool_choice="required", temperature=0, max_output_tokens=100
+    )
+    calls = [i for i in first.output if i.type == "function_call"]
+    outputs = [
+        {"type": "function_call_output", "call_id": c.call_id, "output": f"result {k}"} for k, c in enumerate(calls)
+    ]
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        *[i.model_dump(exclude_none=True) for i in first.output],
+    ]
+    r = client.responses.create(model=MODEL, input=history + outputs, tools=TOOLS, temperature=0, max_output_tokens=10)
+    assert r.tool_choice == "auto" and r.output_text  # auto: the hermes parser finds no call in this text
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        },
+        *[{"role": "tool", "tool_call_id": o["call_id"], "content": o["output"]} for o in outputs],
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[{"type": "function", "function": _flat(t)} for t in TOOLS],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.output_text == chat.choices[0].message.content
+
+
+def _flat(tool: dict) -> dict:
+    return {k: v for k, v in tool.items() if k != "type"}
+
+
+# ---------------------------------------------------------------------------------------------------- Agents SDK
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=99)
+
+
+def test_agents_sdk_default_responses_model_runs_a_turn(server):
+    """The Agents SDK's default model (OpenAIResponsesModel on the default client), whole and streamed; a typed
+    output makes the random model's answer end (its text.format grammar closes the JSON)."""
+    import agents  # the OpenAI Agents SDK (dev extra); imported here, its import takes seconds
+    agents.set_tracing_disabled(True)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        agents.set_default_openai_client(client, use_for_tracing=False)
+        agents.set_default_openai_api("responses")
+        settings = agents.ModelSettings(temperature=0, max_tokens=64)
+        agent = agents.Agent(
+            name="pets", instructions="Describe a pet.", model=MODEL, output_type=Pet, model_settings=settings
+        )
+        whole = await agents.Runner.run(agent, "Which pet?")
+        streamed = agents.Runner.run_streamed(agent, "Which pet?")
+        kinds = [e.type async for e in streamed.stream_events()]
+        return whole, streamed, kinds
+
+    whole, streamed, kinds = asyncio.run(run())
+    assert isinstance(whole.final_output, Pet) and streamed.final_output == whole.final_output
+    (raw,) = whole.raw_responses
+    assert raw.usage.input_tokens > 0 and raw.usage.output_tokens > 0
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+
+def test_agents_sdk_forced_tool_then_answer(server):
+    """tool_choice "required" makes the first turn call the tool; the SDK then resets the choice to "auto", the
+    server's hermes parser finds no call in the next (typed) answer, and the run ends with it."""
+    import agents  # the OpenAI Agents SDK (dev extra); imported here, its import takes seconds
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def pet_age(kind: Literal["cat", "dog"]) -> str:
+        """How old the pet is."""
+        seen.append(kind)
+        return "7"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = agents.OpenAIResponsesModel(MODEL, openai_client=client)
+        settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=64)
+        agent = agents.Agent(
+            name="pets",
+            instructions="Use the tool.",
+            model=model,
+            tools=[pet_age],
+            output_type=Pet,
+            model_settings=settings,
+        )
+        return await agents.Runner.run(agent, "How old is the pet?", max_turns=4)
+
+    result = asyncio.run(run())
+    assert len(seen) >= 1 and set(seen) <= {"cat", "dog"}
+    assert isinstance(result.final_output, Pet) and len(result.raw_responses) == 2
+    first, last = result.raw_responses
+    assert {i.type for i in first.output} == {"function_call"} and [i.type for i in last.output] == ["message"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert [o.output for o in outputs] == ["7"] * len(seen)
 
 
 # ---------------------------------------------------------------------------------------------------- refused
