@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI-compatible /v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models,
-vLLM's /tokenize and /detokenize, /health, /ready and /metrics; API key, body cap and CORS as ASGI middlewares."""
+vLLM's /tokenize, /detokenize, /tokenizer_info; /health, /ready, /metrics; API key, body cap, CORS: middlewares."""
 
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ from netra_jax.serving.protocol import (
     ProbeStatus,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from netra_jax.serving.responses import install_responses_routes
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
+from netra_jax.serving.tokenizer_info import tokenizer_info
 from netra_jax.structured_output import StructuredOutputError
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; never reaches the (gone) client
@@ -212,6 +214,10 @@ def create_app(
         ids = [] if not req.tokens else pre.check_ids(st.llm, req.tokens, "tokens")
         return DetokenizeResponse(prompt=st.llm.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
 
+    @app.get("/tokenizer_info", openapi_extra=doc(response=TokenizerInfoResponse))
+    async def tokenizer_info_route() -> TokenizerInfoResponse:
+        return tokenizer_info(st.ctx)
+
     # ------------------------------------------------------------------ generation
     async def start(raw: Request, gen: Generation, stream: bool):
         """Non-streaming: every output. Streaming: the first event (so admission errors still get a status)."""
@@ -235,7 +241,7 @@ def create_app(
             body, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(close)
         )
 
-    def stream_context(plan, req, num_logprobs, echo) -> StreamContext:
+    def stream_context(plan, req, num_logprobs, echo, echo_only: bool = False) -> StreamContext:
         return StreamContext(
             plan.id,
             int(time.time()),
@@ -248,6 +254,8 @@ def create_app(
             metrics,
             echo,
             req.return_token_ids,
+            echo_only,
+            plan.params.skip_special_tokens,
         )
 
     @app.post(
@@ -265,7 +273,7 @@ def create_app(
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
         if req.stream:
-            ctx = stream_context(plan, req, plan.num_logprobs, plan.echo)
+            ctx = stream_context(plan, req, plan.num_logprobs, plan.echo, plan.echo_only)
             return sse(completion_stream(gen, res[0], res[1], ctx), gen)
         return completion_response(st.ctx, req, plan, res)
 

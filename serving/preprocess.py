@@ -10,6 +10,7 @@ from typing import Any
 from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
+from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError
@@ -192,6 +193,19 @@ def _param_of(message: str, req: SamplingRequest) -> str | None:
     return word
 
 
+def check_logprob_counts(req: SamplingRequest) -> None:
+    """vLLM's rules for logprob counts beyond SamplingParams' range check: -1 (every token of the vocabulary) is
+    refused here by name, and prompt_logprobs above 0 cannot be streamed (no chunk carries them, as in vLLM)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        v = getattr(req, name, None)
+        if v == -1 and not isinstance(v, bool):
+            raise bad(
+                f"{name} -1 (logprobs of the whole vocabulary) is not supported; ask for at most {MAX_LOGPROBS}", name
+            )
+    if req.stream and req.prompt_logprobs:
+        raise bad("prompt_logprobs are not available with stream=true (as in vLLM)", "prompt_logprobs")
+
+
 def sampling_params(
     engine: LLMEngine, req: SamplingRequest, num_logprobs: int | None, prompt_lens: list[int]
 ) -> SamplingParams:
@@ -202,7 +216,11 @@ def sampling_params(
     try:
         sp.validate(engine.vocab_size)
     except ValueError as e:
-        raise bad(str(e), _param_of(str(e), req)) from None
+        msg, param = str(e), _param_of(str(e), req)
+        word = msg.split(" ", 1)[0]
+        if param is not None and param != word:  # the request's name for the field (chat: top_logprobs)
+            msg = param + msg[len(word) :]
+        raise bad(msg, param) from None
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     for n in prompt_lens:
         try:
@@ -216,16 +234,16 @@ def sampling_params(
 
 
 def completion_checks(req: CompletionRequest) -> None:
+    check_logprob_counts(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra samples is not supported", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
 
 
 def chat_checks(req: ChatCompletionRequest) -> int | None:
     """The number of top logprobs (None: no logprobs). Tools and tool_choice are serving.tool_choice's."""
+    check_logprob_counts(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None

@@ -425,6 +425,20 @@ class DetokenizeResponse(_Out):
     prompt: str
 
 
+class TokenizerInfoResponse(_Out):
+    """vLLM's GET /tokenizer_info: the tokenizer's configuration (special tokens, added tokens by id, context
+    length) and the chat template the server applies, left out when it has none."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    model_max_length: int
+    added_tokens_decoder: dict[str, str] = Field(default_factory=dict)
+    chat_template: str | None = _opt()
+
+
 class ProbeStatus(_Out):
     """/health's and /ready's answer while they pass."""
 

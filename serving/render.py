@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.serving.protocol import (
     ChatLogprobEntry,
@@ -74,22 +75,78 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
+def _append_token(out: CompletionLogprobs, tid: int, entry: dict[int, Logprob], tt: TokenText, k: int) -> str:
+    """Append token `tid` (its entry: its own logprob and the top k) to completions logprobs; returns its text."""
+    lp = entry[tid]
+    text = tt.text(tid, lp)
+    out.tokens.append(text)
+    out.token_logprobs.append(lp.logprob)
+    top: dict[str, float] = {}
+    for t, x in _ranked(entry, k):  # tokens showing the same text (e.g. U+FFFD): the most likely one's logprob
+        top.setdefault(tt.text(t, x), x.logprob)
+    top.setdefault(text, lp.logprob)
+    out.top_logprobs.append(top)
+    return text
+
+
 def completion_logprobs(
     entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int, start_offset: int = 0
 ) -> CompletionLogprobs:
     out = CompletionLogprobs()
     offset = start_offset
     for entry in entries:
-        tid, lp = next(iter(entry.items()))  # the sampled token comes first
-        text = tt.text(tid, lp)
-        out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
-        top = {tt.text(t, x): x.logprob for t, x in _ranked(entry, k)}
-        top.setdefault(text, lp.logprob)
-        out.top_logprobs.append(top)
+        tid = next(iter(entry))  # the sampled token comes first
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(_append_token(out, tid, entry, tt, k))
     return out
+
+
+def prompt_text_offsets(tokenizer: Tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> list[int]:
+    """Where each token's text starts in `tokenizer.decode(ids)`: the text decoded before it, one token at a time
+    (O(len(ids))). A character split over tokens starts at the token that opens it; a token that shows no text
+    (a skipped special token) sits where the next text starts."""
+    detok = IncrementalDetokenizer(tokenizer, (), skip_special_tokens)
+    offsets, end = [], 0
+    for tid in ids:
+        offsets.append(end)
+        end += len(detok.push([tid]))
+    return offsets
+
+
+def echo_logprobs(
+    ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None] | None,
+    tt: TokenText,
+    k: int,
+    skip_special_tokens: bool = True,
+) -> CompletionLogprobs:
+    """Completions logprobs of an echoed prompt (vLLM's echo with logprobs): the first token has none (its
+    token_logprobs and top_logprobs entries are None, as OpenAI's), every later one its own logprob and the top k
+    alternatives; text_offset: where each token starts in the prompt's text."""
+    if entries is None or len(entries) != len(ids):
+        raise ValueError("the prompt's logprobs were not computed for every prompt token")
+    out = CompletionLogprobs(text_offset=prompt_text_offsets(tt.tok, ids, skip_special_tokens))
+    for tid, entry in zip(ids, entries, strict=True):
+        if entry is None:
+            out.tokens.append(tt.text(tid))
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            _append_token(out, tid, entry, tt, k)
+    return out
+
+
+def join_logprobs(*parts: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """Completions logprobs one after the other (an echoed prompt's, then the generated tokens'); None if none."""
+    given = [p for p in parts if p is not None]
+    if not given:
+        return None
+    return CompletionLogprobs(
+        tokens=[t for p in given for t in p.tokens],
+        token_logprobs=[x for p in given for x in p.token_logprobs],
+        top_logprobs=[x for p in given for x in p.top_logprobs],
+        text_offset=[x for p in given for x in p.text_offset],
+    )
 
 
 def chat_logprobs(entries: Sequence[dict[int, Logprob]], tt: TokenText, k: int) -> list[ChatLogprobEntry]:

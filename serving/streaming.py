@@ -22,7 +22,15 @@ from netra_jax.serving.protocol import (
     CompletionChunk,
     DeltaMessage,
 )
-from netra_jax.serving.render import TokenText, chat_logprobs, completion_logprobs, finish, usage
+from netra_jax.serving.render import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    finish,
+    join_logprobs,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -41,6 +49,8 @@ class StreamContext:
     metrics: ServerMetrics | None = None
     echo: list[str] | None = None  # completions: prompt text per prompt; chat: the echoed final message
     return_token_ids: bool = False
+    echo_only: bool = False  # completions echo with max_tokens 0: the prompt is all each choice shows
+    skip_special_tokens: bool = True
 
 
 def _sse(obj) -> str:
@@ -118,18 +128,23 @@ async def chat_stream(
 
 
 async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) -> AsyncIterator[str]:
+    """Echo without logprobs opens each choice at once; echo with logprobs opens it with the first output that has
+    the prompt's logprobs (as vLLM's, together with the first token), holding back the choice's text until then."""
     n_prompts = len(gen.rids)
     total = n_prompts * ctx.n
     sent_lp = [0] * total
     sent_ids = [0] * total
     offset = [0] * total
     done = [False] * total
+    echo_lps = ctx.echo is not None and ctx.num_logprobs is not None
+    opened = [not echo_lps] * total
+    held = [""] * total  # text of a choice not yet opened
 
     def chunk(choices, use=None) -> str:
         return _sse(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use))
 
     try:
-        if ctx.echo is not None:
+        if ctx.echo is not None and not echo_lps:
             for j in range(total):
                 offset[j] = len(ctx.echo[j // ctx.n])
                 yield chunk([CompletionChoice(index=j, text=ctx.echo[j // ctx.n])])
@@ -138,21 +153,34 @@ async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) ->
                 j = i * ctx.n + o.index
                 if done[j]:
                     continue
+                head, head_lps = "", None
+                if not opened[j]:
+                    if out.prompt_logprobs is None:  # n > 1: a sibling sampled before the prompt's rows were in
+                        held[j] += o.delta_text
+                        continue
+                    head = ctx.echo[i]
+                    head_lps = echo_logprobs(
+                        out.prompt_token_ids, out.prompt_logprobs, ctx.tokens, ctx.num_logprobs, ctx.skip_special_tokens
+                    )
+                    offset[j], opened[j] = len(head), True
+                text = "" if ctx.echo_only else held[j] + o.delta_text
+                held[j] = ""
                 lps = None
-                if ctx.num_logprobs is not None and o.logprobs is not None:
+                if ctx.num_logprobs is not None and o.logprobs is not None and not ctx.echo_only:
                     new = o.logprobs[sent_lp[j] :]
                     sent_lp[j] = len(o.logprobs)
                     if new:
                         lps = completion_logprobs(new, ctx.tokens, ctx.num_logprobs, offset[j])
                         offset[j] = lps.text_offset[-1] + len(lps.tokens[-1])
+                lps = join_logprobs(head_lps, lps)
                 reason, stop_reason = finish(o)
-                if not o.delta_text and lps is None and reason is None:
+                if not head and not text and lps is None and reason is None:
                     continue
                 choice = CompletionChoice(
-                    index=j, text=o.delta_text, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
+                    index=j, text=head + text, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
                 )
                 if ctx.return_token_ids:
-                    choice.token_ids = o.token_ids[sent_ids[j] :]
+                    choice.token_ids = [] if ctx.echo_only else o.token_ids[sent_ids[j] :]
                     sent_ids[j] = len(o.token_ids)
                 done[j] = reason is not None
                 yield chunk([choice], usage(gen.last) if ctx.continuous_usage else None)
