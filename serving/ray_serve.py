@@ -6,8 +6,30 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+
+REPLICA_HEADER = "x-netra-replica"  # on every response: the id of the replica that answered
+
+
+class ReplicaHeader:
+    """Plain ASGI middleware naming the replica in each response's headers (streams untouched)."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -25,7 +47,9 @@ class NetraServer:
     def __serve_build_asgi_app__(self):
         from netra_jax.serving.app import create_app
 
-        return create_app(self.engine, self.model_name, self.api_key, ready=lambda: True)
+        app = create_app(self.engine, self.model_name, self.api_key, ready=lambda: True)
+        app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
+        return app
 
     def __del__(self):
         self.engine.shutdown()
@@ -33,8 +57,9 @@ class NetraServer:
 
 def build_app(args: dict[str, Any]) -> Any:
     """Application builder for `serve run` / `serve.run`. Keys (strings on the command line): model, dtype,
-    served_model_name, max_model_len, max_num_seqs, max_num_batched_tokens, warmup (default true), api_key,
-    replicas (default 1), num_gpus per replica (default 1 when the cluster has GPUs, else 0)."""
+    served_model_name, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
+    scheduling_policy (fcfs | priority), warmup (default true), api_key, replicas (default 1), num_gpus per replica
+    (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1)."""
     import ray
 
     from netra_jax.serving.batch import served_model_name
@@ -46,9 +71,11 @@ def build_app(args: dict[str, Any]) -> Any:
         model=opt("model", str, ""),
         dtype=opt("dtype", str, "auto"),
         max_model_len=opt("max_model_len", int),
-        cache=CacheConfig(),
+        cache=CacheConfig(kv_cache_bytes=opt("kv_cache_memory", int)),
         scheduler=SchedulerConfig(
-            max_num_seqs=opt("max_num_seqs", int, 64), max_num_batched_tokens=opt("max_num_batched_tokens", int, 2048)
+            max_num_seqs=opt("max_num_seqs", int, 64),
+            max_num_batched_tokens=opt("max_num_batched_tokens", int, 2048),
+            scheduling_policy=opt("scheduling_policy", str, "fcfs"),
         ),
         served_model_name=opt("served_model_name", str),
         warmup=str(args.get("warmup", "true")).lower() not in ("0", "false", "no"),
@@ -56,6 +83,7 @@ def build_app(args: dict[str, Any]) -> Any:
     if not ray.is_initialized():
         ray.init()
     gpus = opt("num_gpus", float, 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
-    return NetraServer.options(num_replicas=opt("replicas", int, 1), ray_actor_options={"num_gpus": gpus}).bind(
+    resources = {"num_gpus": gpus, "num_cpus": opt("num_cpus", float, 1.0)}
+    return NetraServer.options(num_replicas=opt("replicas", int, 1), ray_actor_options=resources).bind(
         config, served_model_name(config), opt("api_key", str)
     )
