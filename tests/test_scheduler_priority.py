@@ -258,6 +258,7 @@ def llm():
         warmup=False,
         num_kv_pages=8,
         page_size=16,
+        enable_prefix_caching=False,  # (no prompt shares another's pages: the counts below are the prompts')
         max_num_seqs=8,
         max_num_batched_tokens=64,
         scheduling_policy="priority",
@@ -278,6 +279,40 @@ def test_engine_generates_reference_tokens_under_preemption(llm):
     llm.engine.scheduler.check_invariant()
     with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
         llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])
+
+
+def test_engine_waiting_request_preempts_a_running_one_in_flight(llm):
+    """Two low-priority requests decode (a step always in flight), then a high-priority one needing more pages than
+    are free arrives: the step that admits it preempts the lowest-priority request, whose in-flight token is kept;
+    every request still gives transformers' greedy tokens."""
+    eng, cases = llm.engine, reference("tiny-llama")["cases"]
+    done = {}
+
+    def step():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+
+    def add(rid, case, priority):
+        sp = SamplingParams(max_tokens=len(case["greedy_ids"]), temperature=0, ignore_eos=True)
+        eng.add_request(rid, {"prompt_token_ids": case["prompt_ids"]}, sp, priority=priority)
+
+    add("low", cases[0], 1)
+    add("lowest", cases[1], 2)
+    for _ in range(8):
+        step()
+    lowest, pool = eng.scheduler.get_request("lowest"), eng.pool
+    assert pool.num_free_blocks < pool.blocks_needed(len(cases[2]["prompt_ids"])) and lowest.num_placeholders == 1
+    before = eng.scheduler.num_preemptions
+    add("high", cases[2], 0)
+    step()
+    assert eng.scheduler.get_request("high").status is RequestStatus.RUNNING
+    assert lowest.status is RequestStatus.PREEMPTED and eng.scheduler.num_preemptions == before + 1
+    while eng.has_unfinished_requests():
+        step()
+    assert done == {"low": cases[0]["greedy_ids"], "lowest": cases[1]["greedy_ids"], "high": cases[2]["greedy_ids"]}
+    assert pool.num_free_blocks == pool.num_total
+    eng.scheduler.check_invariant()
 
 
 def test_async_engine_passes_priority_and_fcfs_refuses_it(llm):
