@@ -39,6 +39,17 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
         raise StructuredOutputError(f"invalid structured output spec: {e}") from None
 
 
+def grammar_error(spec: StructuredOutputsParams) -> str | None:
+    """Why the spec's grammar cannot be compiled (llguidance's check, no tokenizer needed), or None: a request can
+    be refused naming its field before the engine admits it."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.validate_grammar(grammar_for(spec)) or None
+    except StructuredOutputError as e:
+        return str(e)
+
+
 class StructuredOutputs:
     """Compiles specs against one tokenizer. The llguidance tokenizer is built on first use (about 1 s for a 50k
     vocabulary). `vocab_size` is the model's: ids the tokenizer does not know (padding rows) are never allowed.

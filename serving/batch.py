@@ -52,7 +52,10 @@ class _Runner:
         try:
             job = prepare(work, self.ctx, chat=work.url == CHAT_URL)
         except RequestError as e:
-            self.emit(error_line(work.custom_id, str(e), e.code, line=work.line, status=e.status, param=e.param))
+            line = error_line(
+                work.custom_id, str(e), e.code, line=work.line, status=e.status, param=e.param, api_code=e.api_code
+            )
+            self.emit(line)
             return
         try:
             while not self._add(job):  # the engine's waiting queue is at its cap: let requests finish first

@@ -24,13 +24,22 @@ def _rid(prefix: str) -> str:
 
 # ---------------------------------------------------------------------- output lines
 def error_line(
-    custom_id: str | None, message: str, code: str, *, line: int, status: int | None = 400, param: str | None = None
+    custom_id: str | None,
+    message: str,
+    code: str,
+    *,
+    line: int,
+    status: int | None = 400,
+    param: str | None = None,
+    api_code: str | None = None,
 ) -> dict[str, Any]:
     """A failed request. `response` is null when no request could be formed (malformed line), else the HTTP error
-    the server would have answered; `error` is set in both cases and names the input line."""
+    the server would have answered (`api_code`: its envelope's code, None where the server gives none, as for a
+    validation error); `error` is set in both cases, with the batch error `code`, and names the input line."""
     response = None
     if status is not None:  # the body is the server's error envelope for the same failure
-        response = {"status_code": status, "request_id": _rid("req"), "body": envelope(status, message, param, code)}
+        body = envelope(status, message, param, api_code)
+        response = {"status_code": status, "request_id": _rid("req"), "body": body}
     return {
         "id": _rid("batch_req"),
         "custom_id": custom_id,

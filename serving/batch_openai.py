@@ -20,15 +20,23 @@ from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class RequestError(ValueError):
-    """A request the server would refuse: HTTP `status`, OpenAI error `code`, the offending `param`."""
+    """A request the server would refuse: HTTP `status`, the batch error `code`, the offending `param`, and the
+    code of the server's error envelope (`api_code`, None for a validation error)."""
 
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        code: str = "invalid_request",
+        param: str | None = None,
+        api_code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.code, self.param = status, code, param
+        self.status, self.code, self.param, self.api_code = status, code, param, api_code
 
     @classmethod
     def of(cls, e: APIError) -> RequestError:
-        return cls(e.message, e.status, e.code or "invalid_request", e.param)
+        return cls(e.message, e.status, e.code or "invalid_request", e.param, e.code)
 
 
 @dataclass

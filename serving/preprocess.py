@@ -10,12 +10,14 @@ from typing import Any
 from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
+from netra_jax.engine.request_queue import check_priority
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
+from netra_jax.structured_output import grammar_error
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 NO_CHAT_TEMPLATE = NoChatTemplateError.message(
@@ -176,9 +178,13 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams | Non
         return None
     name, spec = given[0]
     try:
-        return spec.validate()
+        spec = spec.validate()
     except ValueError as e:
         raise bad(str(e).replace("structured_outputs", name, 1), name, "invalid_response_format") from None
+    error = grammar_error(spec)  # a bad regex, schema or grammar: named here, as the batch jobs name it
+    if error is not None:
+        raise bad(f"{name}: cannot be enforced: {error}", name, "invalid_response_format")
+    return spec
 
 
 def _param_of(message: str, req: SamplingRequest) -> str | None:
@@ -213,6 +219,10 @@ def sampling_params(
     A constraint's grammar is compiled when the engine admits the request (StructuredOutputError: 400)."""
     sp = req.sampling_params(num_logprobs)
     sp.structured_outputs = structured_outputs_of(req)
+    try:
+        check_priority(req.priority, engine.config.scheduler.scheduling_policy)
+    except ValueError as e:
+        raise bad(str(e), "priority") from None
     try:
         sp.validate(engine.vocab_size)
     except ValueError as e:
