@@ -17,12 +17,33 @@ from fastapi.responses import Response
 from netra_jax.serving import preprocess as pre
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.generation import Generation
-from netra_jax.serving.protocol_responses import ResponseObject, ResponsesRequest
+from netra_jax.serving.openapi import doc
+from netra_jax.serving.protocol_responses import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    OutputItemEvent,
+    ResponseLifecycleEvent,
+    ResponseObject,
+    ResponsesRequest,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
 from netra_jax.serving.responses_input import STATELESS, prepare_responses
 from netra_jax.serving.responses_output import responses_response, responses_stream
 
 if TYPE_CHECKING:
     from netra_jax.serving.app import ServerState
+
+EVENTS = (
+    ResponseLifecycleEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+)
 
 
 def install_responses_routes(
@@ -34,18 +55,18 @@ def install_responses_routes(
     start: Callable[[Request, Generation, bool], Awaitable[Any]],
     sse: Callable[[Any, Generation], Response],
     client_closed: int,
-    openapi_extra: dict | None = None,
 ) -> None:
     """The callables are the app's (serving/app.py): body parsing, the serving check, a Generation's start (None:
     the client left; streaming: its first event and the rest) and SSE wrapping (closing the Generation)."""
 
-    @app.post("/v1/responses", response_model=None, openapi_extra=openapi_extra)
+    @app.post("/v1/responses", response_model=None, openapi_extra=doc(ResponsesRequest, ResponseObject, stream=EVENTS))
     async def create_response(raw: Request) -> Response | ResponseObject:
         req = await parse_body(raw, ResponsesRequest)
         pre.check_model(st.ctx, req.model)
         check_serving()
         plan = await asyncio.to_thread(prepare_responses, st.ctx, req)
-        gen = Generation(st.engine, [plan.chat.prompt], plan.chat.params, plan.chat.engine_id, st.metrics)
+        chat = plan.chat
+        gen = Generation(st.engine, [chat.prompt], chat.params, chat.engine_id, st.metrics, chat.priority)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=client_closed)
