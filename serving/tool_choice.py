@@ -44,9 +44,9 @@ def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
 
 
 def required_schema(tools: list[ChatCompletionTool], parallel_tool_calls: bool) -> dict[str, Any]:
-    """tool_choice "required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}`, at
-    least one (exactly one when parallel_tool_calls is false). The tools' `$defs` move to the root, where their
-    `#/$defs/...` references point; one name defined two ways is a 400."""
+    """tool_choice "required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}` (vLLM's
+    form, closed to other keys), at least one (exactly one when parallel_tool_calls is false). The tools' `$defs`
+    move to the root, where their `#/$defs/...` references point; one name defined two ways is a 400."""
     defs: dict[str, Any] = {}
     items = []
     for i, tool in enumerate(tools):
@@ -64,6 +64,7 @@ def required_schema(tools: list[ChatCompletionTool], parallel_tool_calls: bool) 
                 "type": "object",
                 "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
                 "required": ["name", "parameters"],
+                "additionalProperties": False,  # a call is its name and arguments: nothing to run on with
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
