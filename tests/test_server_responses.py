@@ -12,6 +12,8 @@ from typing import Literal
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 from test_server import MODEL, start_server
 from test_structured_output import SCHEMA, check_schema
@@ -280,6 +282,7 @@ def test_agents_sdk_default_responses_model_runs_a_turn(server):
     """The Agents SDK's default model (OpenAIResponsesModel on the default client), whole and streamed; a typed
     output makes the random model's answer end (its text.format grammar closes the JSON)."""
     import agents  # the OpenAI Agents SDK (dev extra); imported here, its import takes seconds
+
     agents.set_tracing_disabled(True)
 
     async def run():
@@ -306,6 +309,7 @@ def test_agents_sdk_forced_tool_then_answer(server):
     """tool_choice "required" makes the first turn call the tool; the SDK then resets the choice to "auto", the
     server's hermes parser finds no call in the next (typed) answer, and the run ends with it."""
     import agents  # the OpenAI Agents SDK (dev extra); imported here, its import takes seconds
+
     agents.set_tracing_disabled(True)
     seen: list[str] = []
 
@@ -389,3 +393,100 @@ def test_refused_requests_name_the_field(server, client):
     assert r.model_extra["store"] is False and r.metadata == {"k": "v"}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+
+
+# ---------------------------------------------------------------------------------------------------- generated
+_text = st.one_of(st.text(max_size=8), st.sampled_from(["", "\x00", "é中😀", "{{ 7 * 7 }}", "<tool_call>"]))
+_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image", "text", "x"])},
+    optional={"text": st.one_of(_text, st.none(), st.integers()), "refusal": _text},
+)
+_content = st.one_of(_text, st.lists(_part, max_size=3), st.none())
+_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]), "content": _content},
+        optional={"type": st.sampled_from(["message", "msg"]), "id": _text, "status": _text},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": _text,
+            "name": _text,
+            "arguments": st.one_of(_text, st.just("{}")),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": _text, "output": st.one_of(_content, st.integers())}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("reasoning")}, optional={"summary": st.lists(_part, max_size=2), "content": _content}
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["item_reference", "web_search_call", ""])}),
+    st.integers(),
+)
+_tool = st.one_of(
+    st.just(TOOLS[1]),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "web_search"]), "name": _text},
+        optional={"parameters": st.one_of(st.just(TIME), st.dictionaries(_text, st.integers(), max_size=2))},
+    ),
+)
+_fields = {
+    "instructions": st.one_of(_text, st.none()),
+    "temperature": st.one_of(st.floats(-1, 3), st.none()),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), st.none()),
+    "top_logprobs": st.integers(-1, 30),
+    "include": st.lists(
+        st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", ""]), max_size=2
+    ),
+    "tools": st.lists(_tool, max_size=2),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "any"]),
+        st.fixed_dictionaries({"type": st.sampled_from(["function", "mcp"]), "name": _text}),
+    ),
+    "text": st.fixed_dictionaries(
+        {"format": st.one_of(st.just({"type": "json_object"}), st.just(FORMAT), st.just({"type": "json_schema"}))}
+    ),
+    "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max"])}),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "metadata": st.dictionaries(_text, st.one_of(_text, st.integers()), max_size=2),
+    "previous_response_id": _text,
+    "seed": st.one_of(st.integers(-2, 5), st.just(2**64)),
+    "parallel_tool_calls": st.booleans(),
+}
+BODIES = st.fixed_dictionaries(
+    {
+        "input": st.one_of(_text, st.lists(_item, max_size=4)),
+        "max_output_tokens": st.one_of(st.integers(1, 3), st.sampled_from([-2, 0, 10**30])),  # never unbounded
+    },
+    optional=_fields,
+)
+
+
+def test_generated_bodies_get_no_server_error(server):
+    """Generated bodies (input items, parts, tools, choices, formats, edge values): each is answered below 500,
+    a refusal with the error envelope, a stream with a terminal event."""
+    tally = {"2xx": 0, "4xx": 0}
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(body=BODIES)
+    def run(body):
+        if body.get("stream") is True:
+            with http.stream("POST", "/v1/responses", json=body) as r:
+                text = "\n".join(r.iter_lines())
+            if r.status_code == 200:
+                last = json.loads(text.rsplit("data: ", 1)[1])
+                assert last["type"] in ("response.completed", "response.incomplete"), last
+        else:
+            r = http.post("/v1/responses", json=body)
+            text = r.text
+        assert r.status_code < 500, f"{body!r}: {r.status_code} {text[:500]}"
+        if r.status_code >= 400:
+            assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+        tally[f"{r.status_code // 100}xx"] += 1
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        run()
+        assert http.get("/health").status_code == 200
+    assert tally["2xx"] > 0 and tally["4xx"] > 0, tally
