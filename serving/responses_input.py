@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from netra_jax.serving.chat import ChatPlan, prepare_chat
@@ -91,13 +91,34 @@ def _reasoning_text(item: ReasoningItem) -> str:
     return "".join(p.text or "" for p in parts)
 
 
-def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
-    """The chat messages and, for each, the Responses field it came from ("instructions" or "input.<i>")."""
+@dataclass
+class Origins:
+    """Where each chat message came from in the Responses request ("instructions" or "input.<i>"), and each of
+    its tool calls (the function_call items merged into one assistant turn)."""
+
+    messages: list[str] = field(default_factory=list)
+    calls: list[list[str]] = field(default_factory=list)
+
+    def add(self, where: str, calls: list[str]) -> None:
+        self.messages.append(where)
+        self.calls.append(calls)
+
+    def of(self, k: int, call: int | None = None) -> str:
+        """messages[k] (its tool_calls[call]) as the Responses field; "input" when out of range."""
+        if k >= len(self.messages):
+            return "input"
+        if call is not None and call < len(self.calls[k]):
+            return f"{self.calls[k][call]}.arguments"
+        return self.messages[k]
+
+
+def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], Origins]:
+    """The chat messages and where each came from."""
     msgs: list[ChatMessage] = []
-    where: list[str] = []
+    where = Origins()
     if req.instructions is not None:
         msgs.append(ChatMessage(role="system", content=req.instructions))
-        where.append("instructions")
+        where.add("instructions", [])
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     if not items:
         raise bad("input is empty: give a text or at least one message", "input")
@@ -118,8 +139,9 @@ def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
             call = ToolCallParam(id=item.call_id, function=FunctionCallParam(name=item.name, arguments=item.arguments))
             names[item.call_id] = item.name
             last = msgs[-1] if msgs else None
-            if last is not None and last.role == "assistant" and where[-1] != "instructions" and thought is None:
+            if last is not None and last.role == "assistant" and thought is None:
                 last.tool_calls = [*(last.tool_calls or []), call]  # calls of the same answer: one assistant turn
+                where.calls[-1].append(at)
                 continue
             msg = ChatMessage(role="assistant", content=None, tool_calls=[call])
         elif isinstance(item, FunctionCallOutputItem):
@@ -130,7 +152,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
         if msg.role == "assistant" and thought is not None:
             msg.reasoning_content, thought = thought, None
         msgs.append(msg)
-        where.append(at)
+        where.add(at, [at] if msg.tool_calls else [])
     if not msgs:
         raise bad("input holds no message (reasoning items alone)", "input")
     return msgs, where
@@ -200,7 +222,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             raise bad(f"include: {name!r} is not supported (only {OUTPUT_TEXT_LOGPROBS!r})", f"include.{i}")
 
 
-def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, Origins]:
     """The chat request `req` means, and where each of its messages came from (see _messages). APIError(400)
     naming the field for what cannot be served."""
     _refuse_unsupported(req)
@@ -236,25 +258,26 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str
     return chat, where
 
 
-def remap_error(e: APIError, where: list[str]) -> APIError:
+def remap_error(e: APIError, where: Origins) -> APIError:
     """A chat pipeline error in the Responses request's terms: `messages.<k>` becomes the input item (or
-    instructions) message k came from, chat field names the Responses ones (max_completion_tokens ->
-    max_output_tokens, response_format -> text.format, tools.<i>.function.<f> -> tools.<i>.<f>)."""
+    instructions) message k came from (a tool call's arguments, its function_call item's), chat field names the
+    Responses ones (max_completion_tokens -> max_output_tokens, response_format -> text.format,
+    tools.<i>.function.<f> -> tools.<i>.<f>)."""
 
     def message_at(m: re.Match) -> str:
-        k = int(m.group(1))
-        return where[k] if k < len(where) else "input"
+        return where.of(int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
 
     param = e.param
     if param is not None:
-        head, _, rest = param.partition(".")
-        if head == "messages":
-            k = rest.split(".", 1)[0]
-            param = where[int(k)] if k.isdigit() and int(k) < len(where) else "input"
-        elif head in RENAMED:
-            param = RENAMED[head]
-        param = re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", param)
-    message = re.sub(r"\bmessages\[(\d+)\]", message_at, e.message)
+        if m := re.match(r"messages\.(\d+)(?:\.tool_calls\.(\d+))?", param):
+            param = message_at(m)
+        elif param == "messages":
+            param = "input"
+        else:
+            head, dot, rest = param.partition(".")
+            param = RENAMED.get(head, head) + dot + rest
+            param = re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", param)
+    message = re.sub(r"\bmessages\[(\d+)\](?:\.tool_calls\[(\d+)\]\.function\.arguments)?", message_at, e.message)
     for old, new in RENAMED.items():
         message = re.sub(rf"\b{old}\b", new, message)
     return APIError(e.status, message, param, e.code, e.type, e.headers)

@@ -72,12 +72,13 @@ def function_call_item(call: ToolCall, status: ItemStatus, item_id: str = "") ->
 def output_items(
     reasoning: str | None, content: str | None, calls: Sequence[ToolCall], logprobs: list[ChatLogprobEntry], done: bool
 ) -> list[OutputItem]:
-    """One answer's output: its reasoning, its message (left out when it made calls and wrote no text), its
-    function calls. The last item is `incomplete` when the answer was cut at max_output_tokens (`done` false)."""
+    """One answer's output: its reasoning, its message, its function calls. The message is left out when the answer
+    wrote no text but reasoned or made calls (an empty answer still has its empty message). The last item is
+    `incomplete` when the answer was cut at max_output_tokens (`done` false)."""
     items: list[OutputItem] = []
     if reasoning:
         items.append(reasoning_item(reasoning, "completed"))
-    if content or not calls:
+    if content or not (calls or reasoning):
         items.append(message_item(content or "", "completed", logprobs))
     items += [function_call_item(c, "completed") for c in calls]
     if not done:
@@ -163,7 +164,6 @@ class EventWriter:
         self.text: list[str] = []  # the open reasoning's or message's text, or the open call's arguments
         self.logprobs: list[ChatLogprobEntry] = []
         self.call_index: int | None = None  # the open call's index in the streamed tool_calls
-        self.calls = 0
 
     def event(self, model: type, type: str, **fields: Any) -> str:
         ev = model(type=type, sequence_number=self.seq, **fields)
@@ -261,7 +261,6 @@ class EventWriter:
             )
             out += self._start(function_call_item(call, "in_progress"), None)
             self.call_index = d.index
-            self.calls += 1
         if fn is not None and fn.arguments:
             self.text.append(fn.arguments)
             out.append(
@@ -272,9 +271,9 @@ class EventWriter:
         return out
 
     def finish(self, status: ItemStatus) -> list[str]:
-        """Close the last item with `status`; an answer without text or calls still gets its (empty) message."""
+        """Close the last item with `status`; an answer with no item at all gets its (empty) message."""
         out = []
-        if self.calls == 0 and self.open is None and not any(isinstance(i, OutputMessage) for i in self.items):
+        if self.open is None and not self.items:
             out += self._start(OutputMessage(id=_id("msg"), status="in_progress", content=[]), OutputText(text=""))
         return out + self.close(status)
 

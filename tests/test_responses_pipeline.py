@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from netra_jax.serving.protocol_responses import ResponsesRequest
-from netra_jax.serving.responses_input import chat_request, remap_error
+from netra_jax.serving.responses_input import Origins, chat_request, remap_error
 from netra_jax.serving.responses_output import EventWriter, output_items, response_object
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}, "strict": True}
@@ -65,7 +65,8 @@ def test_items_become_chat_messages():
         ("tool", "sunny", "c1", "get_weather"),
         ("tool", "noon", "c2", "get_time"),
     ]
-    assert where == ["instructions", "input.0", "input.1", "input.3", "input.6", "input.7"]
+    assert where.messages == ["instructions", "input.0", "input.1", "input.3", "input.6", "input.7"]
+    assert where.calls[3] == ["input.4", "input.5"]
     turn = chat.messages[3]
     assert turn.reasoning_content == "hm"
     assert [(c.id, c.function.name, c.function.arguments) for c in turn.tool_calls] == [
@@ -85,16 +86,26 @@ def test_items_become_chat_messages():
 def test_a_call_without_a_preceding_answer_opens_an_assistant_turn():
     chat, where = chat_request(_req(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]))
     (m,) = chat.messages
-    assert m.role == "assistant" and m.content is None and m.tool_calls[0].id == "c" and where == ["input.0"]
+    assert m.role == "assistant" and m.content is None and m.tool_calls[0].id == "c"
+    assert where.messages == ["input.0"] and where.calls == [["input.0"]]
     chat, _ = chat_request(_req(input="hello"))
     assert [(m.role, m.content) for m in chat.messages] == [("user", "hello")]
     assert chat.tools is None and chat.tool_choice is None and not chat.logprobs
 
 
 def test_chat_errors_name_the_responses_fields():
-    where = ["instructions", "input.0", "input.2"]
+    where = Origins(["instructions", "input.0", "input.2"], [[], [], ["input.2", "input.3"]])
     e = remap_error(APIError(400, "messages[2]: content is required", "messages.2.content"), where)
     assert (e.message, e.param) == ("input.2: content is required", "input.2")
+    e = remap_error(
+        APIError(
+            400,
+            "messages[2].tool_calls[1].function.arguments is not valid JSON",
+            "messages.2.tool_calls.1.function.arguments",
+        ),
+        where,
+    )
+    assert (e.message, e.param) == ("input.3.arguments is not valid JSON", "input.3.arguments")
     e = remap_error(APIError(400, "max_completion_tokens (9) is too many", "max_completion_tokens"), where)
     assert (e.message, e.param) == ("max_output_tokens (9) is too many", "max_output_tokens")
     e = remap_error(APIError(400, "bad schema", "tools.1.function.parameters"), where)
@@ -172,7 +183,7 @@ def test_streamed_events_rebuild_the_whole_output():
     assert sdk.tool_choice == "auto" and sdk.tools[0].name == "get_weather"
 
 
-def test_an_empty_answer_still_has_its_message_and_a_cut_one_is_incomplete():
+def test_an_empty_answer_has_its_message_and_a_cut_one_is_incomplete():
     w = EventWriter()
     types = [json.loads(f.split("data: ")[1])["type"] for f in w.finish("incomplete")]
     assert types == [
@@ -185,3 +196,9 @@ def test_an_empty_answer_still_has_its_message_and_a_cut_one_is_incomplete():
     assert [(i.type, i.status, i.content[0].text) for i in w.items] == [("message", "incomplete", "")]
     items = output_items(None, "", [], [], done=False)
     assert [(i.type, i.status) for i in items] == [("message", "incomplete")]
+    w = EventWriter()
+    w.reasoning("cut short")
+    w.finish("incomplete")
+    whole = output_items("cut short", None, [], [], done=False)
+    assert [(i.type, i.status, i.content[0].text) for i in w.items] == [("reasoning", "incomplete", "cut short")]
+    assert [i.model_dump(exclude={"id"}) for i in whole] == [i.model_dump(exclude={"id"}) for i in w.items]
