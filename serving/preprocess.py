@@ -25,7 +25,8 @@ NO_CHAT_TEMPLATE = NoChatTemplateError.message(
     "/v1/completions"
 )
 _FIELDS = set(SamplingParams.__dataclass_fields__)
-# chat_template_kwargs may not set what the request's own fields (or the server) decide
+# chat_template_kwargs may not set what the request's own fields (or the server) decide, nor the renderer's own
+# arguments (chat_template.render_chat_template: template, special_tokens, limits)
 RESERVED_TEMPLATE_KWARGS = (
     "messages",
     "tools",
@@ -33,6 +34,9 @@ RESERVED_TEMPLATE_KWARGS = (
     "chat_template",
     "add_generation_prompt",
     "continue_final_message",
+    "template",
+    "special_tokens",
+    "limits",
 )
 
 

@@ -1,9 +1,13 @@
 """Bad input against a real server (a table plus hypothesis-generated requests): each gets a bounded 4xx envelope,
-leaves the engine untouched (steps, admissions, KV blocks, pool invariant) and is followed by a served request."""
+leaves the engine untouched (steps, admissions, KV blocks, pool invariant) and is followed by a served request. The
+table covers issue 14's request fields too (tools, tool_choice, tool-call history, reasoning_effort,
+chat_template_kwargs, continue_final_message, echo on chat, structured_outputs / guided_*, priority, request_id,
+truncate_prompt_tokens, prompt_logprobs): each refusal names its field."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -96,7 +100,6 @@ TABLE: list[tuple[str, str, object, dict, int, str | None]] = [
         400,
         "messages.0.content",
     ),
-    ("tool message", CC, {"messages": [{"role": "tool", "content": "x"}]}, {}, 400, "messages.0.role"),
     ("token id == vocab", C, {"prompt": [1, VOCAB]}, {}, 400, "prompt"),
     ("token id 2**63", C, {"prompt": [2**63]}, {}, 400, "prompt"),
     ("token id 1e30 in a batch", C, {"prompt": [[1], [10**30]]}, {}, 400, "prompt"),
@@ -143,6 +146,244 @@ TABLE: list[tuple[str, str, object, dict, int, str | None]] = [
     ("UTF-16 encoded body", CC, json.dumps({"messages": MSG}).encode("utf-16"), JSON, 400, None),
     ("lone surrogate escape", C, b'{"prompt": "\\ud800"}', JSON, 400, None),
 ]
+
+
+def _chat(**fields) -> dict:
+    return {"messages": MSG, **fields}
+
+
+def _history(*turns: dict) -> dict:
+    return {"messages": [*MSG, *turns]}
+
+
+def _tool(**function) -> dict:
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
+def _call(**call) -> dict:
+    return {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", **call}]}
+
+
+TOOL = _tool(parameters={"type": "object", "properties": {"a": {"type": "integer"}}})
+CALLED = _call(function={"name": "f", "arguments": '{"a": 1}'})  # an assistant turn a tool message answers
+# Issue 14's request fields: (name, path, body, status, param); each refused by name, the engine untouched
+NEW_FIELDS: list[tuple[str, str, dict, int, str]] = [
+    ("tools not an array", CC, _chat(tools=TOOL), 400, "tools"),
+    ("tools empty", CC, _chat(tools=[]), 400, "tools"),
+    ("tool without function", CC, _chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
+    ("tool of another type", CC, _chat(tools=[{**TOOL, "type": "code_interpreter"}]), 400, "tools.0.type"),
+    ("tool name with a space", CC, _chat(tools=[_tool(name="a b")]), 400, "tools.0.function.name"),
+    ("tool name of 65 characters", CC, _chat(tools=[_tool(name="a" * 65)]), 400, "tools.0.function.name"),
+    ("tool parameters a list", CC, _chat(tools=[_tool(parameters=[1])]), 400, "tools.0.function.parameters"),
+    ("unknown key in a tool", CC, _chat(tools=[{**TOOL, "x": 1}]), 400, "tools.0.x"),
+    (
+        "tool schema that cannot be enforced",
+        CC,
+        _chat(tools=[_tool(parameters={"type": "nonsense"})], tool_choice="required"),
+        400,
+        "tools",
+    ),
+    ("tool_choice unknown string", CC, _chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
+    ("tool_choice a number", CC, _chat(tools=[TOOL], tool_choice=1), 400, "tool_choice"),
+    (
+        "tool_choice naming no tool",
+        CC,
+        _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice.function.name",
+    ),
+    ("tool_choice required without tools", CC, _chat(tool_choice="required"), 400, "tool_choice"),
+    (
+        "tool_choice auto without --enable-auto-tool-choice",
+        CC,
+        _chat(tools=[TOOL], tool_choice="auto"),
+        400,
+        "tool_choice",
+    ),
+    ("parallel_tool_calls a string", CC, _chat(tools=[TOOL], parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    (
+        "tool_calls on a user message",
+        CC,
+        {"messages": [{**MSG[0], **_call(function={"name": "f", "arguments": "{}"}), "role": "user"}]},
+        400,
+        "messages.0.tool_calls",
+    ),
+    (
+        "tool_calls arguments not JSON",
+        CC,
+        _history(_call(function={"name": "f", "arguments": "{not json"})),
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+    ),
+    (
+        "tool_calls arguments a JSON list",
+        CC,
+        _history(_call(function={"name": "f", "arguments": "[1]"})),
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+    ),
+    ("tool_calls without function", CC, _history(_call()), 400, "messages.1.tool_calls.0.function"),
+    (
+        "tool_calls an object",
+        CC,
+        _history({"role": "assistant", "tool_calls": {"id": "c1"}}),
+        400,
+        "messages.1.tool_calls",
+    ),
+    (
+        "tool message without content",
+        CC,
+        _history(CALLED, {"role": "tool", "tool_call_id": "c1"}),
+        400,
+        "messages.2.content",
+    ),
+    (
+        "tool_call_id a number",
+        CC,
+        _history(CALLED, {"role": "tool", "tool_call_id": 5, "content": "x"}),
+        400,
+        "messages.2.tool_call_id",
+    ),
+    ("reasoning_effort unknown", CC, _chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
+    ("reasoning_effort a number", CC, _chat(reasoning_effort=3), 400, "reasoning_effort"),
+    ("chat_template_kwargs a list", CC, _chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
+    ("chat_template_kwargs a string", CC, _chat(chat_template_kwargs="x"), 400, "chat_template_kwargs"),
+    *[
+        (
+            f"chat_template_kwargs setting {key}",
+            CC,
+            _chat(chat_template_kwargs={key: 1}),
+            400,
+            f"chat_template_kwargs.{key}",
+        )
+        for key in ("messages", "tools", "add_generation_prompt", "continue_final_message", "template", "limits")
+    ],
+    (
+        "continue_final_message after a user message",
+        CC,
+        _chat(continue_final_message=True),
+        400,
+        "continue_final_message",
+    ),
+    (
+        "continue_final_message with add_generation_prompt",
+        CC,
+        {
+            **_history({"role": "assistant", "content": "a"}),
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+        400,
+        "add_generation_prompt",
+    ),
+    ("continue_final_message a string", CC, _chat(continue_final_message="yes"), 400, "continue_final_message"),
+    ("echo on chat a string", CC, _chat(echo="yes"), 400, "echo"),
+    (
+        "structured_outputs two at once",
+        C,
+        {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+        400,
+        "structured_outputs",
+    ),
+    ("structured_outputs empty", C, {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+    (
+        "structured_outputs unknown key",
+        C,
+        {"prompt": "hi", "structured_outputs": {"regexp": "a"}},
+        400,
+        "structured_outputs.regexp",
+    ),
+    (
+        "structured_outputs bad regex",
+        C,
+        {"prompt": "hi", "structured_outputs": {"regex": "(("}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs bad schema",
+        CC,
+        _chat(structured_outputs={"json": {"type": "nonsense"}}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs schema not JSON",
+        C,
+        {"prompt": "hi", "structured_outputs": {"json": "{"}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs bad grammar",
+        C,
+        {"prompt": "hi", "structured_outputs": {"grammar": "start: ("}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs empty choice",
+        C,
+        {"prompt": "hi", "structured_outputs": {"choice": []}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "guided_regex and guided_json",
+        C,
+        {"prompt": "hi", "guided_regex": "a", "guided_json": {"type": "object"}},
+        400,
+        "guided_regex",
+    ),
+    (
+        "guided_choice and response_format",
+        CC,
+        _chat(guided_choice=["a"], response_format={"type": "json_object"}),
+        400,
+        "guided_choice",
+    ),
+    ("guided_regex bad", C, {"prompt": "hi", "guided_regex": "[z-a]"}, 400, "guided_regex"),
+    ("guided_json bad schema", CC, _chat(guided_json={"type": "nonsense"}), 400, "guided_json"),
+    ("guided_json not JSON", C, {"prompt": "hi", "guided_json": "{"}, 400, "guided_json"),
+    ("guided_choice empty", C, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("guided_choice a string", C, {"prompt": "hi", "guided_choice": "a"}, 400, "guided_choice"),
+    ("guided_grammar bad", C, {"prompt": "hi", "guided_grammar": "start: ("}, 400, "guided_grammar"),
+    ("priority a string", C, {"prompt": "hi", "priority": "high"}, 400, "priority"),
+    ("priority fractional", C, {"prompt": "hi", "priority": 1.5}, 400, "priority"),
+    ("priority under fcfs", CC, _chat(priority=-5), 400, "priority"),
+    ("priority 1e30 under fcfs", C, {"prompt": "hi", "priority": 10**30}, 400, "priority"),
+    ("request_id a number", C, {"prompt": "hi", "request_id": 5}, 400, "request_id"),
+    ("truncate_prompt_tokens 0", C, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens -2", C, {"prompt": "hi", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    (
+        "truncate_prompt_tokens 1e30",
+        C,
+        {"prompt": "hi", "truncate_prompt_tokens": 10**30},
+        400,
+        "truncate_prompt_tokens",
+    ),
+    (
+        "truncate_prompt_tokens over the context",
+        CC,
+        _chat(truncate_prompt_tokens=100_000),
+        400,
+        "truncate_prompt_tokens",
+    ),
+    (
+        "truncate_prompt_tokens a string",
+        C,
+        {"prompt": "hi", "truncate_prompt_tokens": "5"},
+        400,
+        "truncate_prompt_tokens",
+    ),
+    ("prompt_logprobs -2", C, {"prompt": "hi", "prompt_logprobs": -2}, 400, "prompt_logprobs"),
+    ("prompt_logprobs -1", C, {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs 21", C, {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt_logprobs 1e30", CC, _chat(prompt_logprobs=10**30), 400, "prompt_logprobs"),
+    ("prompt_logprobs with stream", C, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("prompt_logprobs a boolean", C, {"prompt": "hi", "prompt_logprobs": True}, 400, "prompt_logprobs"),
+]
+TABLE += [(name, path, body, {}, status, param) for name, path, body, status, param in NEW_FIELDS]
 
 BASE = [(f"{m} {p} {b!r}"[:60], m, p, b, s, prm) for m, p, b, s, prm in BAD]
 
@@ -273,11 +514,21 @@ def _request_strategy(model: type) -> st.SearchStrategy:
             st.text(max_size=20), tokens, st.lists(tokens, max_size=3), st.lists(st.text(max_size=8), max_size=3)
         )
     else:
+        call = st.fixed_dictionaries(
+            {"id": st.text(max_size=4), "type": st.just("function")},
+            optional={
+                "function": st.fixed_dictionaries(
+                    {"name": st.text(max_size=6)},
+                    optional={"arguments": st.sampled_from(["{}", '{"a": 1}', "[1]", "{x", ""]) | st.text(max_size=6)},
+                )
+            },
+        )
         msg = st.fixed_dictionaries(
             {
                 "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]),
                 "content": st.one_of(st.text(max_size=20), st.none()),
-            }
+            },
+            optional={"tool_calls": st.lists(call, max_size=2), "tool_call_id": st.text(max_size=6)},
         )
         required["messages"] = st.lists(msg, max_size=3)
     opt = {k: v for k, v in opt.items() if k not in required}
@@ -339,3 +590,30 @@ def test_generated_requests(server, model, path):
         assert http.post(C, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     record(f"generated requests to {path}", tally)
     assert tally["5xx"] == 0 and tally["2xx"] > 0 and tally["4xx"] > 0
+
+
+WEIRD_REQUEST_IDS = ["", "a/b c\n\t\x00", "é中😀", "../../etc/passwd", "%s%n{}", "r" * 10_000]
+
+
+def test_weird_request_ids(server):
+    """vLLM's request_id takes any string: each is served with the response id built from it (completions, chat,
+    streamed chat), concurrent requests reusing one id are all served, and no KV block is left behind."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for rid in WEIRD_REQUEST_IDS:
+            r = http.post(C, json={"prompt": "hi", "max_tokens": 2, "request_id": rid})
+            assert r.status_code == 200 and r.json()["id"] == f"cmpl-{rid}", r.text[:300]
+            r = http.post(CC, json={**_chat(max_tokens=2), "request_id": rid})
+            assert r.status_code == 200 and r.json()["id"] == f"chatcmpl-{rid}", r.text[:300]
+            with http.stream("POST", CC, json={**_chat(max_tokens=2), "request_id": rid, "stream": True}) as r:
+                events = sse_events(list(r.iter_lines()))
+            assert r.status_code == 200 and events[-1] == "[DONE]"
+            assert {e["id"] for e in events if isinstance(e, dict)} == {f"chatcmpl-{rid}"}
+
+        def same_id(i: int) -> httpx.Response:
+            return http.post(C, json={"prompt": f"hi {i}", "max_tokens": 4, "request_id": "shared"})
+
+        with ThreadPoolExecutor(6) as ex:
+            answers = list(ex.map(same_id, range(6)))
+        assert [a.status_code for a in answers] == [200] * 6
+        assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
+    wait_idle(server)
