@@ -21,7 +21,7 @@ def _content(m: ChatMessage, i: int) -> str:
             if part.type != "text" or part.text is None:
                 raise _bad(
                     f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
-                    f"messages.{i}.content.{j}",
+                    f"messages.{i}.content",
                 )
             texts.append(part.text)
         return "\n".join(texts)  # as vLLM and transformers join text parts
@@ -70,7 +70,19 @@ def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [chat_message(m, i) for i, m in enumerate(messages)]
+    """Template dicts of a conversation. A `tool` message must answer an assistant message's tool_calls (OpenAI
+    refuses a lone one, naming messages[i].role)."""
+    out = []
+    answering = False  # the messages since the last assistant message with tool_calls are all tool results
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not answering:
+            raise _bad(
+                f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message's tool_calls",
+                f"messages.{i}.role",
+            )
+        answering = bool(m.tool_calls) if m.role == "assistant" else answering and m.role == "tool"
+        out.append(chat_message(m, i))
+    return out
 
 
 def template_tools(tools: list[ChatCompletionTool] | None) -> list[dict[str, Any]] | None:

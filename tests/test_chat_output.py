@@ -268,3 +268,19 @@ def test_config_checks():
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ChatOutputConfig(reasoning_parser="nope")
     assert ChatOutputConfig(tool_call_parser="hermes").auto_tools is None  # a parser alone does not enable "auto"
+
+
+def test_a_tool_message_must_answer_tool_calls():
+    """As OpenAI: a tool result follows an assistant message with tool_calls (other results may come between)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"},
+        {"role": "tool", "tool_call_id": "c", "content": "2"},
+    ]
+    assert len(chat_messages(ChatCompletionRequest.model_validate({"messages": ok}).messages)) == 4
+    for bad, i in (([{"role": "tool", "content": "x"}], 0), ([*ok, {"role": "user", "content": "y"}, ok[2]], 5)):
+        with pytest.raises(APIError) as e:
+            chat_messages(ChatCompletionRequest.model_validate({"messages": bad}).messages)
+        assert e.value.param == f"messages.{i}.role"

@@ -376,7 +376,7 @@ BAD = [  # (method, path, json body or raw bytes, status, param)
     ("POST", CC, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("POST", CC, {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("POST", CC, {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
-    ("POST", CC, {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("POST", CC, {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     (
         "POST",
         CC,
