@@ -74,7 +74,7 @@ def output_items(
 ) -> list[OutputItem]:
     """One answer's output: its reasoning, its message, its function calls. The message is left out when the answer
     wrote no text but reasoned or made calls (an empty answer still has its empty message). The last item is
-    `incomplete` when the answer was cut at max_output_tokens (`done` false)."""
+    `incomplete` when the answer did not end by itself (`done` false)."""
     items: list[OutputItem] = []
     if reasoning:
         items.append(reasoning_item(reasoning, "completed"))
@@ -84,6 +84,16 @@ def output_items(
     if not done:
         items[-1].status = "incomplete"
     return items
+
+
+def outcome(finish_reason: str | None) -> tuple[ResponseStatus, ResponseError | None]:
+    """The response's status for the engine's finish reason: cut at max_output_tokens (or the context) is
+    incomplete; ended by the engine (an output constraint that allowed no token, an abort) failed."""
+    if finish_reason == "length":
+        return "incomplete", None
+    if finish_reason in ("error", "abort"):
+        return "failed", ResponseError(code="server_error", message=f"the generation ended early ({finish_reason})")
+    return "completed", None
 
 
 def response_usage(ctx: ServingContext, use: UsageInfo, reasoning: str | None) -> ResponseUsage:
@@ -145,10 +155,10 @@ def responses_response(ctx: ServingContext, plan: ResponsesPlan, outs: Sequence[
     (choice,) = chat.choices
     msg = choice.message
     logprobs = (choice.logprobs.content or []) if choice.logprobs is not None else []
-    done = choice.finish_reason != "length"
-    output = output_items(msg.reasoning_content, msg.content, msg.tool_calls, logprobs, done)
+    status, error = outcome(outs[0].outputs[0].finish_reason)
+    output = output_items(msg.reasoning_content, msg.content, msg.tool_calls, logprobs, status == "completed")
     use = response_usage(ctx, chat.usage or UsageInfo(), msg.reasoning_content)
-    return response_object(plan, ctx.model_name, output, "completed" if done else "incomplete", use)
+    return response_object(plan, ctx.model_name, output, status, use, error)
 
 
 # ---------------------------------------------------------------------------------------------------- streamed
@@ -299,6 +309,7 @@ async def responses_stream(
     lps: list[ChatLogprobEntry] = []  # logprobs of tokens whose text has not been streamed yet
     reasoning: list[str] = []
     status: ResponseStatus = "completed"
+    error: ResponseError | None = None
     yield w.lifecycle("response.created", response_object(plan, ctx.model_name, [], "in_progress"))
     yield w.lifecycle("response.in_progress", response_object(plan, ctx.model_name, [], "in_progress"))
     try:
@@ -321,14 +332,14 @@ async def responses_stream(
                 for t in d.tool_calls or ():
                     for ev in w.tool_call(t):
                         yield ev
-            if o.finish_reason == "length":
-                status = "incomplete"
+            if o.finish_reason is not None:
+                status, error = outcome(o.finish_reason)
         if isinstance(w.open, OutputMessage):
             w.logprobs += lps  # tokens without text of their own (the end-of-sequence token)
-        for ev in w.finish("incomplete" if status == "incomplete" else "completed"):
+        for ev in w.finish("completed" if status == "completed" else "incomplete"):
             yield ev
         use = response_usage(ctx, usage(gen.last), "".join(reasoning) or None)
-        final = response_object(plan, ctx.model_name, w.items, status, use)
+        final = response_object(plan, ctx.model_name, w.items, status, use, error)
         yield w.lifecycle(f"response.{status}", final)
     except Exception as e:  # the engine failed mid-stream: the response fails in-band
         failed = response_object(plan, ctx.model_name, w.items, "failed", error=_failure(e, gen))

@@ -5,6 +5,7 @@ two function calls parse as the openai SDK's events and rebuild the same output 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ from netra_jax.serving.errors import APIError
 from netra_jax.serving.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from netra_jax.serving.protocol_responses import ResponsesRequest
 from netra_jax.serving.responses_input import Origins, chat_request, remap_error
-from netra_jax.serving.responses_output import EventWriter, output_items, response_object
+from netra_jax.serving.responses_output import EventWriter, outcome, output_items, response_object
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}, "strict": True}
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -202,3 +203,44 @@ def test_an_empty_answer_has_its_message_and_a_cut_one_is_incomplete():
     whole = output_items("cut short", None, [], [], done=False)
     assert [(i.type, i.status, i.content[0].text) for i in w.items] == [("reasoning", "incomplete", "cut short")]
     assert [i.model_dump(exclude={"id"}) for i in whole] == [i.model_dump(exclude={"id"}) for i in w.items]
+
+
+def test_an_engine_failure_mid_stream_fails_the_response():
+    """After a first text delta the engine dies: the stream ends with response.failed carrying the error and the
+    item written so far, and the Generation is closed."""
+    from netra_jax.engine.async_engine import EngineDeadError
+    from netra_jax.engine.outputs import CompletionOutput, RequestOutput
+    from netra_jax.serving.chat_output import ChatOutput
+    from netra_jax.serving.responses_output import responses_stream
+    from netra_jax.serving.tool_choice import ToolChoicePlan
+
+    closed = []
+    params = SimpleNamespace(temperature=1.0, top_p=1.0)
+    chat = SimpleNamespace(num_logprobs=None, params=params, output=ChatOutput(ToolChoicePlan("none")))
+    plan = SimpleNamespace(id="resp_x", created_at=0, req=_req(input="hi"), chat=chat)
+    gen = SimpleNamespace(metrics=None, last=[None], close=lambda: closed.append(True))
+    first = (0, RequestOutput("r", None, [1], [CompletionOutput(0, "Hel", [5], delta_text="Hel")]))
+
+    async def rest():
+        raise EngineDeadError("the device fell over")
+        yield
+
+    async def collect():
+        ctx = SimpleNamespace(model_name="m")
+        return [frame async for frame in responses_stream(ctx, plan, gen, first, rest())]
+
+    events = [EVENTS.validate_python(json.loads(f.split("data: ", 1)[1])) for f in asyncio.run(collect())]
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.failed",
+    ]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "the device fell over" in failed.error.message and closed == [True]
+    assert outcome("stop") == ("completed", None) and outcome("length") == ("incomplete", None)
+    status, error = outcome("error")  # an output constraint that allowed no token
+    assert status == "failed" and error.code == "server_error" and "error" in error.message
