@@ -165,7 +165,7 @@ def _tools(req: ResponsesRequest) -> list[ChatCompletionTool] | None:
     for i, tool in enumerate(req.tools):
         if isinstance(tool, OtherTool):
             raise bad(
-                f"tools[{i}]: built-in tool {tool.type!r} is not supported; only function tools", f"tools.{i}.type"
+                f"tools.{i}: built-in tool {tool.type!r} is not supported; only function tools", f"tools.{i}.type"
             )
         out.append(ChatCompletionTool(function=FunctionDefinition(**tool.model_dump(exclude={"type"}))))
     return out
