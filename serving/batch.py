@@ -30,6 +30,7 @@ from netra_jax.serving.context import ServingContext
 if TYPE_CHECKING:
     from netra_jax.config import EngineConfig
     from netra_jax.engine.engine import LLMEngine
+    from netra_jax.serving.chat_output import ChatOutputConfig
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -41,9 +42,16 @@ def served_model_name(config: EngineConfig) -> str:
 class _Runner:
     """Feeds Works to one engine, keeping at most `window` sequences in flight, and emits one output line per Work."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, emit: Callable[[dict], None], window: int):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        emit: Callable[[dict], None],
+        window: int,
+        chat_output: ChatOutputConfig | None = None,
+    ):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
-        self.ctx = ServingContext.of(engine, model_name)
+        self.ctx = ServingContext.of(engine, model_name, chat_output=chat_output)
         self.jobs: dict[str, ChatJob] = {}  # engine request id -> its job
         self.in_flight = 0
         self._next = 0
@@ -112,11 +120,16 @@ class _Runner:
 
 
 def process(
-    engine: LLMEngine, items: Iterable[Work | dict | None], emit: Callable[[dict], None], model_name: str, window: int
+    engine: LLMEngine,
+    items: Iterable[Work | dict | None],
+    emit: Callable[[dict], None],
+    model_name: str,
+    window: int,
+    chat_output: ChatOutputConfig | None = None,
 ) -> None:
     """Run every Work through the engine (error lines pass straight to `emit`). On any exception the requests in
-    flight are aborted so the engine is left idle."""
-    runner = _Runner(engine, model_name, emit, max(1, window))
+    flight are aborted so the engine is left idle. `chat_output`: tool-call and reasoning parsers, as the server's."""
+    runner = _Runner(engine, model_name, emit, max(1, window), chat_output)
     try:
         for item in items:
             if item is None:
@@ -213,6 +226,7 @@ def run_batch(
     max_in_flight: int | None = None,
     model_name: str | None = None,
     progress: bool = True,
+    chat_output: ChatOutputConfig | None = None,
 ) -> BatchSummary:
     """Run an OpenAI Batch JSONL file through one engine (built from `engine_config` when `engine` is None) and
     append the results to `output_path`; custom_ids already there are skipped. `max_in_flight` bounds the
@@ -238,7 +252,7 @@ def run_batch(
 
     try:
         with open(output_path, "a", encoding="utf-8") as f:
-            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window)
+            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window, chat_output)
     finally:
         close_job(prog, summary, bar, t0, progress)
     return summary
@@ -248,6 +262,7 @@ def run_batch(
 def add_batch_args(p: argparse.ArgumentParser) -> None:
     """`netra-jax batch INPUT OUTPUT [--model MODEL] [engine flags] [--ray --replicas N]`."""
     from netra_jax.cli import add_engine_args
+    from netra_jax.serving.cli import add_chat_output_args
 
     p.add_argument("input", help="OpenAI Batch JSONL input file")
     p.add_argument("output", help="JSONL output file (appended to; custom_ids already there are skipped)")
@@ -259,6 +274,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
             return p.add_argument(*args, **kw)
 
     add_engine_args(_ModelAsFlag())
+    add_chat_output_args(p)
     p.add_argument("--max-in-flight", type=int, default=None, help="sequences queued per engine (4 * max-num-seqs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or summary on stderr")
     p.add_argument("--ray", action="store_true", help="scale out with Ray Data (needs netra-jax[ray])")
@@ -269,8 +285,14 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     from netra_jax.cli import check_model, engine_config, load_engine
+    from netra_jax.serving.cli import chat_output_config
 
     cfg = engine_config(a)
+    try:
+        chat_output = chat_output_config(a)
+    except ValueError as e:
+        print(f"netra-jax batch: {e}", file=sys.stderr)
+        return 2
     if a.ray:
         try:
             from netra_jax.serving.batch_ray import run_batch_ray
@@ -288,8 +310,11 @@ def main(a: argparse.Namespace) -> int:
             address=a.ray_address,
             max_in_flight=a.max_in_flight,
             progress=not a.no_progress,
+            chat_output=chat_output,
         )
         return 0
     engine = load_engine(cfg)
-    run_batch(a.input, a.output, engine, max_in_flight=a.max_in_flight, progress=not a.no_progress)
+    run_batch(
+        a.input, a.output, engine, max_in_flight=a.max_in_flight, progress=not a.no_progress, chat_output=chat_output
+    )
     return 0

@@ -23,22 +23,30 @@ from netra_jax.serving.batch import (
 
 if TYPE_CHECKING:
     from netra_jax.config import EngineConfig
+    from netra_jax.serving.chat_output import ChatOutputConfig
 
 
 class EngineActor:
     """A Ray Data callable class: builds one engine, then turns each batch of Work lines into output lines."""
 
-    def __init__(self, config: EngineConfig, model_name: str, max_in_flight: int | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        max_in_flight: int | None = None,
+        chat_output: ChatOutputConfig | None = None,
+    ):
         from netra_jax.api import build_engine
 
         self.engine = build_engine(config)
         self.model_name = model_name
         self.window = max_in_flight or 4 * config.scheduler.max_num_seqs
+        self.chat_output = chat_output
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         out: list[dict] = []
         works = [Work.from_json(str(t)) for t in batch["work"]]
-        process(self.engine, works, out.append, self.model_name, self.window)
+        process(self.engine, works, out.append, self.model_name, self.window, self.chat_output)
         return {"output": [json.dumps(o, ensure_ascii=False) for o in out]}
 
 
@@ -54,6 +62,7 @@ def run_batch_ray(
     max_in_flight: int | None = None,
     model_name: str | None = None,
     progress: bool = True,
+    chat_output: ChatOutputConfig | None = None,
 ) -> BatchSummary:
     """Run a batch file on `replicas` engine actors. The driver parses the input (malformed and duplicate lines
     and ids already in the output are settled here, as in run_batch), hands the remaining requests to Ray Data, and
@@ -86,7 +95,12 @@ def run_batch_ray(
                 blocks = max(replicas, math.ceil(len(todo) / batch_size))
                 ds = ray.data.from_items(todo, override_num_blocks=blocks).map_batches(
                     EngineActor,
-                    fn_constructor_kwargs={"config": engine_config, "model_name": name, "max_in_flight": max_in_flight},
+                    fn_constructor_kwargs={
+                        "config": engine_config,
+                        "model_name": name,
+                        "max_in_flight": max_in_flight,
+                        "chat_output": chat_output,
+                    },
                     concurrency=replicas,
                     num_gpus=num_gpus,
                     num_cpus=1 if num_gpus else 0.5,

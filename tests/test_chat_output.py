@@ -5,6 +5,7 @@ checked with llguidance on a real tokenizer, chat messages as the template reads
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import tokenizers
@@ -284,3 +285,45 @@ def test_a_tool_message_must_answer_tool_calls():
         with pytest.raises(APIError) as e:
             chat_messages(ChatCompletionRequest.model_validate({"messages": bad}).messages)
         assert e.value.param == f"messages.{i}.role"
+
+
+def test_batch_jobs_read_tool_calls_as_the_server(tmp_path):
+    """netra-jax batch with the server's flags: tool calls and thinking come out of the same pipeline (auto with
+    the model's text forced by a regex, a named function and "required" under their grammars)."""
+    from netra_jax.api import build_engine
+    from netra_jax.config import CacheConfig, EngineConfig
+    from netra_jax.serving.batch import run_batch
+
+    clock = {
+        "type": "function",
+        "function": {
+            "name": "clock",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"enum": ["utc"]}},
+                "required": ["tz"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    text = '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "clock", "arguments": {"tz": "utc"}}\n</tool_call>'
+    base = {"messages": [{"role": "user", "content": "Time?"}], "tools": [clock], "max_tokens": 100, "temperature": 0}
+    bodies = {
+        "auto": {**base, "structured_outputs": {"regex": re.escape(text)}},
+        "named": {**base, "tool_choice": {"type": "function", "function": {"name": "clock"}}},
+        "required": {**base, "tool_choice": "required", "parallel_tool_calls": False},
+    }
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": k, "method": "POST", "url": "/v1/chat/completions", "body": b} for k, b in bodies.items()]
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    engine = build_engine(
+        EngineConfig(model=str(FIXTURES / "tiny-qwen3"), warmup=False, cache=CacheConfig(num_pages=32))
+    )
+    config = ChatOutputConfig(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+    run_batch(inp, out, engine, progress=False, chat_output=config)
+    got = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, out.read_text().splitlines())}
+    for key, finish in (("auto", "tool_calls"), ("named", "stop"), ("required", "tool_calls")):
+        (call,) = got[key]["message"]["tool_calls"]
+        assert call["function"]["name"] == "clock" and json.loads(call["function"]["arguments"]) == {"tz": "utc"}
+        assert got[key]["finish_reason"] == finish, key
+    assert got["auto"]["message"]["reasoning_content"] == "\nhm\n" and got["auto"]["message"]["content"] is None
