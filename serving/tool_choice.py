@@ -138,43 +138,41 @@ def apply_tool_grammar(plan: ToolChoicePlan, params: SamplingParams) -> None:
     params.structured_outputs = plan.structured_outputs
 
 
-class NamedToolOutput(ToolParser):
-    """The output of a named tool choice: the arguments object itself, the one call of that function."""
-
-    def __init__(self, function: str, make_id: Callable[[], str] | None = None) -> None:
-        super().__init__(make_id)
-        self._call = JsonCall(self, name=function)
-        self._started = False
-
-    def _run(self, final: bool) -> None:
-        if not self._started:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return
-            self._started = True
-            if self._buf[0] != "{":  # not written under the grammar: nothing to read as a call
-                self._call.invalid = True
-        if not (self._call.done or self._call.invalid):
-            self._buf = self._buf[self._call.feed(self._buf) :]
-        if self._call.done or self._call.invalid:
-            self.emit_content(self._buf)
-            self._buf = ""
-        elif final:
-            self._call.close()
-
-
-class RequiredToolOutput(ToolParser):
-    """The output of tool_choice "required": a JSON array of `{"name", "parameters"}` calls."""
+class GrammarToolOutput(ToolParser):
+    """Calls written under a tool_choice grammar, read by `_reader()`; text after them (none under the grammar)
+    is content."""
 
     def __init__(self, make_id: Callable[[], str] | None = None) -> None:
         super().__init__(make_id)
-        self._list = JsonCallList(self, ("parameters",))
+        self._calls_reader = self._reader()
+
+    def _reader(self) -> JsonCall | JsonCallList:
+        raise NotImplementedError
 
     def _run(self, final: bool) -> None:
-        if not (self._list.done or self._list.invalid):
-            self._buf = self._buf[self._list.feed(self._buf) :]
-        if self._list.done or self._list.invalid:
+        r = self._calls_reader
+        if not (r.done or r.invalid):
+            self._buf = self._buf[r.feed(self._buf) :]
+        if r.done or r.invalid:
             self.emit_content(self._buf)
             self._buf = ""
         elif final:
-            self._list.close()
+            r.close()
+
+
+class NamedToolOutput(GrammarToolOutput):
+    """The output of a named tool choice: the arguments object itself, the one call of that function."""
+
+    def __init__(self, function: str, make_id: Callable[[], str] | None = None) -> None:
+        self.function = function
+        super().__init__(make_id)
+
+    def _reader(self) -> JsonCall:
+        return JsonCall(self, name=self.function)
+
+
+class RequiredToolOutput(GrammarToolOutput):
+    """The output of tool_choice "required": a JSON array of `{"name", "parameters"}` calls."""
+
+    def _reader(self) -> JsonCallList:
+        return JsonCallList(self, ("parameters",))

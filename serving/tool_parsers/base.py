@@ -108,6 +108,20 @@ class ToolParser:
     def _run(self, final: bool) -> None:
         raise NotImplementedError
 
+    def text_until(self, tag: str, final: bool) -> bool:
+        """Send the content before `tag` and consume the tag: True once it is found; until then the text that
+        cannot be the tag's beginning is sent and False returned."""
+        buf = self._buf
+        i = buf.find(tag)
+        if i < 0:
+            keep = 0 if final else held_prefix(buf, (tag,))
+            self.emit_content(buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep :]
+            return False
+        self.emit_content(buf[:i])
+        self._buf = buf[i + len(tag) :]
+        return True
+
     def emit_content(self, text: str) -> None:
         if not text:
             return

@@ -30,14 +30,9 @@ class HermesToolParser(ToolParser):
         while True:
             buf = self._buf
             if self._state == "text":
-                i = buf.find(START)
-                if i < 0:
-                    keep = 0 if final else held_prefix(buf, (START,))
-                    self.emit_content(buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep :]
+                if not self.text_until(START, final):
                     return
-                self.emit_content(buf[:i])
-                self._buf, self._raw, self._state = buf[i + len(START) :], START, "open"
+                self._raw, self._state = START, "open"
             elif self._state == "open":
                 body = buf.lstrip()
                 self._raw += buf[: len(buf) - len(body)]

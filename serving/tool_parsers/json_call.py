@@ -46,7 +46,8 @@ class JsonCall:
     ):
         self.sink = sink
         self.arg_keys = arg_keys
-        self.text = ""  # the object's text so far, from its opening brace
+        self.text = ""  # the text fed so far (blanks, then the object)
+        self.opened: int | None = None  # where the object's opening brace is
         self.pos = 0  # characters of `text` scanned
         self.depth = 0
         self.in_string = False
@@ -102,7 +103,7 @@ class JsonCall:
             elif self.depth == 0:
                 if c != "{":
                     return self._fail(i)
-                self.depth, self.expect = 1, "key"
+                self.depth, self.expect, self.opened = 1, "key", i
             elif self.depth > 1 or self.args_only:
                 if c == '"':
                     self.in_string = True
@@ -186,7 +187,7 @@ class JsonCall:
     def _report(self) -> None:
         if self.name is None and not self.args_only:
             self._find_name()
-        if self.name is None or not self.text:
+        if self.name is None or self.opened is None:
             return
         if not self.named:
             self.sink.call_name(self.name)
@@ -212,7 +213,7 @@ class JsonCall:
 
     def _report_arguments(self) -> None:
         if self.args_only:
-            start, end = 0, self.pos
+            start, end = self.opened, self.pos
         else:
             if self.args_key is None:
                 self.args_key = next((k for k in self.values if k in self.arg_keys), None)

@@ -8,7 +8,7 @@ import random
 import string
 from collections.abc import Callable
 
-from netra_jax.serving.tool_parsers.base import ToolParser, held_prefix
+from netra_jax.serving.tool_parsers.base import ToolParser
 from netra_jax.serving.tool_parsers.json_call import JsonCall
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -93,14 +93,9 @@ class MistralToolParser(ToolParser):
                 else:
                     self._state = "text"
             elif self._state == "text":
-                i = buf.find(BOT)
-                if i < 0:
-                    keep = 0 if final else held_prefix(buf, (BOT,))
-                    self.emit_content(buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep :]
+                if not self.text_until(BOT, final):
                     return
-                self.emit_content(buf[:i])
-                self._buf, self._state, self._name = buf[i + len(BOT) :], "bot", ""
+                self._state, self._name = "bot", ""
             elif self._state == "bot":
                 self._buf = buf = buf.lstrip()
                 if not buf:
