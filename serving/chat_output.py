@@ -42,6 +42,12 @@ class ChatOutputConfig:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
     @property
+    def make_id(self) -> Callable[[], str] | None:
+        """The tool call ids of the parser's family for every call, grammar-written ones too (a Mistral template
+        refuses any but 9 alphanumerics in the history); None: OpenAI's `call_...`."""
+        return get_tool_parser(self.tool_call_parser).make_id if self.tool_call_parser else None
+
+    @property
     def auto_tools(self) -> type[ToolParser] | None:
         """The parser of tool_choice "auto" (None unless auto tool choice is enabled, as in vLLM)."""
         if not self.enable_auto_tool_choice or self.tool_call_parser is None:
@@ -65,7 +71,8 @@ def _lost_when_skipped(tokenizer: Tokenizer, tags: Sequence[str]) -> bool:
 @dataclass(frozen=True)
 class ChatOutput:
     """How one request's choices are read. `drop_suffixes`: end-of-generation token texts to cut from the end
-    (the engine writes them when special tokens are kept, which a parser's special-token tags need)."""
+    (the engine writes them when special tokens are kept, which a parser's special-token tags need). `make_id`:
+    how tool call ids are made (None: OpenAI's form)."""
 
     tools: ToolChoicePlan
     tool_parser: type[ToolParser] | None = None
@@ -74,6 +81,7 @@ class ChatOutput:
     parallel_tool_calls: bool = True
     keep_special_tokens: bool = False
     drop_suffixes: tuple[str, ...] = ()
+    make_id: Callable[[], str] | None = None
 
     @classmethod
     def plan(
@@ -101,6 +109,7 @@ class ChatOutput:
             req.parallel_tool_calls is not False,
             keep,
             drop,
+            config.make_id,
         )
 
     def adjust(self, params: SamplingParams) -> None:
@@ -108,10 +117,6 @@ class ChatOutput:
         apply_tool_grammar(self.tools, params)
         if self.keep_special_tokens:
             params.skip_special_tokens = False
-
-    @property
-    def make_id(self) -> Callable[[], str] | None:
-        return None if self.tool_parser is None else self.tool_parser.make_id
 
     def choice(self) -> ChoiceParser:
         return ChoiceParser(self)

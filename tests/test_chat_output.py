@@ -327,3 +327,14 @@ def test_batch_jobs_read_tool_calls_as_the_server(tmp_path):
         assert call["function"]["name"] == "clock" and json.loads(call["function"]["arguments"]) == {"tz": "utc"}
         assert got[key]["finish_reason"] == finish, key
     assert got["auto"]["message"]["reasoning_content"] == "\nhm\n" and got["auto"]["message"]["content"] is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_ids_follow_the_parser(tok):
+    config = ChatOutputConfig(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    req = request(tools=[WEATHER, TIME], parallel_tool_calls=False)
+    out = ChatOutput.plan(config, req, config.plan_tools(req), tok, "")
+    msg = out.choice().message('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')
+    assert [c.function.name for c in msg.tool_calls] == ["get_time"]
+    named = request(tools=[TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = ChatOutput.plan(config, named, config.plan_tools(named), tok, "").choice().message("{}").tool_calls
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)  # a Mistral server's ids, for its template's history check
