@@ -34,11 +34,14 @@ def quantize_weight(w: jax.Array) -> QuantizedWeight:
 
 
 def quantize_params(params: dict, method: str = "int8") -> dict:
-    """Quantize every projection of every layer and the lm_head; everything else is kept as it is."""
+    """Quantize every projection of every layer and the lm_head (when loaded); everything else is kept as it is."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
     layers = [{k: quantize_weight(v) if k in QUANTIZABLE else v for k, v in lp.items()} for lp in params["layers"]]
-    return {**params, "layers": layers, "lm_head": quantize_weight(params["lm_head"])}
+    out = {**params, "layers": layers}
+    if "lm_head" in params:  # embedding-only parameters have none
+        out["lm_head"] = quantize_weight(params["lm_head"])
+    return out
 
 
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None) -> jax.Array:

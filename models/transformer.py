@@ -3,7 +3,7 @@ gpt-oss) over a flat ragged token batch and the paged KV cache; no state outside
 comes from `ModelConfig`'s flags, never from the family name.
 
 Parameter pytree (weights stored [in, out] so activations multiply on the left; norms in float32):
-    embed [vocab, hidden], lm_head [hidden, vocab], final_norm [hidden],
+    embed [vocab, hidden], lm_head [hidden, vocab] (absent when loaded for embedding only), final_norm [hidden],
     layers: list of dicts with
         attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,
         hidden], optional bq/bk/bv/bo biases, optional q_norm/k_norm [head_dim], mlp_norm [hidden],
@@ -112,24 +112,21 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
     return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
 
 
-def forward(
+def hidden_states(
     params: dict,
     cfg: ModelConfig,
     token_ids: jax.Array,
     positions: jax.Array,
     kv: KVCache,
     md: AttentionMetadata,
-    logits_indices: jax.Array | None = None,
+    rows: jax.Array | None = None,
     *,
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the model on a flat batch of new tokens, writing their K/V into the pages.
-
-    token_ids, positions: [T] int32. logits_indices: [S] int32 rows whose logits are wanted (all rows if None).
-    mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as `netra_jax.parallel` lays them out.
-    Returns (logits [S or T, vocab] float32, updated kv cache).
-    """
+    """The decoder stack up to the final norm (no lm_head): what `forward` turns into logits and embedding models
+    pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
+    Returns (final-normed hidden states [S or T, hidden] in the parameters' dtype, updated kv cache)."""
     embed = params["embed"]
     x = embed[token_ids]  # [T, hidden]
     md = with_token_layout(md, token_ids.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
@@ -149,10 +146,31 @@ def forward(
         if cfg.sandwich_norms:
             h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
         x = x + h
-    if logits_indices is not None:
-        x = x[logits_indices]
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if rows is not None:
+        x = x[rows]
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv: KVCache,
+    md: AttentionMetadata,
+    logits_indices: jax.Array | None = None,
+    *,
+    backend: str = "reference",
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run the model on a flat batch of new tokens, writing their K/V into the pages.
+
+    token_ids, positions: [T] int32. logits_indices: [S] int32 rows whose logits are wanted (all rows if None).
+    mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as `netra_jax.parallel` lays them out.
+    Returns (logits [S or T, vocab] float32, updated kv cache).
+    """
+    x, kv = hidden_states(params, cfg, token_ids, positions, kv, md, logits_indices, backend=backend, mesh=mesh)
     logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [S, vocab]
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, KVCache(k=new_k, v=new_v)
+    return logits, kv

@@ -8,7 +8,7 @@ norms, sinks and the router bias float32, everything else in the model dtype).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,10 +249,12 @@ Getter = Callable[[str], Any]
 class WeightReader:
     """Builds the parameter pytree of a checkpoint as `Leaf`s from the family's table: `get(name)` gives a tensor
     (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
-    slice read (see `weight_reads.Reads`)."""
+    slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
+    embedding model, whose checkpoint may have none."""
 
-    def __init__(self, cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype):
+    def __init__(self, cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype, without: Collection[str] = ()):
         self.cfg, self.get, self.has, self.dtype = cfg, get, has, np.dtype(dtype)
+        self.without = frozenset(without)
         self.reads = Reads()
         self._dims = _dims(cfg)
 
@@ -275,7 +277,10 @@ class WeightReader:
         elif entry.optional and not self.has(names[0][0]):
             return None
         elif entry.tied and not self.has(names[0][0]):
-            raise WeightError(f"checkpoint lacks {names[0][0]!r} and does not tie word embeddings")
+            raise WeightError(
+                f"checkpoint lacks {names[0][0]!r} and does not tie word embeddings (a model without a language-model "
+                "head, such as an embedding checkpoint, is served with --task embed)"
+            )
         src = [[self._source(n, entry.shape) for n in group] for group in names]
         out_map = kv_map if entry.kv else None
         one = src[0][0]
@@ -305,16 +310,20 @@ class WeightReader:
         kv_map = rd.kv_row_map(cfg.num_kv_heads, cfg.head_dim, kv_replicas)
         out: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
         for entry, layer in _entries(cfg):
+            if entry.param in self.without:
+                continue
             leaf = self.leaf(entry, layer, kv_map)
             if leaf is not None:
                 (out if layer is None else out["layers"][layer])[entry.param] = leaf
         return out
 
 
-def hf_to_params(cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype) -> dict:
+def hf_to_params(
+    cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype, without: Collection[str] = ()
+) -> dict:
     """The whole parameter pytree as numpy arrays, from HF-named tensors (each leaf read block by block into its
-    array: `weight_reads.Leaf.read`)."""
-    leaves = WeightReader(cfg, get, has, dtype).leaves()
+    array: `weight_reads.Leaf.read`); `without` as `WeightReader`'s."""
+    leaves = WeightReader(cfg, get, has, dtype, without).leaves()
     return {
         **{k: v.read_all() for k, v in leaves.items() if k != "layers"},
         "layers": [{k: v.read_all() for k, v in lp.items()} for lp in leaves["layers"]],

@@ -4,11 +4,15 @@ kernels and vLLM-compatible Python and OpenAI-compatible HTTP APIs."""
 from netra_jax.api import LLM, build_engine
 from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -3,6 +3,7 @@ and `build_engine`, which loads a checkpoint, sizes the KV cache, compiles the s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -15,11 +16,21 @@ import jax
 import numpy as np
 
 from netra_jax import assets, parallel
-from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.loader import load_config, load_model
 from netra_jax.models.quant import quantize_params
+from netra_jax.pooling import (
+    NOT_AN_EMBEDDING_ENGINE,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    embedding_prompt_ids,
+    finish_embeddings,
+    pooler_config_from,
+    pooling_spec,
+)
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.tokenizer import Tokenizer
 
@@ -53,12 +64,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.quantization and tp > 1:
         raise ValueError("quantization is not supported together with tensor parallelism yet")
     mesh = parallel.make_mesh(tp) if tp > 1 else None
-    load_config(path)  # the path, format and architecture are checked from headers alone,
+    header_cfg = load_config(path)  # the path, format and architecture are checked from headers alone,
     tokenizer = Tokenizer.load(path)  # and the tokenizer next: an unusable model fails before any weight is read
-    cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format)
+    pooling = None
+    if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
+        pooling = pooling_spec(path, header_cfg.hidden_size, config.pooler_config)
+    cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format, task=config.task)
     if config.quantization:
         params = quantize_params(params, config.quantization)
-    engine = LLMEngine(config, cfg, params, tokenizer)
+    engine = LLMEngine(config, cfg, params, tokenizer, pooling)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
     if config.warmup:
         engine.warmup()
@@ -75,7 +89,9 @@ class LLM:
     async_scheduling (schedule step N+1 while step N runs on the device), scheduling_policy ("fcfs" | "priority":
     serve by each request's priority, see `generate`),
     quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
-    config.json, for benchmarks)."""
+    config.json, for benchmarks), task ("embed": an embedding model, used through `embed`, not `generate`),
+    pooler_config (task "embed": a PoolerConfig, or a dict with pooling_type LAST | MEAN | CLS and normalize, over
+    the checkpoint's own pooling)."""
 
     def __init__(
         self,
@@ -96,6 +112,8 @@ class LLM:
         seed: int = 0,
         warmup: bool = True,
         compilation_cache_dir: str | None = None,
+        task: str = "generate",
+        pooler_config: PoolerConfig | dict | None = None,
         load_format: str = "auto",
         async_scheduling: bool = True,
         scheduling_policy: str = "fcfs",
@@ -125,6 +143,8 @@ class LLM:
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
             load_format=load_format,
+            task=task,
+            pooler_config=pooler_config_from(pooler_config),
             async_scheduling=async_scheduling,
         )
         self.engine = build_engine(self.config)
@@ -141,10 +161,43 @@ class LLM:
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Per-position logits of a prompt: float32 [len(token_ids), vocab] (row i predicts token i + 1)."""
+        if self.engine.embedder is not None:
+            raise ValueError("logits need task 'generate' (a model loaded with task 'embed' has no lm_head)")
         ids = self.engine.inputs.check_ids(token_ids)
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
         return self.engine.runner.prompt_logits(ids)
+
+    # ------------------------------------------------------------------ embeddings
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed (task "embed"): one embedding per prompt (text, token ids or a prompt dict), in order,
+        all prompts batched together. `pooling_params`: one for all or one per prompt (dimensions, normalize,
+        truncate_prompt_tokens); `truncate_prompt_tokens` here applies to every prompt."""
+        spec, eng = self.engine.pooling, self.engine
+        if spec is None:
+            raise ValueError(NOT_AN_EMBEDDING_ENGINE)
+        prompts, plist = self._normalize(prompts, pooling_params or PoolingParams())
+        if truncate_prompt_tokens is not None:
+            plist = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in plist]
+        name = self.config.served_model_name or resolve_model_path(self.config.model)
+        ids = []
+        for prompt, params in zip(prompts, plist, strict=True):
+            params.verify(spec, name)
+            prompt_ids = eng.inputs.prompt_ids(prompt)[1]
+            ids.append(embedding_prompt_ids(prompt_ids, eng.max_model_len, params.truncate_prompt_tokens))
+        pooled = eng.embed(ids)  # [n, hidden]
+        return [
+            EmbeddingRequestOutput(
+                str(next(self._ids)), EmbeddingOutput(finish_embeddings(row[None], params, spec)[0].tolist()), p_ids
+            )
+            for row, params, p_ids in zip(pooled, plist, ids, strict=True)
+        ]
 
     # ------------------------------------------------------------------ generation
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> str:

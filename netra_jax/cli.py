@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.config import TASKS, CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.request_queue import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
@@ -41,6 +41,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the lowest-priority running request is preempted when the KV cache runs out",
     )
     p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (per-channel scales)")
+    p.add_argument(
+        "--task",
+        default="generate",
+        choices=TASKS,
+        help="generate: text generation | embed: an embedding model (POST /v1/embeddings; pooling from the "
+        "checkpoint's sentence-transformers modules.json, else last token, L2-normalized)",
+    )
+    p.add_argument(
+        "--pooler-config",
+        default=None,
+        help="--task embed: JSON overriding the checkpoint's pooling, e.g. "
+        '\'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST | MEAN | CLS)',
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
@@ -59,6 +72,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed engine flags; a bad --pooler-config is a CLIError."""
+    from netra_jax.pooling import pooler_config_from
+
+    try:
+        pooler = pooler_config_from(a.pooler_config)
+    except ValueError as e:
+        raise CLIError(f"--pooler-config: {e}") from None
     return EngineConfig(
         model=a.model or "",
         dtype=a.dtype,
@@ -83,6 +103,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         served_model_name=a.served_model_name,
         warmup=not a.no_warmup,
         load_format=a.load_format,
+        task=a.task,
+        pooler_config=pooler,
         async_scheduling=a.async_scheduling,
     )
 

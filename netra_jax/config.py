@@ -20,6 +20,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    # base models without a language-model head, as embedding checkpoints name them (served with task "embed")
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -415,6 +420,24 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting order (priority, arrival), lowest priority preempted
 
 
+TASKS = ("generate", "embed")  # what a served model does: generate text | return pooled embeddings
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How task "embed" turns a sequence's final-normed hidden states into one vector (vLLM's --pooler-config).
+    A field left None comes from the checkpoint's sentence-transformers modules (modules.json), else from vLLM's
+    embedding default: LAST token, L2-normalized."""
+
+    pooling_type: str | None = None  # one of POOLING_TYPES
+    normalize: bool | None = None  # L2-normalize the pooled vector
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = ""  # HF directory or .gguf file; "" = the embedded default model
@@ -432,6 +455,8 @@ class EngineConfig:
     warmup: bool = True
     async_scheduling: bool = True  # overlap: schedule step N+1 while step N runs (engine/engine.py)
     load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
+    task: str = "generate"  # one of TASKS; "embed": no lm_head, pooled embeddings (netra_jax/engine/embedder.py)
+    pooler_config: PoolerConfig | None = None  # task "embed": overrides of the checkpoint's pooling
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":

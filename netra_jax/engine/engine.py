@@ -12,6 +12,7 @@ import numpy as np
 
 from netra_jax.config import EngineConfig, ModelConfig
 from netra_jax.engine.block_pool import BlockPool
+from netra_jax.engine.embedder import Embedder
 from netra_jax.engine.input_processor import InputProcessor, PromptType
 from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
@@ -20,6 +21,7 @@ from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.ops import sampling
+from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.tokenizer import Tokenizer
 
@@ -47,9 +49,19 @@ class LLMEngine:
     Overlapped (`config.async_scheduling`): step() schedules and dispatches step N+1, then reads step N's tokens
     (ready by then), appends them, detokenizes, checks stops and streams, and only then builds N+1's sampling rows
     (penalties and grammar masks see N's token) and dispatches its sampler. N+1's forward takes its placeholder
-    tokens from N's sampled ids on device. A request that N finished has its N+1 token discarded."""
+    tokens from N's sampled ids on device. A request that N finished has its N+1 token discarded.
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, params, tokenizer: Tokenizer):
+    Task "embed" (`config.task`): no generation (add_request refuses); `embed` pools prompts' final hidden states
+    as `pooling` says (default: vLLM's, last token normalized) through `embedder`, and the runner keeps 2 pages."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_cfg: ModelConfig,
+        params,
+        tokenizer: Tokenizer,
+        pooling: PoolingSpec | None = None,
+    ):
         self.config = config
         self.model_config = model_cfg
         self.tokenizer = tokenizer
@@ -66,6 +78,8 @@ class LLMEngine:
         page = cache.page_size
         useful = 2 * sched.max_num_seqs * -(-self.max_model_len // page)
         num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful, config.tensor_parallel_size)
+        if config.task == "embed":  # embedding steps bring their own scratch pages; the runner's stay unused
+            num_pages = 2
         self.pool = BlockPool(num_pages, page, enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.max_model_len)
         self.runner = ModelRunner(
@@ -81,6 +95,10 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             overlap=self.overlap,
         )
+        self.pooling = self.embedder = None
+        if config.task == "embed":
+            self.pooling = pooling or pooling_spec(None, model_cfg.hidden_size, config.pooler_config)
+            self.embedder = Embedder(self.runner, self.pooling.pooling_type, sched.max_num_batched_tokens)
         self.inputs = InputProcessor(
             tokenizer, self.vocab_size, self.max_model_len, model_cfg.eos_token_ids, sched.max_waiting, config.seed
         )
@@ -98,8 +116,12 @@ class LLMEngine:
 
     def warmup(self) -> float:
         """Compile every step variant (each token bucket, and the two prompt-logprob buckets with their rows) and
-        the sampler variants; returns seconds spent."""
+        the sampler variants (task "embed": the embedding buckets instead); returns seconds spent."""
         t0 = time.perf_counter()
+        if self.embedder is not None:
+            self.embedder.warmup()
+            self.ready = True
+            return time.perf_counter() - t0
         shapes = self.runner.all_shapes()
         for shape in shapes:
             self.runner.warmup_shape(shape)
@@ -119,6 +141,8 @@ class LLMEngine:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
         `priority`: smaller is served first; anything but 0 needs `--scheduling-policy priority` (ValueError).
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
+        if self.embedder is not None:
+            raise ValueError("this engine serves embeddings (task 'embed'); text generation needs task 'generate'")
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
@@ -147,6 +171,13 @@ class LLMEngine:
             self.scheduler.abort_request(sample.request.request_id)
             self._sample_of.pop(sample.request.request_id, None)
         return True
+
+    def embed(self, prompts: list[list[int]]) -> np.ndarray:
+        """Pooled final hidden states of whole prompts (checked token ids, each within max_model_len), not yet
+        truncated or normalized (`pooling.finish_embeddings`): [len(prompts), hidden] float32. Task "embed" only."""
+        if self.embedder is None:
+            raise ValueError(NOT_AN_EMBEDDING_ENGINE)
+        return self.embedder.embed(prompts)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)

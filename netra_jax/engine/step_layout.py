@@ -12,7 +12,15 @@ import numpy as np
 from netra_jax.engine.scheduler import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
 
-__all__ = ["PROMPT_LOGPROB_ROWS", "BatchShape", "PackedBatch", "StepLayout", "pack_batch", "unpack"]
+__all__ = [
+    "PROMPT_LOGPROB_ROWS",
+    "BatchShape",
+    "PackedBatch",
+    "StepLayout",
+    "layout_buffer",
+    "pack_batch",
+    "unpack",
+]
 
 
 @dataclass(frozen=True)
@@ -130,10 +138,12 @@ class PackedBatch:
 
 def empty_batch(shape: BatchShape, pad_slot: int) -> np.ndarray:
     """An all-padding packed array: no token is written, no sequence attends, every placeholder index is off."""
-    return _fill(shape, [], pad_slot)[0]
+    return layout_buffer(shape, [], pad_slot)[0]
 
 
-def _fill(shape: BatchShape, q_lens: list[int], pad_slot: int) -> tuple[np.ndarray, StepLayout]:
+def layout_buffer(shape: BatchShape, q_lens: list[int], pad_slot: int) -> tuple[np.ndarray, StepLayout]:
+    """A packed array for sequences of `q_lens` new tokens with everything but their tokens filled in: padding
+    slots, no placeholders, the attention work lists. The caller writes tokens, positions, slots and the tables."""
     lay = shape.layout
     buf = np.zeros(lay.size, np.int32)
     lay.view(buf, "slots")[:] = pad_slot
@@ -166,7 +176,7 @@ def pack_batch(
     """Lay the scheduled requests out as one flat token batch in a single int32 array (one host->device copy).
     A chunk's last token may still be a placeholder (sampled by the previous step, not yet on the host): its slot
     names that step's row in `prev_rows` (request id -> row) and the step gathers the token on device."""
-    buf, lay = _fill(shape, [sr.num_new_tokens for sr in out.scheduled], pad_slot)
+    buf, lay = layout_buffer(shape, [sr.num_new_tokens for sr in out.scheduled], pad_slot)
     tok, pos, slot, prev = (lay.view(buf, k) for k in ("tokens", "positions", "slots", "prev_rows"))
     qsl, seq_lens, lidx = (lay.view(buf, k) for k in ("query_start_loc", "seq_lens", "logits_idx"))
     bt = lay.view(buf, "block_tables").reshape(shape.num_seqs, shape.max_pages)

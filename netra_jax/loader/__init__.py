@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from netra_jax import parallel
-from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.config import TASKS, ConfigError, ModelConfig
 from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, mxfp4
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
@@ -98,6 +98,7 @@ def load_model(
     cache: bool | str | Path = True,
     mesh: jax.sharding.Mesh | None = None,
     load_format: str = "auto",
+    task: str = "generate",
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
@@ -106,9 +107,16 @@ def load_model(
     (`assets.cache_dir() / "params"`), a directory to use instead, or False to always convert from the source.
     mesh: a ("tp",) mesh from `parallel.make_mesh` to load the parameters sharded over (see the module docstring).
     load_format: "auto" reads the weights; "dummy" reads only config.json of a HF directory and draws random
-    parameters of the same layout on the device (`loader.dummy`, for benchmarks)."""
+    parameters of the same layout on the device (`loader.dummy`, for benchmarks).
+    task: "generate", or "embed" to leave the lm_head out (embedding checkpoints often have none; the pooled hidden
+    states never need it; not with a mesh yet)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    without = ("lm_head",) if task == "embed" else ()
+    if without and mesh is not None:
+        raise ValueError("task 'embed' does not support tensor parallelism yet (load it on one device)")
     t0 = time.perf_counter()
     cfg, source, files = _open_source(path)
     is_gguf = isinstance(source, GGUFFile)
@@ -136,7 +144,7 @@ def load_model(
         try:
             root = param_cache.default_root() if cache is True else Path(cache)
             code = [m.__file__ for m in (weight_map, weight_reads, hf, mxfp4, gguf_loader, gguf_names)]
-            key = param_cache.cache_key(files, dt, code_files=code)
+            key = param_cache.cache_key(files, "-without-".join((dt, *without)), code_files=code)
         except OSError as e:  # e.g. an unwritable cache directory: load without the cache
             log.warning("parameter cache unavailable (%s); converting %s", e, path)
             root = None
@@ -149,7 +157,7 @@ def load_model(
     else:
         ck = HFCheckpoint(path)
         get, has = ck.get, ck.has
-    params_np = weight_map.hf_to_params(cfg, get, has, _NP_DTYPES[dt])
+    params_np = weight_map.hf_to_params(cfg, get, has, _NP_DTYPES[dt], without)
     if root is not None:
         param_cache.save_params(root, key, params_np, tied_lm_head=cfg.tie_word_embeddings)
     params = jax.tree.map(jax.numpy.asarray, params_np) if mesh is None else parallel.shard_params(params_np, cfg, mesh)

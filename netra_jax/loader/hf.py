@@ -137,10 +137,20 @@ class HFCheckpoint:
     def _mxfp4(self, name: str) -> bool:
         return name not in self._where and f"{name}_blocks" in self._where and f"{name}_scales" in self._where
 
+    def _stored(self, name: str) -> str:
+        """`name`, or `name` without its `model.` prefix when only that is stored: a base model saved on its own
+        (Qwen3-Embedding's Qwen3Model weights are `embed_tokens.weight`, `layers.0. ...`, `norm.weight`)."""
+        bare = name.removeprefix("model.")
+        if name in self._where or bare == name or (bare not in self._where and not self._mxfp4(bare)):
+            return name
+        return bare
+
     def has(self, name: str) -> bool:
+        name = self._stored(name)
         return name in self._where or self._mxfp4(name)
 
     def get(self, name: str) -> np.ndarray | Mxfp4Experts:
+        name = self._stored(name)
         if self._mxfp4(name):
             return Mxfp4Experts(self.get(f"{name}_blocks"), self.get(f"{name}_scales"))
         try:
