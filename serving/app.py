@@ -24,6 +24,7 @@ from netra_jax.serving.chat_messages import chat_messages
 from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.completion import completion_response, prepare_completion
 from netra_jax.serving.context import ServingContext
+from netra_jax.serving.embeddings import EmbeddingRequest, EmbeddingResponse, check_task, create_embeddings
 from netra_jax.serving.errors import APIError, envelope, install_error_handlers
 from netra_jax.serving.generation import ClientDisconnected, Generation, race_disconnect
 from netra_jax.serving.metrics import ServerMetrics
@@ -148,7 +149,8 @@ def create_app(
     def check_model(model: str | None) -> None:
         pre.check_model(st.ctx, model)
 
-    def check_serving() -> None:
+    def check_serving(task: str = "generate") -> None:
+        check_task(st.llm, task)  # 400: a text-generation route on an embedding server, or the other way round
         if not engine.is_alive:
             raise APIError(503, "engine is not running", code="engine_dead")
         if st.draining:
@@ -299,4 +301,12 @@ def create_app(
     install_responses_routes(
         app, st, parse_body=parse_body, check_serving=check_serving, start=start, sse=sse, client_closed=CLIENT_CLOSED
     )
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> EmbeddingResponse:
+        req = await parse_body(raw, EmbeddingRequest)
+        check_model(req.model)
+        check_serving("embed")
+        return await create_embeddings(engine, st.model_name, req)
+
     return app

@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"netra-jax serve: the chat template does not render: {e}", file=sys.stderr)
             return 2
-    elif not engine.tokenizer.special.chat_templates:
+    elif engine.pooling is None and not engine.tokenizer.special.chat_templates:  # embedding servers do not chat
         hint = "they get 400 (start the server with --chat-template to give it one)"
         print(f"netra-jax: {NoChatTemplateError.message(hint)}", flush=True)
     dtype = str(next(iter(_leaves(engine.runner.params))).dtype)
@@ -217,11 +217,20 @@ def serve(args: argparse.Namespace) -> int:
         f"vocab {mc.vocab_size}, {dtype}) in {time.perf_counter() - t0:.1f}s",
         flush=True,
     )
-    print(
-        f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
-        f"{engine.pool.block_size}); max_model_len {engine.max_model_len}",
-        flush=True,
-    )
+    if engine.pooling is not None:  # --task embed: no KV cache to speak of, embedding steps bring their own pages
+        pooling = engine.pooling
+        print(
+            f"netra-jax: embeddings: {pooling.pooling_type} pooling{', normalized' if pooling.normalize else ''} "
+            f"(from {pooling.source}); up to {engine.embedder.max_tokens} tokens per step; max_model_len "
+            f"{engine.max_model_len}",
+            flush=True,
+        )
+    else:
+        print(
+            f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
+            f"{engine.pool.block_size}); max_model_len {engine.max_model_len}",
+            flush=True,
+        )
     ae = AsyncEngine(engine, step_timeout=args.step_timeout)
     warm = threading.Event()
     bound: dict[str, tuple[str, int]] = {}
