@@ -610,7 +610,8 @@ def test_weird_request_ids(server):
             assert {e["id"] for e in events if isinstance(e, dict)} == {f"chatcmpl-{rid}"}
 
         def same_id(i: int) -> httpx.Response:
-            return http.post(C, json={"prompt": f"hi {i}", "max_tokens": 4, "request_id": "shared"})
+            body = {"prompt": f"hi {i}", "max_tokens": 4, "ignore_eos": True, "request_id": "shared"}
+            return http.post(C, json=body)
 
         with ThreadPoolExecutor(6) as ex:
             answers = list(ex.map(same_id, range(6)))
