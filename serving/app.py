@@ -302,7 +302,7 @@ def create_app(
         app, st, parse_body=parse_body, check_serving=check_serving, start=start, sse=sse, client_closed=CLIENT_CLOSED
     )
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", openapi_extra=doc(EmbeddingRequest, EmbeddingResponse))
     async def embeddings(raw: Request) -> EmbeddingResponse:
         req = await parse_body(raw, EmbeddingRequest)
         check_model(req.model)

@@ -246,6 +246,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     np.testing.assert_allclose(out.outputs.embedding, unit(last_100), atol=1e-6)
 
 
+def test_int8_weights():
+    """Weight-only int8 (the lm_head, absent here, is skipped): the embeddings stay close to the float ones."""
+    llm = LLM(EMBED, task="embed", max_model_len=MAX_LEN, max_num_batched_tokens=32, quantization="int8", warmup=False)
+    assert "lm_head" not in llm.engine.runner.params
+    cases = [c for c in CASES if len(c["ids"]) <= 32]
+    outs = llm.embed([prompt(c) for c in cases])
+    cosines = [np.dot(o.outputs.embedding, c["last"]) for o, c in zip(outs, cases, strict=True)]
+    assert min(cosines) > 0.99, cosines
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        llm.engine.embedder.embed([[1] * (MAX_LEN + 1)])
+
+
 def test_task_mismatch(llm):
     with pytest.raises(ValueError, match="task 'generate'"):
         llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)

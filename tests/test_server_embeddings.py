@@ -92,6 +92,8 @@ def test_token_ids_dimensions_and_extras(server, client):
     raw = httpx.post(server.url + "/v1/embeddings", json=body).json()
     assert raw["id"] == "embd-abc" and raw["usage"]["prompt_tokens"] == 50
     assert np.linalg.norm(raw["data"][0]["embedding"]) > 1.5  # unnormalized: the raw hidden state
+    bare = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS[0]["text"], "add_special_tokens": False})
+    assert bare.json()["usage"]["prompt_tokens"] == len(TEXTS[0]["ids"]) - 1  # without the appended <|endoftext|>
 
 
 def test_concurrent_requests_equal_sequential(client):

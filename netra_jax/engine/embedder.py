@@ -97,12 +97,11 @@ class Embedder:
 
     def batches(self, prompts: list[list[int]]) -> list[range]:
         """Consecutive groups of prompts that fit one step (tokens and sequences)."""
+        longest = self.runner.max_pages * self.page_size  # a block table's reach (>= the model's context)
         out, start, tokens = [], 0, 0
         for i, ids in enumerate(prompts):
-            if len(ids) > self.max_tokens:
-                raise ValueError(
-                    f"a prompt of {len(ids)} tokens exceeds the largest embedding bucket {self.max_tokens}"
-                )
+            if len(ids) > longest:
+                raise ValueError(f"a prompt of {len(ids)} tokens exceeds the model's context ({longest} tokens)")
             if i > start and (tokens + len(ids) > self.max_tokens or i - start == self.max_seqs):
                 out.append(range(start, i))
                 start, tokens = i, 0
