@@ -22,7 +22,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, ConfigDict, Field
 from test_server import MODEL, start_server
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # no client library may reach the network (tiktoken, hub)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no client library may reach the network (tiktoken, hub)
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", tempfile.mkdtemp(prefix="tiktoken-empty-"))
 
 TEMPLATE = REPO / "tests" / "fixtures" / "templates" / "qwen3_tools.jinja"
@@ -104,8 +104,10 @@ def test_named_tool_choice(client):
     assert r.choices[0].finish_reason == "stop"  # a forced function ends with "stop", as OpenAI and vLLM answer
     final, chunks = streamed(client, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice)
     assert calls(final.choices[0].message) == calls(msg)
-    first = next(c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+    pieces = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    first = pieces[0]
     assert first.index == 0 and first.id and first.type == "function" and first.function.name == "weather"
+    assert len(pieces) > 2 and all(p.id is None and p.function.name is None for p in pieces[1:])  # arguments grow
 
 
 def test_required_tool_choice(client):
