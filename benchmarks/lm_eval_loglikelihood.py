@@ -139,7 +139,7 @@ def main() -> None:
         ref = transformers_reference(hf_python, path)
         row = compare(ours, ref) | {
             "model": str(path.name),
-            "lm_eval_s": round(t1 - t0, 1),
+            "serve_and_lm_eval_s": round(t1 - t0, 1),  # server start (warm-up) included
             "transformers_s": round(time.monotonic() - t1, 1),
             "transformers": ref["generated_by"],
         }
