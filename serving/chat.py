@@ -65,7 +65,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
     )
     kept = pre.truncate(ctx.llm, ids, req.truncate_prompt_tokens)
     params = pre.sampling_params(ctx.llm, req, k, [len(kept)])
-    output = ChatOutput.plan(ctx.chat_output, req, tools, ctx.llm.tokenizer, text, ctx.llm.inputs.eos_token_ids)
+    output = ChatOutput.plan(ctx.chat_output, req, tools, ctx.llm.tokenizer, text)
     output.adjust(params)
     echo = None
     if req.echo and req.messages[-1].role == "assistant":

@@ -18,7 +18,7 @@ from netra_jax.serving.tool_choice import (
     plan_tool_choice,
 )
 from netra_jax.serving.tool_parsers import ToolParser, assemble, get_tool_parser
-from netra_jax.serving.tool_parsers.base import held_prefix, merge_deltas
+from netra_jax.serving.tool_parsers.base import merge_deltas
 from netra_jax.tokenizer import Tokenizer
 
 
@@ -70,9 +70,8 @@ def _lost_when_skipped(tokenizer: Tokenizer, tags: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class ChatOutput:
-    """How one request's choices are read. `drop_suffixes`: end-of-generation token texts to cut from the end
-    (the engine writes them when special tokens are kept, which a parser's special-token tags need). `make_id`:
-    how tool call ids are made (None: OpenAI's form)."""
+    """How one request's choices are read. `keep_special_tokens`: a parser's tags are special tokens of this
+    tokenizer, so they must stay in the text. `make_id`: how tool call ids are made (None: OpenAI's form)."""
 
     tools: ToolChoicePlan
     tool_parser: type[ToolParser] | None = None
@@ -80,7 +79,6 @@ class ChatOutput:
     prompt: str = ""
     parallel_tool_calls: bool = True
     keep_special_tokens: bool = False
-    drop_suffixes: tuple[str, ...] = ()
     make_id: Callable[[], str] | None = None
 
     @classmethod
@@ -91,16 +89,13 @@ class ChatOutput:
         tools: ToolChoicePlan,
         tokenizer: Tokenizer,
         prompt: str,
-        eos_token_ids: Sequence[int] = (),
     ) -> ChatOutput:
         tool_parser = config.auto_tools if tools.mode == "auto" else None
         reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         tags = (*(tool_parser.tags if tool_parser else ()), *((reasoning.start, reasoning.end) if reasoning else ()))
+        # vLLM's adjust_request: the parser must see its tags, so special tokens stay in the text (the engine never
+        # writes the text of the EOS or stop token that ends a choice)
         keep = req.skip_special_tokens and _lost_when_skipped(tokenizer, tags)
-        drop = ()
-        if keep:  # vLLM's adjust_request: the parser must see its tags, so special tokens stay in the text
-            ids = (*eos_token_ids, *(req.stop_token_ids or ()))
-            drop = tuple(t for t in dict.fromkeys(tokenizer.decode([i], skip_special_tokens=False) for i in ids) if t)
         return cls(
             tools,
             tool_parser,
@@ -108,7 +103,6 @@ class ChatOutput:
             prompt,
             req.parallel_tool_calls is not False,
             keep,
-            drop,
             config.make_id,
         )
 
@@ -145,7 +139,6 @@ class ChoiceParser:
             self.tools = NamedToolOutput(output.tools.function, make_id)
         elif mode == "required":
             self.tools = RequiredToolOutput(make_id)
-        self._held = ""
 
     @property
     def tools_called(self) -> bool:
@@ -173,21 +166,7 @@ class ChoiceParser:
             content = ""  # a plain empty answer is "", as before; beside calls or thinking it is null (vLLM)
         return ChatResponseMessage(content=content, tool_calls=calls, reasoning_content=d.reasoning_content)
 
-    def _strip_end(self, text: str, final: bool) -> str:
-        """Hold back what may be an end-of-generation token's text; cut it at the end of the output."""
-        drop = self.output.drop_suffixes
-        if not drop:
-            return text
-        buf, self._held = self._held + text, ""
-        if final:
-            end = next((s for s in drop if buf.endswith(s)), "")
-            return buf[: len(buf) - len(end)]
-        keep = max([held_prefix(buf, drop), *(len(s) for s in drop if buf.endswith(s))])
-        self._held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
-
     def _step(self, text: str, final: bool) -> DeltaMessage | None:
-        text = self._strip_end(text, final)
         reasoning, content = "", text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)

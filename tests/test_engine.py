@@ -149,6 +149,27 @@ def test_stop_string_cut_exactly(llm):
     assert inc.text == full[: full.index(stop) + len(stop)]
 
 
+def test_stop_token_text_left_out_with_special_tokens_kept(llm):
+    """As vLLM: the EOS / stop token that ends a choice is not part of its text, whether special tokens are skipped
+    or kept (a tool parser keeps them); include_stop_str_in_output puts it back."""
+    case = reference("tiny-llama")["cases"][1]
+    ids, tok = case["greedy_ids"], llm.get_tokenizer()
+    cut = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # the first occurrence of its token
+    for skip in (True, False):
+        for include in (False, True):
+            sp = SamplingParams(
+                max_tokens=24,
+                temperature=0,
+                stop_token_ids=[ids[cut]],
+                skip_special_tokens=skip,
+                include_stop_str_in_output=include,
+            )
+            o = llm.generate({"prompt_token_ids": case["prompt_ids"]}, sp, use_tqdm=False)[0].outputs[0]
+            assert o.token_ids == ids[: cut + 1] and o.finish_reason == "stop" and o.stop_reason == ids[cut]
+            end = cut + 1 if include else cut
+            assert o.text == tok.decode(ids[:end], skip_special_tokens=skip), (skip, include)
+
+
 def test_stream_deltas_concatenate(llm):
     case = reference("tiny-llama")["cases"][2]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

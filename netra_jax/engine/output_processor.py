@@ -53,7 +53,7 @@ class OutputProcessor:
         sample.tokens_emitted = req.num_output_tokens
         stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output
         hide = stopped_by_token and (token in req.eos_token_ids or token in sp.stop_token_ids)
-        new_text = "" if hide and sp.skip_special_tokens else sample.detok.push([token])
+        new_text = "" if hide else sample.detok.push([token])  # the ending EOS / stop token is not text (vLLM)
         if req.is_finished:
             new_text += sample.detok.flush()
         if logprobs is not None and sample.logprobs is not None:
