@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from netra_jax.serving import context
 from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lines: used by serving.batch_ray)
-    CHAT_URL,
     Progress,
     Work,
     _rid,
@@ -58,7 +57,7 @@ class _Runner:
 
     def submit(self, work: Work) -> None:
         try:
-            job = prepare(work, self.ctx, chat=work.url == CHAT_URL)
+            job = prepare(work, self.ctx)
         except RequestError as e:
             line = error_line(
                 work.custom_id, str(e), e.code, line=work.line, status=e.status, param=e.param, api_code=e.api_code
@@ -79,7 +78,7 @@ class _Runner:
         try:
             for k, (prompt, sp) in enumerate(job.prompts):
                 rid = f"batch-{self._next}.{k}"
-                self.engine.add_request(rid, prompt, sp, priority=job.plan.priority)
+                self.engine.add_request(rid, prompt, sp, priority=job.priority)
                 added.append(rid)
         except (QueueFullError, ValueError):
             for rid in added:
@@ -180,10 +179,12 @@ class OutputWriter:
         self.f.write(json.dumps(out, ensure_ascii=False) + "\n")
         self.f.flush()
         if out["error"] is None:
-            usage = out["response"]["body"]["usage"]
+            usage = out["response"]["body"]["usage"]  # a Responses body counts input and output tokens
             self.s.completed += 1
-            self.s.prompt_tokens += usage["prompt_tokens"]
-            self.s.output_tokens += usage["completion_tokens"]
+            self.s.prompt_tokens += usage["prompt_tokens"] if "prompt_tokens" in usage else usage["input_tokens"]
+            self.s.output_tokens += (
+                usage["completion_tokens"] if "completion_tokens" in usage else usage["output_tokens"]
+            )
         else:
             self.s.errors += 1
         if self.bar is not None:

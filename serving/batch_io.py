@@ -13,8 +13,8 @@ from typing import Any
 
 from netra_jax.serving.errors import envelope
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+CHAT_URL, COMPLETIONS_URL, RESPONSES_URL = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+URLS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 DUPLICATE = "duplicate_custom_id"  # error code of a repeated custom_id (the first occurrence is the one served)
 
 

@@ -1,7 +1,7 @@
 """One OpenAI layer: the same request bodies sent to a real `netra-jax serve` process and run as a batch job
-(`netra-jax batch` in this process, the same engine flags) get equal answers — chat and completions, greedy, with
-logprobs, n > 1 with a seed, structured output, tools, vLLM extras — except `id`, `created` and tool-call ids (random
-by design), and equal error
+(`netra-jax batch` in this process, the same engine flags) get equal answers — chat, completions and Responses,
+greedy, with logprobs, n > 1 with a seed, structured output, tools, vLLM extras — except ids and creation times
+(random by design), and equal error
 envelopes with the same status for the bodies the server refuses."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from test_server import MODEL, start_server
 from netra_jax.cli import main as cli_main
 
 FLAGS = ("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")
-C, CC = "/v1/completions", "/v1/chat/completions"
+C, CC, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
 FLOAT_TOL = 1e-5  # logprobs of one request computed in the same step shapes; a tolerance for other platforms
 WEATHER = {
@@ -87,6 +87,12 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         {"prompt": "Yes or no?", "guided_choice": ["yes", "no"], "temperature": 0, "echo": True},
     ),
     ("completion token ids, stop", C, {"prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 0, "stop": ["e"]}),
+    (
+        "responses instructions",
+        R,
+        {"input": "Tell me about the sea.", "instructions": "Be brief.", "max_output_tokens": 8, "temperature": 0},
+    ),
+    ("responses previous_response_id", R, {"input": "hi", "previous_response_id": "resp_1"}),
     ("unknown field", C, {"prompt": "hi", "max_tokenz": 3}),
     ("bad temperature", CC, {"messages": MSG, "temperature": -1}),
     ("wrong type", C, {"prompt": "hi", "max_tokens": "3"}),
@@ -152,7 +158,12 @@ def test_server_and_batch_answer_alike(name, server_answers, batch_answers):
     status, body = server_answers[name]
     batch_status, batch_body = batch_answers[name]
     assert batch_status == status, (status, body, batch_body)
-    if status == 200:
+    if status == 200 and body.get("object") == "response":
+        for b in (body, batch_body):
+            assert b.pop("id").startswith("resp_") and b.pop("created_at")
+            for item in b["output"]:  # item ids are random too
+                assert item.pop("id")
+    elif status == 200:
         for b in (body, batch_body):
             assert b.pop("id") and b.pop("created")
             for choice in b["choices"]:  # tool-call ids are random too
@@ -163,7 +174,7 @@ def test_server_and_batch_answer_alike(name, server_answers, batch_answers):
 
 def test_cases_cover_answers_and_refusals(server_answers):
     statuses = {name: status for name, (status, _) in server_answers.items()}
-    assert sum(s == 200 for s in statuses.values()) == 10, statuses
+    assert sum(s == 200 for s in statuses.values()) == 11, statuses
     assert statuses["unknown model"] == 404
     assert {s for n, s in statuses.items() if s != 200 and n != "unknown model"} == {400}
     params = {name: answer["error"]["param"] for name, (status, answer) in server_answers.items() if status != 200}
@@ -177,6 +188,7 @@ def test_cases_cover_answers_and_refusals(server_answers):
         "bad regex": "guided_regex",
         "two constraints": "guided_choice",
         "priority under fcfs": "priority",
+        "responses previous_response_id": "previous_response_id",
     }
     greedy = server_answers["chat n=3 seeded"][1]
     assert len(greedy["choices"]) == 3
