@@ -270,7 +270,7 @@ def create_app(
         check_model(req.model)
         check_serving()
         plan = prepare_completion(st.ctx, req)
-        gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics)
+        gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics, plan.priority)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -289,7 +289,7 @@ def create_app(
         check_model(req.model)
         check_serving()
         plan = await asyncio.to_thread(prepare_chat, st.ctx, req)
-        gen = Generation(engine, [plan.prompt], plan.params, plan.engine_id, metrics)
+        gen = Generation(engine, [plan.prompt], plan.params, plan.engine_id, metrics, plan.priority)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)

@@ -340,3 +340,43 @@ def test_async_engine_passes_priority_and_fcfs_refuses_it(llm):
         finally:
             ae.shutdown()
     assert eng.pool.num_free_blocks == eng.pool.num_total
+
+
+def test_server_routes_hand_the_request_priority_to_the_engine(llm):
+    """A body's priority reaches LLMEngine.add_request from every generation route of the server."""
+    import httpx
+
+    from netra_jax.serving.app import create_app
+
+    eng = llm.engine
+    seen: list[int] = []
+    add_request = eng.add_request
+
+    def spy(*args, priority: int = 0, **kw):
+        seen.append(priority)
+        return add_request(*args, priority=priority, **kw)
+
+    eng.add_request = spy
+    ae = AsyncEngine(eng)
+    app = create_app(ae, "tiny-llama", ready=lambda: True)
+    user = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 2, "priority": 3},
+        "/v1/chat/completions": {"messages": user, "max_tokens": 2, "priority": -2},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 2, "priority": 5},
+    }
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            for path, body in bodies.items():
+                r = await http.post(path, json=body)
+                assert r.status_code == 200, r.text
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+        del eng.add_request
+    assert seen == [3, -2, 5]
+    assert eng.pool.num_free_blocks == eng.pool.num_total
