@@ -6,12 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from netra_jax.serving.errors import APIError
+from netra_jax.serving.errors import bad
 from netra_jax.serving.protocol import ChatCompletionTool, ChatMessage, ToolCallParam
-
-
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 def _content(m: ChatMessage, i: int) -> str:
@@ -19,7 +15,7 @@ def _content(m: ChatMessage, i: int) -> str:
         texts = []
         for j, part in enumerate(m.content):
             if part.type != "text" or part.text is None:
-                raise _bad(
+                raise bad(
                     f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                     f"messages.{i}.content",
                 )
@@ -27,7 +23,7 @@ def _content(m: ChatMessage, i: int) -> str:
         return "\n".join(texts)  # as vLLM and transformers join text parts
     if m.content is None:
         if m.role != "assistant":
-            raise _bad(f"messages[{i}]: content is required for role {m.role!r}", f"messages.{i}.content")
+            raise bad(f"messages[{i}]: content is required for role {m.role!r}", f"messages.{i}.content")
         return ""
     return m.content
 
@@ -40,9 +36,9 @@ def _tool_call(call: ToolCallParam, i: int, j: int) -> dict[str, Any]:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError as e:
-            raise _bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}", param) from None
+            raise bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}", param) from None
         if not isinstance(args, dict):
-            raise _bad(
+            raise bad(
                 f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object's text, "
                 f"got {type(args).__name__}",
                 param,
@@ -60,7 +56,7 @@ def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
         msg["name"] = m.name
     if m.tool_calls:
         if m.role != "assistant":
-            raise _bad(f"messages[{i}]: only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+            raise bad(f"messages[{i}]: only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
         msg["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(m.tool_calls)]
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
@@ -76,7 +72,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     answering = False  # the messages since the last assistant message with tool_calls are all tool results
     for i, m in enumerate(messages):
         if m.role == "tool" and not answering:
-            raise _bad(
+            raise bad(
                 f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message's tool_calls",
                 f"messages.{i}.role",
             )

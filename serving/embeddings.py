@@ -22,7 +22,7 @@ from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.pooling import PoolingError, PoolingParams, embedding_prompt_ids, finish_embeddings
-from netra_jax.serving.errors import APIError
+from netra_jax.serving.errors import APIError, bad
 from netra_jax.serving.protocol import UsageInfo
 from netra_jax.serving.protocol_embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -62,10 +62,6 @@ def check_task(engine: LLMEngine, wanted: str) -> None:
     raise APIError(400, message, code="unsupported_task")
 
 
-def _bad(message: str, param: str | None = "input") -> APIError:
-    return APIError(400, message, param=param)
-
-
 def input_prompts(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
     """The token ids of every input, each checked against the vocabulary and the context (truncated to the last
     `truncate_prompt_tokens` tokens when asked). APIError(400) on bad input."""
@@ -73,13 +69,13 @@ def input_prompts(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
     if isinstance(x, str):
         items: list = [x]
     elif not x:
-        raise _bad("input must not be empty")
+        raise bad("input must not be empty", "input")
     elif isinstance(x[0], int):
         items = [x]
     else:
         items = list(x)
     if len(items) > MAX_EMBEDDING_INPUTS:
-        raise _bad(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}")
+        raise bad(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}", "input")
     out = []
     for i, item in enumerate(items):
         where = "input" if len(items) == 1 else f"input[{i}]"
@@ -92,9 +88,9 @@ def input_prompts(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
                 ids = engine.inputs.check_ids(item)
             out.append(embedding_prompt_ids(ids, engine.max_model_len, req.truncate_prompt_tokens))
         except PoolingError as e:  # a bad truncation is about the field, not the input
-            raise _bad(f"{where}: {e}" if e.param in (None, "input") else str(e), e.param or "input") from None
+            raise bad(f"{where}: {e}" if e.param in (None, "input") else str(e), e.param or "input") from None
         except ValueError as e:  # token ids outside the vocabulary, an empty list
-            raise _bad(f"{where}: {e}") from None
+            raise bad(f"{where}: {e}", "input") from None
     return out
 
 
@@ -194,9 +190,9 @@ async def create_embeddings(engine: AsyncEngine, model_name: str, req: Embedding
         params.verify(llm.pooling, model_name)
         check_priority(req.priority, llm.config.scheduler.scheduling_policy)  # as the generation routes
     except PoolingError as e:
-        raise _bad(str(e), e.param) from None
+        raise bad(str(e), e.param) from None
     except ValueError as e:
-        raise _bad(str(e), "priority") from None
+        raise bad(str(e), "priority") from None
     prompts = await asyncio.to_thread(input_prompts, llm, req)  # tokenizing many inputs: off the event loop
     try:
         pooled = await batcher_of(engine).embed(prompts, req.priority)

@@ -46,6 +46,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 naming the offending field."""
+    return APIError(400, message, param=param, code=code)
+
+
 MAX_MESSAGE_CHARS = 1024  # messages quote the offending value; an error answer stays small whatever was sent
 MAX_PARAM_CHARS = 256
 

@@ -14,7 +14,7 @@ from netra_jax.engine.request_queue import check_priority
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.context import ServingContext
-from netra_jax.serving.errors import APIError
+from netra_jax.serving.errors import APIError, bad
 from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 from netra_jax.structured_output import grammar_error
@@ -38,10 +38,6 @@ RESERVED_TEMPLATE_KWARGS = (
     "special_tokens",
     "limits",
 )
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def check_ids(engine: LLMEngine, ids: list[int], param: str) -> list[int]:

@@ -10,18 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
-from netra_jax.serving.errors import APIError
+from netra_jax.serving.errors import bad
 from netra_jax.serving.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
 from netra_jax.serving.tool_parsers import JsonCallList, ToolParser
 from netra_jax.serving.tool_parsers.json_call import JsonCall
-from netra_jax.structured_output import StructuredOutputError, grammar_for
+from netra_jax.structured_output import grammar_error
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
-
-
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -53,7 +49,7 @@ def required_schema(tools: list[ChatCompletionTool], parallel_tool_calls: bool) 
         params = _parameters(tool)
         for name, schema in params.pop("$defs", {}).items():
             if name in defs and defs[name] != schema:
-                raise _bad(
+                raise bad(
                     f"tools[{i}]: the schema name {name!r} in $defs is defined differently by another tool; "
                     "tool_choice 'required' needs one definition per name",
                     f"tools.{i}.function.parameters",
@@ -77,14 +73,12 @@ def required_schema(tools: list[ChatCompletionTool], parallel_tool_calls: bool) 
 
 def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
     """The spec, once its grammar compiles (so a bad tool schema is a 400 naming the tools, before admission)."""
-    import llguidance
-
     try:
-        error = llguidance.LLMatcher.validate_grammar(grammar_for(spec.validate()))
-    except (StructuredOutputError, ValueError) as e:
+        error = grammar_error(spec.validate())
+    except ValueError as e:
         error = str(e)
     if error:
-        raise _bad(f"the tool's parameters schema cannot be enforced: {error}", param)
+        raise bad(f"the tool's parameters schema cannot be enforced: {error}", param)
     return spec
 
 
@@ -96,23 +90,23 @@ def plan_tool_choice(
     --enable-auto-tool-choice is a 400)."""
     tools, choice = req.tools, req.tool_choice
     if tools is not None and not tools:
-        raise _bad("tools must not be an empty array; leave it out to offer no tools", "tools")
+        raise bad("tools must not be an empty array; leave it out to offer no tools", "tools")
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return ToolChoicePlan("none", None if exclude_tools_when_none else tools)
     if not tools:
-        raise _bad("when using tool_choice, tools must be set", "tool_choice")
+        raise bad("when using tool_choice, tools must be set", "tool_choice")
     if choice == "auto":
         if not auto_enabled:
-            raise _bad(AUTO_NEEDS_FLAGS, "tool_choice")
+            raise bad(AUTO_NEEDS_FLAGS, "tool_choice")
         return ToolChoicePlan("auto", tools)
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         tool = next((t for t in tools if t.function.name == name), None)
         if tool is None:
-            raise _bad(
+            raise bad(
                 f"tool_choice names the function {name!r}, which is not one of the tools "
                 f"({', '.join(t.function.name for t in tools)})",
                 "tool_choice.function.name",
@@ -130,7 +124,7 @@ def apply_tool_grammar(plan: ToolChoicePlan, params: SamplingParams) -> None:
     if plan.structured_outputs is None:
         return
     if params.structured_outputs is not None:
-        raise _bad(
+        raise bad(
             "tool_choice 'required' or a named function writes its calls under a grammar, so it cannot be combined "
             "with response_format, structured_outputs or guided_*",
             "tool_choice",
