@@ -4,13 +4,11 @@ output_item.added, content_part.added, output_text.delta, ..., response.complete
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from netra_jax.engine.async_engine import EngineDeadError
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.serving.chat import chat_response
 from netra_jax.serving.context import ServingContext
@@ -44,9 +42,7 @@ from netra_jax.serving.protocol_responses import (
 )
 from netra_jax.serving.render import chat_logprobs, usage
 from netra_jax.serving.responses_input import ResponsesPlan
-from netra_jax.serving.streaming import _events
-
-log = logging.getLogger(__name__)
+from netra_jax.serving.streaming import output_events, stream_failure
 
 
 def _id(prefix: str) -> str:
@@ -289,12 +285,7 @@ class EventWriter:
 
 
 def _failure(e: BaseException, gen: Generation) -> ResponseError:
-    status = 503 if isinstance(e, EngineDeadError) else 400 if isinstance(e, ValueError) else 500
-    if status >= 500:
-        log.error("stream failed: %r", e)
-    if gen.metrics is not None:
-        gen.metrics.count_error(status)
-    message = str(e) if status < 500 or isinstance(e, EngineDeadError) else f"internal error: {type(e).__name__}"
+    status, message = stream_failure(e, gen.metrics)
     return ResponseError(code="invalid_prompt" if status == 400 else "server_error", message=message)
 
 
@@ -313,7 +304,7 @@ async def responses_stream(
     yield w.lifecycle("response.created", response_object(plan, ctx.model_name, [], "in_progress"))
     yield w.lifecycle("response.in_progress", response_object(plan, ctx.model_name, [], "in_progress"))
     try:
-        async for _, out in _events(first, rest):
+        async for _, out in output_events(first, rest):
             (o,) = out.outputs
             if k is not None and o.logprobs is not None:
                 lps += chat_logprobs(o.logprobs[sent_lp:], ctx.tokens, k)

@@ -57,17 +57,25 @@ def _sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 
 
-def _error_event(e: BaseException, metrics: ServerMetrics | None) -> str:
+def stream_failure(e: BaseException, metrics: ServerMetrics | None) -> tuple[int, str]:
+    """The status and message of an engine failure after a stream began (told in-band): 503 for a dead engine,
+    400 for bad input, else 500 (logged; the message names only the exception's type). Counted in `metrics`."""
     status = 503 if isinstance(e, EngineDeadError) else 400 if isinstance(e, ValueError) else 500
     if status >= 500:
         log.error("stream failed: %r", e)
     if metrics is not None:
         metrics.count_error(status)
     msg = str(e) if status < 500 or isinstance(e, EngineDeadError) else f"internal error: {type(e).__name__}"
+    return status, msg
+
+
+def _error_event(e: BaseException, metrics: ServerMetrics | None) -> str:
+    status, msg = stream_failure(e, metrics)
     return f"data: {json.dumps(envelope(status, msg))}\n\n"
 
 
-async def _events(first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]):
+async def output_events(first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]):
+    """A stream's (prompt index, RequestOutput) events: the first (awaited by the route), then the rest."""
     if first is not None:
         yield first
     async for ev in rest:
@@ -92,7 +100,7 @@ async def chat_stream(
         if ctx.echo:  # vLLM's echo on chat: the final assistant message's text opens each choice
             for j in range(ctx.n):
                 yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=ctx.echo[0]))])
-        async for _, out in _events(first, rest):
+        async for _, out in output_events(first, rest):
             for o in out.outputs:
                 j = o.index
                 if done[j]:
@@ -148,7 +156,7 @@ async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) ->
             for j in range(total):
                 offset[j] = len(ctx.echo[j // ctx.n])
                 yield chunk([CompletionChoice(index=j, text=ctx.echo[j // ctx.n])])
-        async for i, out in _events(first, rest):
+        async for i, out in output_events(first, rest):
             for o in out.outputs:
                 j = i * ctx.n + o.index
                 if done[j]:
