@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +72,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
     rid = pre.response_id("chatcmpl", req)
     return ChatPlan(
         id=rid,
-        engine_id=rid if req.request_id is None else f"{rid}-{uuid.uuid4().hex[:12]}",
+        engine_id=pre.engine_id(rid, req),
         prompt={"prompt": text, "prompt_token_ids": ids} if len(kept) == len(ids) else kept,
         prompt_ids=kept,
         params=params,

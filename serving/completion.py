@@ -4,7 +4,6 @@ the prompt's text, and with logprobs the prompt's logprobs, open each choice; wi
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +52,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Completio
     rid = pre.response_id("cmpl", req)
     return CompletionPlan(
         id=rid,
-        engine_id=rid if req.request_id is None else f"{rid}-{uuid.uuid4().hex[:12]}",
+        engine_id=pre.engine_id(rid, req),
         prompts=[{"prompt": t, "prompt_token_ids": ids} if t else ids for t, ids in prompts],
         prompt_ids=[ids for _, ids in prompts],
         params=params,

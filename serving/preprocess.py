@@ -65,6 +65,12 @@ def response_id(prefix: str, req: SamplingRequest) -> str:
     return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
 
 
+def engine_id(response_id: str, req: SamplingRequest) -> str:
+    """The engine request's id: the response id, made unique when the client named it (a request_id may be reused
+    by concurrent requests)."""
+    return response_id if req.request_id is None else f"{response_id}-{uuid.uuid4().hex[:12]}"
+
+
 def truncate(engine: LLMEngine, ids: list[int], k: int | None) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the last `k` tokens (-1: the model's context length)."""
     if k is None:
