@@ -23,6 +23,7 @@ from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.pooling import PoolingError, PoolingParams, embedding_prompt_ids, finish_embeddings
 from netra_jax.serving.errors import APIError, bad
+from netra_jax.serving.preprocess import prompt_items
 from netra_jax.serving.protocol import UsageInfo
 from netra_jax.serving.protocol_embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -65,17 +66,7 @@ def check_task(engine: LLMEngine, wanted: str) -> None:
 def input_prompts(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
     """The token ids of every input, each checked against the vocabulary and the context (truncated to the last
     `truncate_prompt_tokens` tokens when asked). APIError(400) on bad input."""
-    x = req.input
-    if isinstance(x, str):
-        items: list = [x]
-    elif not x:
-        raise bad("input must not be empty", "input")
-    elif isinstance(x[0], int):
-        items = [x]
-    else:
-        items = list(x)
-    if len(items) > MAX_EMBEDDING_INPUTS:
-        raise bad(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}", "input")
+    items = prompt_items(req.input, "input", MAX_EMBEDDING_INPUTS, "inputs")
     out = []
     for i, item in enumerate(items):
         where = "input" if len(items) == 1 else f"input[{i}]"

@@ -87,22 +87,27 @@ def truncate(engine: LLMEngine, ids: list[int], k: int | None) -> list[int]:
     return ids[-k:]
 
 
+def prompt_items(value: str | list[Any], param: str, limit: int, noun: str) -> list[Any]:
+    """One item per prompt of a field in OpenAI's four forms (a string, a list of strings, token ids, a list of
+    token-id lists); an empty field, or more than `limit` prompts (`noun`: what they are called), is a 400."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif not value:
+        raise bad(f"{param} must not be empty", param)
+    elif isinstance(value[0], int):
+        items = [value]
+    else:
+        items = list(value)
+    if len(items) > limit:
+        raise bad(f"at most {limit} {noun} per request, got {len(items)}", param)
+    return items
+
+
 def completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists.
     With truncate_prompt_tokens the ids keep their tail and the text is dropped (it no longer matches them)."""
-    p = req.prompt
-    if isinstance(p, str):
-        items: list[Any] = [p]
-    elif not p:
-        raise bad("prompt must not be empty", "prompt")
-    elif isinstance(p[0], int):
-        items = [p]
-    else:
-        items = list(p)
-    if len(items) > MAX_PROMPTS:
-        raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
     out = []
-    for item in items:
+    for item in prompt_items(req.prompt, "prompt", MAX_PROMPTS, "prompts"):
         if isinstance(item, str):
             if not item:
                 raise bad("prompt must not be an empty string", "prompt")
