@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI-compatible /v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models,
-vLLM's /tokenize, /detokenize, /tokenizer_info; /health, /ready, /metrics; API key, body cap, CORS: middlewares."""
+"""The FastAPI application: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/responses (JSON or SSE),
+/v1/embeddings, /v1/models; vLLM's /tokenize, /detokenize, /tokenizer_info; /health, /ready, /metrics."""
 
 from __future__ import annotations
 
