@@ -23,7 +23,7 @@ from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lin
     read_lines,
     success_line,
 )
-from netra_jax.serving.batch_openai import ChatJob, RequestError, prepare, response_body
+from netra_jax.serving.batch_openai import Job, RequestError, prepare, response_body
 from netra_jax.serving.context import ServingContext
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class _Runner:
     ):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
         self.ctx = ServingContext.of(engine, model_name, chat_output=chat_output)
-        self.jobs: dict[str, ChatJob] = {}  # engine request id -> its job
+        self.jobs: dict[str, Job] = {}  # engine request id -> its job
         self.in_flight = 0
         self._next = 0
 
@@ -70,7 +70,7 @@ class _Runner:
         except ValueError as e:
             self.emit(error_line(work.custom_id, str(e), "invalid_request", line=work.line))
 
-    def _add(self, job: ChatJob) -> bool:
+    def _add(self, job: Job) -> bool:
         from netra_jax.engine.scheduler import QueueFullError
 
         self._next += 1

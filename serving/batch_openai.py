@@ -67,8 +67,8 @@ ROUTES = {
 
 
 @dataclass
-class ChatJob:
-    """One batch request on its way through the engine: its url, parsed request and plan, and one engine prompt
+class Job:
+    """One batch request on its way through the engine: its route, parsed request and plan, and one engine prompt
     per prompt (a conversation has one)."""
 
     work: Any
@@ -96,7 +96,7 @@ class ChatJob:
         return self.n * len(self.prompts)
 
 
-def prepare(work: Any, ctx: ServingContext) -> ChatJob:
+def prepare(work: Any, ctx: ServingContext) -> Job:
     """Validate a request body as the server's route for `work.url` does; RequestError names what is wrong."""
     route = ROUTES[work.url]
     body = work.body
@@ -116,9 +116,9 @@ def prepare(work: Any, ctx: ServingContext) -> ChatJob:
         prompts = [(p, plan.params.clone()) for p in plan.prompts]
     else:
         prompts = [(_chat(plan).prompt, _chat(plan).params)]
-    return ChatJob(work, route, req, plan, prompts)
+    return Job(work, route, req, plan, prompts)
 
 
-def response_body(job: ChatJob, outs: list[RequestOutput], ctx: ServingContext) -> dict[str, Any]:
+def response_body(job: Job, outs: list[RequestOutput], ctx: ServingContext) -> dict[str, Any]:
     """The body the server would answer (chat.completion, text_completion or response), as JSON data."""
     return job.route.respond(ctx, job.req, job.plan, outs).model_dump(mode="json", by_alias=True)
