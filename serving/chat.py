@@ -64,7 +64,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
     )
     kept = pre.truncate(ctx.llm, ids, req.truncate_prompt_tokens)
     params = pre.sampling_params(ctx.llm, req, k, [len(kept)])
-    output = ChatOutput.plan(ctx.chat_output, req, tools, ctx.llm.tokenizer, text)
+    constrained = params.structured_outputs is not None or tools.structured_outputs is not None
+    output = ChatOutput.plan(ctx.chat_output, req, tools, ctx.llm.tokenizer, text, constrained)
     output.adjust(params)
     echo = None
     if req.echo and req.messages[-1].role == "assistant":

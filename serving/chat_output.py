@@ -89,9 +89,15 @@ class ChatOutput:
         tools: ToolChoicePlan,
         tokenizer: Tokenizer,
         prompt: str,
+        constrained: bool = False,
     ) -> ChatOutput:
+        """`constrained`: a grammar (a tool choice's or the request's output constraint) writes the answer from its
+        first token, so there is no thinking to read: the whole output is the answer, even where the template
+        opened a thinking block (vLLM applies the grammar after the reasoning ends; this engine from the start)."""
         tool_parser = config.auto_tools if tools.mode == "auto" else None
-        reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        reasoning = (
+            get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser and not constrained else None
+        )
         tags = (*(tool_parser.tags if tool_parser else ()), *((reasoning.start, reasoning.end) if reasoning else ()))
         # vLLM's adjust_request: the parser must see its tags, so special tokens stay in the text (the engine never
         # writes the text of the EOS or stop token that ends a choice)

@@ -12,6 +12,7 @@ from conftest import FIXTURES
 from netra_jax.api import build_engine
 from netra_jax.config import EngineConfig, SchedulerConfig
 from netra_jax.serving.chat import chat_response, prepare_chat
+from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.completion import completion_response, prepare_completion
 from netra_jax.serving.context import ServingContext
 from netra_jax.serving.errors import APIError
@@ -166,3 +167,26 @@ def test_completions_default_to_16_tokens(ctx):
     plan = prepare_completion(ctx, req)
     resp = completion_response(ctx, req, plan, run(ctx, plan.prompts, plan.params, plan.engine_id))
     assert plan.params.max_tokens == 16 and resp.usage.completion_tokens == 16
+
+
+def test_a_constrained_answer_is_not_read_as_thinking(ctx):
+    """deepseek_r1's template opens a thinking block, but a grammar (a forced tool call, a response format) writes
+    the answer from its first token: the reasoning parser does not take that answer for thinking."""
+    thinking = ServingContext.of(ctx.llm, "tiny-qwen3", TEMPLATE, ChatOutputConfig(reasoning_parser="deepseek_r1"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    forced = {"type": "function", "function": {"name": "f"}}
+    cases = [
+        ({"tools": [tool], "tool_choice": forced}, '{"x": 1}', (None, None, [("f", '{"x": 1}')])),
+        (
+            {"tools": [tool], "tool_choice": "required"},
+            '[{"name": "f", "parameters": {}}]',
+            (None, None, [("f", "{}")]),
+        ),
+        ({"response_format": {"type": "json_object"}}, '{"x": 1}', (None, '{"x": 1}', [])),
+        ({}, "hm</think>ok", ("hm", "ok", [])),  # unconstrained: the output opens inside the thinking block
+    ]
+    for body, text, want in cases:
+        _, plan = chat(thinking, **body)
+        msg = plan.output.choice().message(text)
+        calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+        assert (msg.reasoning_content, msg.content, calls) == want, body
