@@ -80,6 +80,7 @@ class ChatOutput:
     parallel_tool_calls: bool = True
     keep_special_tokens: bool = False
     make_id: Callable[[], str] | None = None
+    constrained: bool = False  # written under a grammar: see `plan`
 
     @classmethod
     def plan(
@@ -91,13 +92,11 @@ class ChatOutput:
         prompt: str,
         constrained: bool = False,
     ) -> ChatOutput:
-        """`constrained`: a grammar (a tool choice's or the request's output constraint) writes the answer from its
-        first token, so there is no thinking to read: the whole output is the answer, even where the template
-        opened a thinking block (vLLM applies the grammar after the reasoning ends; this engine from the start)."""
+        """`constrained`: a grammar (a tool choice's or the request's output constraint) writes the output from its
+        first token (vLLM applies it once the reasoning has ended; this engine from the start), so the output is
+        thinking only where it opens the thinking block itself, even after a template that opened one."""
         tool_parser = config.auto_tools if tools.mode == "auto" else None
-        reasoning = (
-            get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser and not constrained else None
-        )
+        reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         tags = (*(tool_parser.tags if tool_parser else ()), *((reasoning.start, reasoning.end) if reasoning else ()))
         # vLLM's adjust_request: the parser must see its tags, so special tokens stay in the text (the engine never
         # writes the text of the EOS or stop token that ends a choice)
@@ -110,6 +109,7 @@ class ChatOutput:
             req.parallel_tool_calls is not False,
             keep,
             config.make_id,
+            constrained,
         )
 
     def adjust(self, params: SamplingParams) -> None:
@@ -136,7 +136,7 @@ class ChoiceParser:
 
     def __init__(self, output: ChatOutput) -> None:
         self.output = output
-        self.reasoning = output.reasoning_parser(output.prompt) if output.reasoning_parser else None
+        self.reasoning = output.reasoning_parser(output.prompt, output.constrained) if output.reasoning_parser else None
         mode, make_id = output.tools.mode, output.make_id
         self.tools: ToolParser | None = None
         if mode == "auto" and output.tool_parser is not None:

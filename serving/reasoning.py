@@ -11,7 +11,8 @@ from netra_jax.serving.tool_parsers.base import held_prefix
 class ReasoningParser:
     """One choice's reasoning parser. `prompt`: the rendered prompt; a template that ends it with the start tag
     opened the block (the output starts inside it), one that ends it with the end tag closed it (Qwen3's
-    `enable_thinking=False`: the output is all answer).
+    `enable_thinking=False`: the output is all answer). `constrained`: a grammar writes the output from its first
+    token, so it is thinking only if it writes the start tag itself (a forced tool call or JSON is the answer).
 
     States: `before` (has the thinking begun?), `opening` (thinking by default; skip an optional start tag),
     `think` (until the end tag), `answer`. Tags are held back until decided, never sent half."""
@@ -21,10 +22,12 @@ class ReasoningParser:
     end: ClassVar[str] = "</think>"
     thinks_by_default: ClassVar[bool] = False  # output without a start tag is thinking (until an end tag)
 
-    def __init__(self, prompt: str = "") -> None:
+    def __init__(self, prompt: str = "", constrained: bool = False) -> None:
         tail = prompt.rstrip()
         if tail.endswith(self.end):
             self._state = "answer"
+        elif constrained:
+            self._state = "before"
         elif tail.endswith(self.start) or self.thinks_by_default:
             self._state = "opening"
         else:

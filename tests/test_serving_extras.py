@@ -171,7 +171,7 @@ def test_completions_default_to_16_tokens(ctx):
 
 def test_a_constrained_answer_is_not_read_as_thinking(ctx):
     """deepseek_r1's template opens a thinking block, but a grammar (a forced tool call, a response format) writes
-    the answer from its first token: the reasoning parser does not take that answer for thinking."""
+    the output from its first token: it is thinking only where it writes the start tag itself."""
     thinking = ServingContext.of(ctx.llm, "tiny-qwen3", TEMPLATE, ChatOutputConfig(reasoning_parser="deepseek_r1"))
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     forced = {"type": "function", "function": {"name": "f"}}
@@ -183,6 +183,7 @@ def test_a_constrained_answer_is_not_read_as_thinking(ctx):
             (None, None, [("f", "{}")]),
         ),
         ({"response_format": {"type": "json_object"}}, '{"x": 1}', (None, '{"x": 1}', [])),
+        ({"guided_regex": "<think>a</think>b"}, "<think>a</think>b", ("a", "b", [])),  # a grammar that thinks
         ({}, "hm</think>ok", ("hm", "ok", [])),  # unconstrained: the output opens inside the thinking block
     ]
     for body, text, want in cases:
