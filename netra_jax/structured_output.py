@@ -14,6 +14,11 @@ from netra_jax.tokenizer import Tokenizer
 # compact JSON: with flexible whitespace a weak model can emit blanks between tokens until max_tokens
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
+# where a JSON schema holds subschemas: as a name -> schema map, a list, or one schema (or a list of them)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains")
+
 
 class StructuredOutputError(ValueError):
     """The structured output spec cannot be compiled (bad JSON schema, regex or grammar)."""
@@ -29,14 +34,38 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
             return m.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            return m.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            return m.grammar_from_json_schema(closed_objects(schema), overrides=_JSON_OPTIONS)
         if spec.regex is not None:
             return m.grammar_from_regex(spec.regex)
         if spec.choice is not None:
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-        return m.grammar_from_lark(spec.grammar)
+        # Lark, or the GBNF / EBNF (`root ::= ...`) that vLLM's examples use, converted to Lark
+        return llguidance.grammar_from("grammar", spec.grammar)
     except (ValueError, TypeError) as e:  # e.g. a schema that is not JSON-serializable
         raise StructuredOutputError(f"invalid structured output spec: {e}") from None
+
+
+def closed_objects(schema):
+    """A copy of the schema in which every object that lists its `properties` (or `patternProperties`) and says
+    nothing of others takes no others (`additionalProperties: false`), as vLLM's default backend (xgrammar's
+    strict mode) reads a schema: left open, a weak model fills objects and tool arguments with made-up keys.
+    An explicit `additionalProperties` or `unevaluatedProperties` is kept, and the parts of an `allOf` stay
+    open (closing each would refuse the properties the others add)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONE):
+        if key in out:
+            out[key] = closed_objects(out[key])
+    lists_properties = "properties" in out or "patternProperties" in out
+    if lists_properties and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_error(spec: StructuredOutputsParams) -> str | None:

@@ -13,7 +13,7 @@ from conftest import FIXTURES, reference
 
 from netra_jax import SamplingParams
 from netra_jax.sampling_params import StructuredOutputsParams as SO
-from netra_jax.structured_output import StructuredOutputError, StructuredOutputs
+from netra_jax.structured_output import StructuredOutputError, StructuredOutputs, closed_objects
 
 SCHEMA = {
     "type": "object",
@@ -147,6 +147,63 @@ def test_model_vocab_beyond_the_tokenizer_is_never_allowed(llm):
         assert allowed.shape == (600,) and allowed[tok] and not allowed[512:].any()
         assert m.accept(tok)
     assert m.done and m.mask().size == 19
+
+
+# the grammar of vLLM's structured-output examples, in GBNF (`root ::= ...`) rather than Lark
+SQL_GBNF = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+
+
+def test_gbnf_grammar_as_in_vllms_examples(llm, prompts):
+    params = [
+        SamplingParams(max_tokens=64, temperature=1.0, seed=s, structured_outputs=SO(grammar=SQL_GBNF))
+        for s in range(3)
+    ]
+    outs = [o[0] for o in gen(llm, prompts[:3], params)]
+    sql = r"SELECT col_[12]  from table_[12]  where col_[12] = [12] "
+    assert all(re.fullmatch(sql, o.text) and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+
+
+def test_objects_listing_their_properties_take_no_others(llm, prompts):
+    """A schema that leaves additionalProperties out gets no made-up keys (vLLM's default backend reads it so);
+    an explicit additionalProperties, an allOf's parts and a property named like a keyword are left as they are."""
+    open_schema = {k: v for k, v in SCHEMA.items() if k != "additionalProperties"}
+    open_schema["properties"] = {
+        **SCHEMA["properties"],
+        "home": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    }
+    params = [
+        SamplingParams(max_tokens=160, temperature=1.0, seed=s, structured_outputs=SO(json=open_schema))
+        for s in range(6)
+    ]
+    objects = [
+        json.loads(o[0].text)
+        for o in gen(llm, [prompts[s % 3] for s in range(6)], params)
+        if o[0].finish_reason == "stop"
+    ]
+    assert len(objects) >= 3
+    for obj in objects:
+        assert set(obj) <= set(open_schema["properties"]), obj
+        assert set(obj.get("home", {})) <= {"x"}, obj
+    kept = {
+        "type": "object",
+        "properties": {"properties": {"type": "object"}},
+        "additionalProperties": {"type": "integer"},
+    }
+    assert closed_objects(kept) == kept
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(both) == both
+    nested = {"$defs": {"P": {"properties": {"properties": {"type": "string"}}}}, "items": [{"properties": {}}]}
+    assert closed_objects(nested) == {
+        "$defs": {"P": {"properties": {"properties": {"type": "string"}}, "additionalProperties": False}},
+        "items": [{"properties": {}, "additionalProperties": False}],
+    }
 
 
 def test_token_outside_the_grammar_ends_the_sample_with_error(llm, prompts):
