@@ -48,9 +48,10 @@ class _Runner:
         emit: Callable[[dict], None],
         window: int,
         chat_output: ChatOutputConfig | None = None,
+        chat_template: str | None = None,
     ):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
-        self.ctx = ServingContext.of(engine, model_name, chat_output=chat_output)
+        self.ctx = ServingContext.of(engine, model_name, chat_template, chat_output)
         self.jobs: dict[str, Job] = {}  # engine request id -> its job
         self.in_flight = 0
         self._next = 0
@@ -125,10 +126,12 @@ def process(
     model_name: str,
     window: int,
     chat_output: ChatOutputConfig | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Run every Work through the engine (error lines pass straight to `emit`). On any exception the requests in
-    flight are aborted so the engine is left idle. `chat_output`: tool-call and reasoning parsers, as the server's."""
-    runner = _Runner(engine, model_name, emit, max(1, window), chat_output)
+    flight are aborted so the engine is left idle. `chat_output`: tool-call and reasoning parsers, and `chat_template`:
+    Jinja source replacing the checkpoint's, as the server's."""
+    runner = _Runner(engine, model_name, emit, max(1, window), chat_output, chat_template)
     try:
         for item in items:
             if item is None:
@@ -228,6 +231,7 @@ def run_batch(
     model_name: str | None = None,
     progress: bool = True,
     chat_output: ChatOutputConfig | None = None,
+    chat_template: str | None = None,
 ) -> BatchSummary:
     """Run an OpenAI Batch JSONL file through one engine (built from `engine_config` when `engine` is None) and
     append the results to `output_path`; custom_ids already there are skipped. `max_in_flight` bounds the
@@ -253,7 +257,7 @@ def run_batch(
 
     try:
         with open(output_path, "a", encoding="utf-8") as f:
-            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window, chat_output)
+            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window, chat_output, chat_template)
     finally:
         close_job(prog, summary, bar, t0, progress)
     return summary
@@ -286,12 +290,13 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     from netra_jax.cli import check_model, engine_config, load_engine
-    from netra_jax.serving.cli import chat_output_config
+    from netra_jax.serving.cli import chat_output_config, load_chat_template
 
     cfg = engine_config(a)
     try:
         chat_output = chat_output_config(a)
-    except ValueError as e:
+        chat_template = load_chat_template(a.chat_template)
+    except (OSError, ValueError) as e:
         print(f"netra-jax batch: {e}", file=sys.stderr)
         return 2
     if a.ray:
@@ -312,10 +317,17 @@ def main(a: argparse.Namespace) -> int:
             max_in_flight=a.max_in_flight,
             progress=not a.no_progress,
             chat_output=chat_output,
+            chat_template=chat_template,
         )
         return 0
     engine = load_engine(cfg)
     run_batch(
-        a.input, a.output, engine, max_in_flight=a.max_in_flight, progress=not a.no_progress, chat_output=chat_output
+        a.input,
+        a.output,
+        engine,
+        max_in_flight=a.max_in_flight,
+        progress=not a.no_progress,
+        chat_output=chat_output,
+        chat_template=chat_template,
     )
     return 0

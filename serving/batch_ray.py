@@ -35,6 +35,7 @@ class EngineActor:
         model_name: str,
         max_in_flight: int | None = None,
         chat_output: ChatOutputConfig | None = None,
+        chat_template: str | None = None,
     ):
         from netra_jax.api import build_engine
 
@@ -42,11 +43,12 @@ class EngineActor:
         self.model_name = model_name
         self.window = max_in_flight or 4 * config.scheduler.max_num_seqs
         self.chat_output = chat_output
+        self.chat_template = chat_template
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         out: list[dict] = []
         works = [Work.from_json(str(t)) for t in batch["work"]]
-        process(self.engine, works, out.append, self.model_name, self.window, self.chat_output)
+        process(self.engine, works, out.append, self.model_name, self.window, self.chat_output, self.chat_template)
         return {"output": [json.dumps(o, ensure_ascii=False) for o in out]}
 
 
@@ -63,6 +65,7 @@ def run_batch_ray(
     model_name: str | None = None,
     progress: bool = True,
     chat_output: ChatOutputConfig | None = None,
+    chat_template: str | None = None,
 ) -> BatchSummary:
     """Run a batch file on `replicas` engine actors. The driver parses the input (malformed and duplicate lines
     and ids already in the output are settled here, as in run_batch), hands the remaining requests to Ray Data, and
@@ -100,6 +103,7 @@ def run_batch_ray(
                         "model_name": name,
                         "max_in_flight": max_in_flight,
                         "chat_output": chat_output,
+                        "chat_template": chat_template,
                     },
                     concurrency=replicas,
                     num_gpus=num_gpus,

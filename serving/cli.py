@@ -29,11 +29,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("NETRA_JAX_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health (env NETRA_JAX_API_KEY)",
     )
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="chat template (a file path or the Jinja source) replacing the checkpoint's",
-    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body cap (413 above)")
     p.add_argument(
         "--cors-origins", default=None, help="comma-separated origins allowed by CORS, or '*' (default: CORS off)"
@@ -61,9 +56,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_chat_output_args(p: argparse.ArgumentParser) -> None:
-    """How chat answers are read, with vLLM's flags (serve and batch)."""
+    """How chat requests are rendered and their answers read, with vLLM's flags (serve and batch)."""
     from netra_jax.serving.reasoning import REASONING_PARSERS
     from netra_jax.serving.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (a file path or the Jinja source) replacing the checkpoint's",
+    )
 
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -12,12 +12,22 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, REPO
 from test_server import MODEL, start_server
 
 from netra_jax.cli import main as cli_main
 
-FLAGS = ("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")
+TEMPLATE = REPO / "tests" / "fixtures" / "templates" / "qwen3_tools.jinja"  # renders tools: both must use it
+FLAGS = (
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "128",
+    "--num-kv-pages",
+    "64",
+    "--chat-template",
+    str(TEMPLATE),
+)
 C, CC, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
 FLOAT_TOL = 1e-5  # logprobs of one request computed in the same step shapes; a tolerance for other platforms
