@@ -145,8 +145,14 @@ def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], Origins]:
                 continue
             msg = ChatMessage(role="assistant", content=None, tool_calls=[call])
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in names:  # OpenAI's rule: an output answers a function_call item given before it
+                raise bad(
+                    f"{at}: no function_call item before it has call_id {item.call_id!r}; a function_call_output "
+                    "answers a call sent earlier in input (this server keeps no previous responses)",
+                    f"{at}.call_id",
+                )
             content = _text(item.output, f"{at}.output")
-            msg = ChatMessage(role="tool", content=content, tool_call_id=item.call_id, name=names.get(item.call_id))
+            msg = ChatMessage(role="tool", content=content, tool_call_id=item.call_id, name=names[item.call_id])
         else:
             msg = ChatMessage(role=item.role, content=_text(item.content, f"{at}.content"))
         if msg.role == "assistant" and thought is not None:

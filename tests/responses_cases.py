@@ -54,6 +54,17 @@ BAD = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "7"}]}, "input.0.call_id"),
+    (
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "d", "output": "7"},
+            ]
+        },
+        "input.2.call_id",
+    ),
     (
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]},
         "input.0.arguments",
