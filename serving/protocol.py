@@ -3,9 +3,9 @@ models, tokenize, error envelope) plus vLLM's sampling extras, and their convers
 
 Unknown-field policy: request bodies are validated strictly, as OpenAI's own API does. A field this server does not
 know is rejected with 400 naming it (a typo such as `max_token` never passes silently), and so is a value of the
-wrong JSON type (`"max_tokens": "10"`). Informational OpenAI fields (`user`, `metadata`, `store`, `service_tier`)
-are accepted and ignored. Chat messages alone ignore unknown keys, so a previous response's message can be sent back
-as it is (`refusal`, `annotations`, ...)."""
+wrong JSON type (`"max_tokens": "10"`). Informational OpenAI fields (`user`, `metadata`, `store`, `service_tier`,
+`safety_identifier`, `prompt_cache_key`) are accepted and ignored. Chat messages alone ignore unknown keys, so a
+previous response's message can be sent back as it is (`refusal`, `annotations`, ...)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ class SamplingRequest(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`
+    prompt_cache_key: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None

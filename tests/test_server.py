@@ -414,6 +414,21 @@ def test_bad_requests_get_4xx_envelopes(server, client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_informational_openai_fields_are_accepted_and_ignored(client):
+    """The openai client's informational arguments (user and its successor safety_identifier, prompt_cache_key,
+    metadata, store, service_tier) are accepted on chat and completions and change nothing."""
+    info = dict(
+        user="u", safety_identifier="s", prompt_cache_key="k", metadata={"k": "v"}, store=False, service_tier="auto"
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    tagged = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, **info)
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    plain = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
+    tagged = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, extra_body=info)
+    assert tagged.choices[0].text == plain.choices[0].text
+
+
 def test_concurrent_load_then_idle(server, client):
     """Mixed concurrent traffic (streams, n, stops) leaves no request or KV block behind."""
 
