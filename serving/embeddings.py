@@ -11,7 +11,6 @@ import base64
 import functools
 import itertools
 import sys
-import uuid
 import weakref
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.pooling import PoolingError, PoolingParams, embedding_prompt_ids, finish_embeddings
 from netra_jax.serving.errors import APIError, bad
-from netra_jax.serving.preprocess import prompt_items
+from netra_jax.serving.preprocess import prompt_items, response_id
 from netra_jax.serving.protocol import UsageInfo
 from netra_jax.serving.protocol_embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -192,7 +191,7 @@ async def create_embeddings(engine: AsyncEngine, model_name: str, req: Embedding
     vectors = finish_embeddings(pooled, params, llm.pooling)  # [n, dims]
     tokens = sum(map(len, prompts))
     return EmbeddingResponse(
-        id=f"embd-{req.request_id or uuid.uuid4().hex}",
+        id=response_id("embd", req),
         model=model_name,
         data=[EmbeddingData(index=i, embedding=encode_embedding(v, req)) for i, v in enumerate(vectors)],
         usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens),

@@ -5,7 +5,7 @@ constraint a request may give) checked against the model. Each failure is an API
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
@@ -18,6 +18,9 @@ from netra_jax.serving.errors import APIError, bad
 from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 from netra_jax.structured_output import grammar_error
+
+if TYPE_CHECKING:
+    from netra_jax.serving.protocol_embeddings import EmbeddingRequest
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 NO_CHAT_TEMPLATE = NoChatTemplateError.message(
@@ -60,15 +63,16 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
         )
 
 
-def response_id(prefix: str, req: SamplingRequest) -> str:
-    """The response's id: `<prefix>-<request_id>` when the request names one (vLLM's extra), else a random one."""
-    return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
+def response_id(prefix: str, req: SamplingRequest | EmbeddingRequest) -> str:
+    """The response's id: `<prefix>-<request_id>` when the request names one (vLLM's extra), else (an empty one too,
+    as vLLM) a random one."""
+    return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
 
 
 def engine_id(response_id: str, req: SamplingRequest) -> str:
     """The engine request's id: the response id, made unique when the client named it (a request_id may be reused
     by concurrent requests)."""
-    return response_id if req.request_id is None else f"{response_id}-{uuid.uuid4().hex[:12]}"
+    return f"{response_id}-{uuid.uuid4().hex[:12]}" if req.request_id else response_id
 
 
 def truncate(engine: LLMEngine, ids: list[int], k: int | None) -> list[int]:
