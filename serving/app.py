@@ -269,7 +269,7 @@ def create_app(
         req = await parse_body(raw, CompletionRequest)
         check_model(req.model)
         check_serving()
-        plan = prepare_completion(st.ctx, req)
+        plan = await asyncio.to_thread(prepare_completion, st.ctx, req)  # tokenizes up to 256 prompts
         gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics, plan.priority)
         res = await start(raw, gen, req.stream)
         if res is None:
