@@ -9,6 +9,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.serving.chat_output import ChatOutputConfig
 
 REPLICA_HEADER = "x-netra-replica"  # on every response: the id of the replica that answered
 
@@ -37,17 +38,32 @@ class ReplicaHeader:
 class NetraServer:
     """One replica: builds (and by default warms up) its engine, then serves the app of netra_jax.serving.app."""
 
-    def __init__(self, config: EngineConfig, model_name: str, api_key: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        api_key: str | None = None,
+        chat_template: str | None = None,
+        chat_output: ChatOutputConfig | None = None,
+    ):
         from netra_jax.api import build_engine
         from netra_jax.engine.async_engine import AsyncEngine
 
         self.engine = AsyncEngine(build_engine(config))  # the replica reports healthy once this returns
         self.model_name, self.api_key = model_name, api_key
+        self.chat_template, self.chat_output = chat_template, chat_output
 
     def __serve_build_asgi_app__(self):
         from netra_jax.serving.app import create_app
 
-        app = create_app(self.engine, self.model_name, self.api_key, ready=lambda: True)
+        app = create_app(
+            self.engine,
+            self.model_name,
+            self.api_key,
+            ready=lambda: True,
+            chat_template=self.chat_template,
+            chat_output=self.chat_output,
+        )
         app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
         return app
 
@@ -58,14 +74,26 @@ class NetraServer:
 def build_app(args: dict[str, Any]) -> Any:
     """Application builder for `serve run` / `serve.run`. Keys (strings on the command line): model, dtype,
     served_model_name, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
-    scheduling_policy (fcfs | priority), warmup (default true), api_key, replicas (default 1), num_gpus per replica
-    (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1)."""
+    scheduling_policy (fcfs | priority), task (generate | embed), warmup (default true), api_key, replicas (default 1),
+    num_gpus per replica (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1), and the
+    server's chat flags: chat_template (a file or the Jinja source), enable_auto_tool_choice, tool_call_parser,
+    reasoning_parser."""
     import ray
 
     from netra_jax.serving.batch import served_model_name
+    from netra_jax.serving.cli import load_chat_template
 
     def opt(key: str, kind, default=None):
         return kind(args[key]) if args.get(key) not in (None, "") else default
+
+    def flag(key: str, default: bool) -> bool:
+        return str(args.get(key, default)).lower() not in ("0", "false", "no")
+
+    chat_output = ChatOutputConfig(  # ValueError for a combination the server refuses too
+        enable_auto_tool_choice=flag("enable_auto_tool_choice", False),
+        tool_call_parser=opt("tool_call_parser", str),
+        reasoning_parser=opt("reasoning_parser", str),
+    )
 
     config = EngineConfig(
         model=opt("model", str, ""),
@@ -78,12 +106,17 @@ def build_app(args: dict[str, Any]) -> Any:
             scheduling_policy=opt("scheduling_policy", str, "fcfs"),
         ),
         served_model_name=opt("served_model_name", str),
-        warmup=str(args.get("warmup", "true")).lower() not in ("0", "false", "no"),
+        task=opt("task", str, "generate"),
+        warmup=flag("warmup", True),
     )
     if not ray.is_initialized():
         ray.init()
     gpus = opt("num_gpus", float, 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
     resources = {"num_gpus": gpus, "num_cpus": opt("num_cpus", float, 1.0)}
     return NetraServer.options(num_replicas=opt("replicas", int, 1), ray_actor_options=resources).bind(
-        config, served_model_name(config), opt("api_key", str)
+        config,
+        served_model_name(config),
+        opt("api_key", str),
+        load_chat_template(opt("chat_template", str)),
+        chat_output,
     )

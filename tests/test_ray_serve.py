@@ -5,6 +5,7 @@ prompt does, streamed or not), and both replicas answer. Skipped without netra-j
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -65,6 +66,8 @@ def base_url():
                 "warmup": "false",
                 "replicas": "2",
                 "num_cpus": "1",
+                "enable_auto_tool_choice": "true",
+                "tool_call_parser": "hermes",
             }
         )
         serve.run(app, name="netra", route_prefix="/")
@@ -139,3 +142,27 @@ def test_completion_and_chat_from_both_replicas(base_url):
         assert r.choices[0].message.role == "assistant"
         assert {r.choices[0].message.content} == chat_prompt_answer
     assert streamed[0] in replicas and {streamed[1]} == chat_prompt_answer
+
+
+def test_chat_flags_reach_the_replicas(base_url):
+    """The recipe's tool-call keys are the server's flags: tools with tool_choice "auto" are served (a server
+    without --enable-auto-tool-choice refuses them) and the hermes parser reads the call from the text."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    call = '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\\n</tool_call>'
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=REF["chat"]["messages"],
+        tools=[weather],
+        max_tokens=200,  # the call is about 80 tokens of the 512-token vocabulary
+        extra_body={"structured_outputs": {"regex": call}},  # the random model's text, forced to one call
+    )
+    (tool_call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert tool_call.function.name == "get_weather" and json.loads(tool_call.function.arguments) == {"city": "Paris"}
