@@ -30,7 +30,10 @@ class _ImageOnly(importlib.abc.MetaPathFinder):
             return None
         dists = {_norm(d) for d in self.dists.get(top, ())}
         if dists and not dists & self.allowed:
-            raise ImportError(f"{top} ({', '.join(sorted(dists))}) is neither on the GPU image nor a carried wheel")
+            # ModuleNotFoundError, as on the GPU machine: optional imports (starlette's python_multipart) catch it
+            raise ModuleNotFoundError(
+                f"{top} ({', '.join(sorted(dists))}) is neither on the GPU image nor a carried wheel", name=top
+            )
         return None
 
 
