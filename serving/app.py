@@ -19,8 +19,7 @@ from starlette.background import BackgroundTask
 from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
 from netra_jax.engine.scheduler import QueueFullError
 from netra_jax.serving import preprocess as pre
-from netra_jax.serving.chat import chat_response, prepare_chat
-from netra_jax.serving.chat_messages import chat_messages
+from netra_jax.serving.chat import chat_response, prepare_chat, render_chat
 from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.completion import completion_response, prepare_completion
 from netra_jax.serving.context import ServingContext
@@ -202,8 +201,10 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise pre.bad("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            msgs = chat_messages(req.messages)
-            _, ids = await asyncio.to_thread(pre.chat_prompt, st.llm, msgs, req.add_generation_prompt, st.chat_template)
+            fields = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            given = req.model_fields_set & set(fields)  # (whether add_generation_prompt was given matters)
+            chat = ChatCompletionRequest.model_construct(given, **{f: getattr(req, f) for f in fields})
+            _, _, ids = await asyncio.to_thread(render_chat, st.ctx, chat, req.tools)
         else:
             ids = st.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [st.tokens.text(i) for i in ids] if req.return_token_strs else None

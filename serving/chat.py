@@ -17,6 +17,7 @@ from netra_jax.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatCompletionTool,
     ChatLogprobs,
 )
 from netra_jax.serving.render import chat_logprobs, finish, prompt_logprobs, usage
@@ -38,11 +39,12 @@ class ChatPlan:
     output: ChatOutput  # how each choice's text is read: reasoning, tool calls, content
 
 
-def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
-    """Validate `req` against the served model and render its prompt (APIError(400) naming the field). The chat
-    template may run up to its time limit: the server calls this in a thread."""
-    k = pre.chat_checks(req)
-    tools = ctx.chat_output.plan_tools(req)
+def render_chat(
+    ctx: ServingContext, req: ChatCompletionRequest, tools: list[ChatCompletionTool] | None
+) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """The conversation through the chat template with the request's template fields (add_generation_prompt,
+    continue_final_message, chat_template_kwargs, reasoning_effort) and `tools`: (the template's messages, the
+    prompt text, its ids). The chat route and /tokenize render with it."""
     add_generation_prompt = req.add_generation_prompt
     if req.continue_final_message:
         if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
@@ -59,9 +61,18 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
         add_generation_prompt,
         ctx.chat_template,
         req.continue_final_message,
-        template_tools(tools.tools),
+        template_tools(tools),
         **pre.template_kwargs(req),
     )
+    return messages, text, ids
+
+
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
+    """Validate `req` against the served model and render its prompt (APIError(400) naming the field). The chat
+    template may run up to its time limit: the server calls this in a thread."""
+    k = pre.chat_checks(req)
+    tools = ctx.chat_output.plan_tools(req)
+    messages, text, ids = render_chat(ctx, req, tools.tools)
     kept = pre.truncate(ctx.llm, ids, req.truncate_prompt_tokens)
     params = pre.sampling_params(ctx.llm, req, k, [len(kept)])
     constrained = params.structured_outputs is not None or tools.structured_outputs is not None

@@ -226,11 +226,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or messages rendered as the chat route renders them (its template fields)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
     return_token_strs: bool = False
 
 

@@ -264,3 +264,27 @@ def test_reasoning_without_tools(client):
     r = chat(client, messages=ASK, extra_body={"structured_outputs": {"regex": re.escape(text)}})
     msg = r.choices[0].message
     assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("\nshort\n", "\n\nHi.", "stop")
+
+
+def test_tokenize_renders_messages_as_the_chat_route(server):
+    """/tokenize with messages takes the chat route's template fields (tools, chat_template_kwargs,
+    continue_final_message) and counts exactly the prompt the chat route runs."""
+    history = [*ASK, {"role": "assistant", "content": "Let me"}]
+    for kw in (
+        {"tools": [WEATHER, CLOCK]},
+        {"tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": history, "continue_final_message": True, "add_generation_prompt": False},
+    ):
+        body = {"messages": ASK, **kw}
+        extra = {"tool_choice": "none"} if "tools" in body else {}
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={**body, **extra, "max_tokens": 1, "return_token_ids": True}
+        )
+        tok = httpx.post(server.url + "/tokenize", json=body)
+        assert r.status_code == tok.status_code == 200, (r.text, tok.text)
+        assert tok.json()["tokens"] == r.json()["prompt_token_ids"], kw
+    plain = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()["tokens"]
+    with_tools = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": [WEATHER]}).json()["tokens"]
+    assert len(with_tools) > len(plain)  # the template rendered the tool list
+    bad = httpx.post(server.url + "/tokenize", json={"messages": ASK, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
