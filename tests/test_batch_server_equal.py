@@ -13,21 +13,12 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FIXTURES, REPO
-from test_server import MODEL, start_server
+from test_server import MODEL, SMALL, running_server
 
 from netra_jax.cli import main as cli_main
 
 TEMPLATE = REPO / "tests" / "fixtures" / "templates" / "qwen3_tools.jinja"  # renders tools: both must use it
-FLAGS = (
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "128",
-    "--num-kv-pages",
-    "64",
-    "--chat-template",
-    str(TEMPLATE),
-)
+FLAGS = (*SMALL, "--chat-template", str(TEMPLATE))
 C, CC, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
 FLOAT_TOL = 1e-5  # logprobs of one request computed in the same step shapes; a tolerance for other platforms
@@ -117,16 +108,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def server_answers() -> dict[str, tuple[int, dict]]:
-    s = start_server(*FLAGS)
-    try:
-        with httpx.Client(base_url=s.url, timeout=120) as http:
-            answers = {}
-            for name, url, body in CASES:  # one at a time, as the batch job below runs them
-                r = http.post(url, json=body)
-                answers[name] = (r.status_code, r.json())
-    finally:
-        s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    with running_server(*FLAGS) as s, httpx.Client(base_url=s.url, timeout=120) as http:
+        answers = {}
+        for name, url, body in CASES:  # one at a time, as the batch job below runs them
+            r = http.post(url, json=body)
+            answers[name] = (r.status_code, r.json())
     return answers
 
 

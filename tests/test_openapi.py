@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from test_server import MODEL, start_server
+from test_server import MODEL, SMALL, running_server
 
 ERROR_STATUSES = ("400", "401", "404", "413", "429", "500", "503")
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
@@ -75,10 +75,8 @@ DROPPED = (  # free-form fields a generated value rarely makes valid (each has i
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    with running_server(*SMALL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

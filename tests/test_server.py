@@ -4,6 +4,7 @@ non-streaming, n, seeds, stops, disconnects that free KV blocks, /metrics, and b
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny-qwen3"
 READY = re.compile(r"ready on (http://[\d.]+:\d+)")
+SMALL = ("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")  # a small engine
 
 
 class Server:
@@ -67,6 +70,22 @@ def start_server(*args: str, model: str | None = str(FIXTURES / MODEL), timeout:
     raise AssertionError(f"server did not become ready (rc={proc.poll()}):\n{log.read_text(errors='replace')[-4000:]}")
 
 
+@contextlib.contextmanager
+def running_server(*args: str, **kw) -> Iterator[Server]:
+    """start_server's process for the `with` block; stopped at its end, which must be a clean exit (status 0)."""
+    s = start_server(*args, **kw)
+    try:
+        yield s
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+
+
+def openai_client(server: Server, timeout: float = 120) -> openai.OpenAI:
+    """The official client on `server`, without retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def scrape(url: str) -> dict[str, float]:
     """Every sample of /metrics as {'name{label="v"}': value}, parsed by prometheus_client's own parser."""
     text = httpx.get(url + "/metrics").text
@@ -97,15 +116,13 @@ def wait_idle(url: str, timeout: float = 5.0) -> tuple[float, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-pages", "64")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    with running_server(*SMALL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def _log_softmax(row: list[float], i: int) -> float:

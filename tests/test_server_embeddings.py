@@ -16,7 +16,7 @@ import openai
 import pytest
 from conftest import FIXTURES
 from starlette.testclient import TestClient
-from test_server import start_server
+from test_server import openai_client, running_server
 
 from netra_jax.api import build_engine
 from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -39,7 +39,7 @@ def unit(v) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(
+    with running_server(
         "--task",
         "embed",
         "--max-model-len",
@@ -49,15 +49,13 @@ def server():
         "--max-num-seqs",
         "8",
         model=str(EMBED),
-    )
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_base64_and_float_match_reference(server, client):

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import FIXTURES, REPO, reference
-from test_server import scrape, start_server
+from test_server import running_server, scrape
 
 from netra_jax.serving.render import prompt_text_offsets
 from netra_jax.tokenizer import Tokenizer
@@ -29,10 +29,8 @@ CASES = reference(MODEL)["cases"]
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--num-kv-pages", "64")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    with running_server("--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--num-kv-pages", "64") as s:
+        yield s
 
 
 @pytest.fixture(scope="module", autouse=True)

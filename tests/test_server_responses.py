@@ -17,13 +17,13 @@ from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 from pydantic import BaseModel, Field
 from responses_cases import BAD, BODIES, CHAT_TURNS, FORMAT, TOOLS, TURNS
-from test_server import MODEL, start_server
+from test_server import MODEL, openai_client, running_server
 from test_structured_output import check_schema
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(
+    with running_server(
         "--max-num-seqs",
         "8",
         "--max-num-batched-tokens",
@@ -37,15 +37,13 @@ def server():
         "qwen3",
         "--chat-template",
         str(REPO / "tests" / "fixtures" / "templates" / "chatml_thinking.jinja"),
-    )
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def _chat(client, messages, n: int):

@@ -4,24 +4,21 @@ exactly transformers' greedy text at temperature 0, through the openai client, s
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from conftest import reference
-from test_server import start_server
+from test_server import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):  # smollm2_path fetches the default model once
-    s = start_server("--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", model=None)
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0
+    with running_server("--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", model=None) as s:
+        yield s
 
 
 def test_default_model_answers_reference_chat(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai_client(server, timeout=300)
     (card,) = client.models.list().data
     assert card.id == "SmolLM2-135M-Instruct"
     case = reference("smollm2")["cases"][0]

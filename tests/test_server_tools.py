@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, ConfigDict, Field
-from test_server import MODEL, start_server
+from test_server import MODEL, openai_client, running_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no client library may reach the network (tiktoken, hub)
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", tempfile.mkdtemp(prefix="tiktoken-empty-"))
@@ -48,7 +48,7 @@ CLOCK_TEXT = '<tool_call>\n{"name": "clock", "arguments": {"tz": "utc"}}\n</tool
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(
+    with running_server(
         "--chat-template",
         str(TEMPLATE),
         "--enable-auto-tool-choice",
@@ -60,15 +60,13 @@ def server():
         "4",
         "--num-kv-pages",
         "160",
-    )
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.log.read_text()[-3000:]
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def chat(client, **kw):
