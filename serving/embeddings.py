@@ -167,9 +167,8 @@ def batcher_of(engine: AsyncEngine) -> EmbeddingBatcher:
 
 
 async def create_embeddings(engine: AsyncEngine, model_name: str, req: EmbeddingRequest) -> EmbeddingResponse:
-    """The response to a validated request (the route has checked the model name and readiness)."""
+    """The response to a validated request (the route has checked the model name, the task and readiness)."""
     llm = engine.engine
-    check_task(llm, "embed")
     params = PoolingParams(
         dimensions=req.dimensions,
         use_activation=req.use_activation,
