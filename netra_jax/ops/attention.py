@@ -69,9 +69,11 @@ def num_items(num_tokens: int, num_seqs: int) -> int:
     return -(-num_tokens // _QUERY_BLOCK) + num_seqs
 
 
-def build_work(q_lens, num_tokens: int, num_seqs: int) -> tuple[np.ndarray, ...]:
+def build_work(q_lens, num_tokens: int, num_seqs: int, per_token=None) -> tuple[np.ndarray, ...]:
     """Numpy work lists for `AttentionWork` from the real sequences' query lengths (in batch order): single-token
-    sequences go to the per-token path, longer runs are cut into query blocks."""
+    sequences go to the per-token path, longer runs are cut into query blocks. `per_token[s]` True sends every token
+    of sequence s to the per-token path (speculative verification: each token then gets exactly the arithmetic it
+    gets when decoded alone)."""
     n_items = num_items(num_tokens, num_seqs)
     tokens = np.full(num_tokens, num_tokens, np.int32)
     start = np.zeros(n_items, np.int32)
@@ -79,9 +81,9 @@ def build_work(q_lens, num_tokens: int, num_seqs: int) -> tuple[np.ndarray, ...]
     seq = np.zeros(n_items, np.int32)
     t = nt = ni = 0
     for s, n in enumerate(q_lens):
-        if n == 1:
-            tokens[nt] = t
-            nt += 1
+        if n == 1 or (per_token is not None and per_token[s]):
+            tokens[nt : nt + n] = np.arange(t, t + n)
+            nt += n
         else:
             for o in range(0, n, _QUERY_BLOCK):
                 start[ni], length[ni], seq[ni] = t + o, min(_QUERY_BLOCK, n - o), s
