@@ -32,6 +32,7 @@ from netra_jax.pooling import (
     pooling_spec,
 )
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.spec import SpeculativeConfig, speculative_config_from
 from netra_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,26 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format, task=config.task)
     if config.quantization:
         params = quantize_params(params, config.quantization)
-    engine = LLMEngine(config, cfg, params, tokenizer, pooling)
+    draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
+    engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
     if config.warmup:
         engine.warmup()
     return engine
+
+
+def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
+    """The draft model of method "draft_model" as (ModelConfig, params), after checking its tokenizer is the
+    target's; None for proposers without a model."""
+    spec = config.speculative
+    if spec.method != "draft_model":
+        return None
+    from netra_jax.spec.draft import check_same_tokenizer
+
+    path = resolve_model_path(spec.model)
+    load_config(path)
+    check_same_tokenizer(tokenizer, Tokenizer.load(path))
+    return load_model(path, config.dtype)
 
 
 class LLM:
@@ -91,7 +107,9 @@ class LLM:
     quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
     config.json, for benchmarks), task ("embed": an embedding model, used through `embed`, not `generate`),
     pooler_config (task "embed": a PoolerConfig, or a dict with pooling_type LAST | MEAN | CLS and normalize, over
-    the checkpoint's own pooling)."""
+    the checkpoint's own pooling), speculative_config (vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m} or {"model": draft_path, "num_speculative_tokens": k}; greedy
+    and seeded outputs are identical to decoding without it, see `netra_jax.spec`)."""
 
     def __init__(
         self,
@@ -117,6 +135,7 @@ class LLM:
         load_format: str = "auto",
         async_scheduling: bool = True,
         scheduling_policy: str = "fcfs",
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
@@ -146,6 +165,7 @@ class LLM:
             task=task,
             pooler_config=pooler_config_from(pooler_config),
             async_scheduling=async_scheduling,
+            speculative=speculative_config_from(speculative_config),
         )
         self.engine = build_engine(self.config)
         self._ids = itertools.count()

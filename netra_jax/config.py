@@ -8,7 +8,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from netra_jax.spec.config import SpeculativeConfig
 
 # HF `architectures` entry -> (our model family, variant flags)
 SUPPORTED_ARCHITECTURES = {
@@ -457,6 +460,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
     task: str = "generate"  # one of TASKS; "embed": no lm_head, pooled embeddings (netra_jax/engine/embedder.py)
     pooler_config: PoolerConfig | None = None  # task "embed": overrides of the checkpoint's pooling
+    speculative: SpeculativeConfig | None = None  # speculative decoding (netra_jax/spec); None: off
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -20,9 +20,11 @@ from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
+from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.ops import sampling
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.spec import SpecStats, accept, make_proposer
 from netra_jax.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -52,7 +54,14 @@ class LLMEngine:
     tokens from N's sampled ids on device. A request that N finished has its N+1 token discarded.
 
     Task "embed" (`config.task`): no generation (add_request refuses); `embed` pools prompts' final hidden states
-    as `pooling` says (default: vLLM's, last token normalized) through `embedder`, and the runner keeps 2 pages."""
+    as `pooling` says (default: vLLM's, last token normalized) through `embedder`, and the runner keeps 2 pages.
+
+    Speculative decoding (`config.speculative`): before each step a proposer suggests up to k next tokens for each
+    decoding request (`Request.spec_token_ids`); the step computes them like a short prefill chunk, samples every
+    one of their positions exactly as lone decode steps would (same seed stream, penalties and bias per position),
+    and keeps the proposals up to the first that differs from the target's token (see `spec.accept`). Steps do not
+    overlap then (the next step needs this one's accepted length). `draft_params`: the draft model's
+    (ModelConfig, params) for method "draft_model"."""
 
     def __init__(
         self,
@@ -61,6 +70,7 @@ class LLMEngine:
         params,
         tokenizer: Tokenizer,
         pooling: PoolingSpec | None = None,
+        draft_params: tuple[ModelConfig, object] | None = None,
     ):
         self.config = config
         self.model_config = model_cfg
@@ -72,7 +82,8 @@ class LLMEngine:
                 " tokens (max_position_embeddings, or YaRN's original context times its factor)"
             )
         self.max_model_len = config.max_model_len or model_cfg.max_context
-        self.overlap = config.async_scheduling
+        spec = self.spec_config = config.speculative if config.task == "generate" else None
+        self.overlap = config.async_scheduling and spec is None
         cache, sched = config.cache, config.scheduler
         kv_dtype = params["embed"].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
         page = cache.page_size
@@ -94,7 +105,20 @@ class LLMEngine:
             backend=config.resolved_backend(),
             tensor_parallel_size=config.tensor_parallel_size,
             overlap=self.overlap,
+            num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+            max_spec_seqs=spec.disable_by_batch_size if spec else None,
         )
+        self.proposer = self.spec_stats_ = None
+        if spec is not None:
+            self.proposer = make_proposer(
+                spec,
+                self.runner,
+                self.scheduler,
+                draft_params,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            )
+            self.spec_stats_ = SpecStats(spec.num_speculative_tokens)
         self.pooling = self.embedder = None
         if config.task == "embed":
             self.pooling = pooling or pooling_spec(None, model_cfg.hidden_size, config.pooler_config)
@@ -109,6 +133,7 @@ class LLMEngine:
         self.device_wait_s = 0.0  # time the host spent blocked on step results (the rest of a step is host work)
         self.num_requests = 0
         self.ready = False
+        self.step_trace = install_step_trace(self)  # opt-in per-step trace ($NETRA_STEP_TRACE); None: off
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -125,7 +150,9 @@ class LLMEngine:
         shapes = self.runner.all_shapes()
         for shape in shapes:
             self.runner.warmup_shape(shape)
-        sampling.warm_up(sorted({s.num_seqs for s in shapes}), self.vocab_size)
+        sampling.warm_up(sorted({s.num_rows for s in shapes}), self.vocab_size)
+        if self.proposer is not None:
+            self.proposer.warmup()
         self.ready = True
         return time.perf_counter() - t0
 
@@ -182,6 +209,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def spec_stats(self) -> dict | None:
+        """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
+        return None if self.spec_stats_ is None else self.spec_stats_.as_dict()
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of the requests that changed (new tokens or finished).
@@ -191,6 +222,8 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, None
         scheduled = [] if prev is None else [prev.sched]
         try:
+            if self.proposer is not None:
+                self._propose()
             sched = self.scheduler.schedule()
             scheduled.append(sched)
             if not self.overlap:
@@ -210,12 +243,36 @@ class LLMEngine:
                 self.scheduler.cancel(out)
             raise
 
+    def _propose(self) -> None:
+        """Give each decoding request (its next step computes only its last token) up to k proposed tokens, within
+        its length limit. Requests with a grammar are not speculated; nothing is proposed while more than
+        disable_by_batch_size requests run."""
+        spec, sched = self.spec_config, self.scheduler
+        running = sched.running
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        chosen, limits = [], []
+        for req in running[: self.runner.max_spec_seqs]:
+            if req.num_scheduled_end != req.num_tokens - 1 or req.num_placeholders:
+                continue
+            entry = self._state_of(req)
+            if entry is None or entry[1].grammar is not None:
+                continue
+            room = min(req.max_total_tokens or self.max_model_len, self.max_model_len) - req.num_tokens - 1
+            if room > 0:
+                chosen.append(req)
+                limits.append(min(room, spec.num_speculative_tokens))
+        for req, proposal in zip(chosen, self.proposer.propose(chosen, limits), strict=True):
+            req.spec_token_ids = proposal
+
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
         """Pack and dispatch the forward; placeholder tokens come from `prev`'s sampled ids on device."""
         if prev is None:
             run = self.runner.run(sched)
         else:
             run = self.runner.run(sched, prev.next_ids, prev.row_of)
+        if self.proposer is not None:
+            self.proposer.observe(run)
         return _Step(sched, run)
 
     def _sample(self, step: _Step) -> None:
@@ -224,8 +281,12 @@ class LLMEngine:
         rows: list[sampling.RowSampling | None] = []
         for s in step.sched.scheduled:  # None: no token to draw (mid-prefill, or finished since it was scheduled)
             entry = self._state_of(s.request) if s.sample and not s.request.is_finished else None
-            rows.append(None if entry is None else self._row(entry[1]))
-        batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_seqs, self.vocab_size)
+            drafts = s.spec_token_ids
+            if entry is None:
+                rows.extend([None] * (len(drafts) + 1))
+            else:
+                rows.extend(self._row(entry[1], drafts[:j]) for j in range(len(drafts) + 1))
+        batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_rows, self.vocab_size)
         out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, *(step.run.prompt_logprobs or ())):
             if a is not None:
@@ -233,13 +294,17 @@ class LLMEngine:
         step.rows, step.batch, step.sampled = rows, batch, out
         if self.overlap:
             step.next_ids = self.runner.widen(out.token_ids)
-            step.row_of = {s.request_id: i for i, s in enumerate(step.sched.scheduled) if s.sample}
+            row_start = step.run.batch.row_start
+            step.row_of = {s.request_id: row_start[i] for i, s in enumerate(step.sched.scheduled) if s.sample}
 
-    def _row(self, sample: SampleState) -> sampling.RowSampling:
+    def _row(self, sample: SampleState, drafts: list[int] = ()) -> sampling.RowSampling:
+        """The sampling row of the request's next token, or (speculative) of the token after proposals `drafts`:
+        the draws, bias and penalties that token would get in a lone decode step after those tokens."""
         req = sample.request
         sp = req.sampling_params
+        num_output = req.num_output_tokens + len(drafts)
         bias = dict(sp.logit_bias) if sp.logit_bias else None
-        if req.num_output_tokens < sp.min_tokens:  # EOS and stop tokens may not end it yet
+        if num_output < sp.min_tokens:  # EOS and stop tokens may not end it yet
             bias = bias or {}
             for t in (*req.eos_token_ids, *sp.stop_token_ids):
                 bias[t] = float("-inf")
@@ -253,11 +318,12 @@ class LLMEngine:
             frequency_penalty=sp.frequency_penalty,
             logit_bias=bias,
             seed=sp.seed,
-            step=req.num_output_tokens,
+            step=num_output,
             num_logprobs=sp.logprobs,
         )
         if row.uses_penalties:
-            row.prompt_ids, row.output_ids = req.prompt_token_ids, req.output_token_ids
+            row.prompt_ids = req.prompt_token_ids
+            row.output_ids = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
         if sample.grammar is not None:
             row.allowed = sample.grammar.mask()
         return row
@@ -274,21 +340,38 @@ class LLMEngine:
             if so.logprobs is None
             else (np.asarray(so.logprobs), np.asarray(so.top_ids), np.asarray(so.top_logprobs))
         )
-        sampled = {s.request_id: [int(ids[i])] for i, s in enumerate(sched.scheduled) if step.rows[i] is not None}
+        row_start = step.run.batch.row_start
+        sampled = {}
+        for i, s in enumerate(sched.scheduled):
+            r = row_start[i]
+            if step.rows[r] is None:
+                continue
+            drafts = s.spec_token_ids
+            if drafts:
+                sampled[s.request_id] = accept(drafts, ids[r : r + len(drafts) + 1])
+                self.spec_stats_.record(len(drafts), len(sampled[s.request_id]) - 1)
+            else:
+                sampled[s.request_id] = [int(ids[r])]
         self._record_prompt_logprobs(step)
         self.scheduler.update_from_output(sched, sampled)
         changed: dict[str, RequestState] = {}
-        for i, s in enumerate(sched.scheduled):  # first every sample's token, then one output per request
+        for i, s in enumerate(sched.scheduled):  # first every sample's tokens, then one output per request
             entry = self._state_of(s.request)
-            if step.rows[i] is None or entry is None:
+            r = row_start[i]
+            if step.rows[r] is None or entry is None:
                 continue
             state, sample = entry
-            if s.request.num_output_tokens == sample.tokens_emitted:  # skipped (finished or aborted meanwhile)
-                continue
-            k = int(step.batch.num_logprobs[i])
-            row_lps = None if lps is None or k < 0 else (lps[0][i], lps[1][i], lps[2][i], k)
-            self.outputs.append_token(sample, int(ids[i]), row_lps)
-            changed[state.request_id] = state
+            req = s.request
+            new = req.num_output_tokens - sample.tokens_emitted  # 0: skipped (finished or aborted meanwhile)
+            for j, token in enumerate(req.output_token_ids[req.num_output_tokens - new :]):
+                k = int(step.batch.num_logprobs[r + j])
+                row_lps = None if lps is None or k < 0 else (lps[0][r + j], lps[1][r + j], lps[2][r + j], k)
+                if self.outputs.append_token(sample, token, row_lps, last=j == new - 1) and j < new - 1:
+                    req.truncate_output(req.num_output_tokens - new + j + 1)  # a stop string ended it here
+                    sample.tokens_emitted = req.num_output_tokens
+                    break
+            if new:
+                changed[state.request_id] = state
         outputs = []
         for state in changed.values():
             out = self.outputs.output(state)

@@ -43,26 +43,32 @@ class OutputProcessor:
         k = state.params.prompt_logprobs or 0
         state.prompt_logprobs[position + 1] = self._logprob_entry(token, lp, int(rank), top_ids, top_lps, k)
 
-    def append_token(self, sample: SampleState, token: int, logprobs: tuple | None) -> None:
+    def append_token(self, sample: SampleState, token: int, logprobs: tuple | None, last: bool = True) -> bool:
         """A token the scheduler appended to `sample`: advance its grammar, detokenize it, record its logprobs
-        (logprobs: (lp, top ids [K], top logprobs [K], k) when the request asked) and apply stop strings."""
+        (logprobs: (lp, top ids [K], top logprobs [K], k) when the request asked) and apply stop strings.
+        `last`: the newest of the tokens the scheduler appended this step (a verified proposal appends several; only
+        the newest can be the one that ended the request). Returns True when a stop string or the grammar ended the
+        request at this token (the caller drops any later tokens of the step)."""
         req = sample.request
         sp = req.sampling_params
+        finished_before = req.is_finished  # by the scheduler, at the newest token
         if sample.grammar is not None:
             self._advance_grammar(sample, token)
+        ended_here = req.is_finished and not finished_before
         sample.tokens_emitted = req.num_output_tokens
-        stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output
+        stopped_by_token = last and req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output
         hide = stopped_by_token and (token in req.eos_token_ids or token in sp.stop_token_ids)
         new_text = "" if hide else sample.detok.push([token])  # the ending EOS / stop token is not text (vLLM)
-        if req.is_finished:
+        if req.is_finished and (last or ended_here):
             new_text += sample.detok.flush()
         if logprobs is not None and sample.logprobs is not None:
             lp, top_ids, top_lps, k = logprobs
             sample.logprobs.append(self._logprob_entry(token, lp, None, top_ids, top_lps, k))
             sample.cumulative_logprob += float(lp)
         sample.text += new_text
-        if sp.stop:
-            self._check_stop_strings(sample, len(new_text), already_finished=req.is_finished)
+        if sp.stop and self._check_stop_strings(sample, len(new_text), already_finished=req.is_finished):
+            return True
+        return ended_here
 
     def _advance_grammar(self, sample: SampleState, token: int) -> None:
         """Feed the sampled token to the sample's grammar; finish the request with "stop" once the grammar is
@@ -78,10 +84,11 @@ class OutputProcessor:
         elif sample.grammar.done:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _check_stop_strings(self, sample: SampleState, n_new: int, already_finished: bool) -> None:
+    def _check_stop_strings(self, sample: SampleState, n_new: int, already_finished: bool) -> bool:
+        """Cut the text at the first stop string in its new part and finish the request; True if one matched."""
         sp = sample.request.sampling_params
         if n_new == 0:
-            return
+            return False
         longest = max(len(s) for s in sp.stop)
         start = max(0, len(sample.text) - n_new - longest + 1)
         best = None
@@ -90,7 +97,7 @@ class OutputProcessor:
             if j >= 0 and (best is None or j < best[0]):
                 best = (j, s)
         if best is None:
-            return
+            return False
         j, s = best
         sample.text = sample.text[: j + len(s)] if sp.include_stop_str_in_output else sample.text[:j]
         req = sample.request
@@ -98,6 +105,7 @@ class OutputProcessor:
             req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED_STOPPED, "stop", s
         else:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, s)
+        return True
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's RequestOutput now: every sample's text so far (a possible partial stop string held back

@@ -123,6 +123,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV a finished step has written
         self.num_inflight_tokens = 0  # tokens scheduled in steps whose results the scheduler has not seen yet
         self.num_placeholders = 0  # sampled tokens of those steps: counted in the sequence, not yet known
+        self.spec_token_ids: list[int] = []  # proposed next tokens (speculative decoding), verified when scheduled
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # memo of the chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
@@ -185,6 +186,14 @@ class Request:
             raise ValueError(f"sampled token for request {self.request_id!r} is negative: {t}")
         self.output_token_ids.append(t)
         self._all_token_ids.append(t)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a finished request whose step appended several
+        verified tokens, when a stop string ended it at an earlier one)."""
+        if not self.is_finished:
+            raise ValueError(f"request {self.request_id!r}: only a finished request's output can be cut")
+        del self.output_token_ids[num_output_tokens:]
+        del self._all_token_ids[self.num_prompt_tokens + num_output_tokens :]
 
     def __repr__(self) -> str:
         return (

@@ -48,8 +48,8 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
 
 def _step(params, kv, packed, prev_ids=None, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):
     """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
-    into placeholder slots (None: every token is known). Returns (logits [S, vocab] float32, kv, prompt logprobs
-    of the P prompt rows or None)."""
+    into placeholder slots (None: every token is known). Returns (logits [R, vocab] float32 of the sampled rows, kv,
+    prompt logprobs of the P prompt rows or None)."""
     x = unpack(packed, shape)
     tokens = x.tokens  # [T]
     if prev_ids is not None:
@@ -58,8 +58,8 @@ def _step(params, kv, packed, prev_ids=None, *, cfg: ModelConfig, shape: BatchSh
     logits, kv = forward(params, cfg, tokens, x.positions, kv, x.md, rows, backend=backend, mesh=mesh)
     if not shape.prompt_rows:
         return logits, kv, None
-    s = shape.num_seqs
-    return logits[:s], kv, _prompt_logprobs(logits[s:], x.prompt_target)
+    r = shape.num_rows
+    return logits[:r], kv, _prompt_logprobs(logits[r:], x.prompt_target)
 
 
 def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
@@ -119,7 +119,7 @@ def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int
 class StepResult:
     """A dispatched step: device arrays (not waited for) and the host-side pack they came from."""
 
-    logits: jax.Array  # [S, vocab] float32, the sampled rows
+    logits: jax.Array  # [R, vocab] float32, the sampled rows
     prompt_logprobs: tuple[jax.Array, ...] | None  # see _prompt_logprobs; None unless the shape has prompt rows
     batch: PackedBatch
 
@@ -129,7 +129,10 @@ class ModelRunner:
 
     tensor_parallel_size > 1: parameters and KV heads are split over a ("tp",) mesh of the first N devices (see
     `netra_jax.parallel`); the step's logits come back gathered on device 0, where the sampler runs.
-    overlap: steps take the previous step's sampled ids on device (see `run`); every step is compiled that way."""
+    overlap: steps take the previous step's sampled ids on device (see `run`); every step is compiled that way.
+    num_spec_tokens k > 0 (speculative decoding): every variant returns min(T, S + min(S, max_spec_seqs) * k) logit
+    rows, enough for up to max_spec_seqs sequences to verify k proposed tokens each, so no proposal length or
+    acceptance pattern needs its own compile."""
 
     def __init__(
         self,
@@ -145,7 +148,13 @@ class ModelRunner:
         backend: str = "reference",
         tensor_parallel_size: int = 1,
         overlap: bool = False,
+        num_spec_tokens: int = 0,
+        max_spec_seqs: int | None = None,
     ):
+        if overlap and num_spec_tokens:
+            raise ValueError(
+                "overlapped steps cannot verify proposals (the next step needs this one's accepted length)"
+            )
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         if self.mesh is not None:  # a no-op for parameters the loader already placed on this mesh
             params = parallel.shard_params(params, cfg, self.mesh)
@@ -161,6 +170,8 @@ class ModelRunner:
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap
+        self.num_spec_tokens = num_spec_tokens
+        self.max_spec_seqs = max_num_seqs if max_spec_seqs is None else max_spec_seqs
         kv_sharding = None if self.mesh is None else parallel.kv_sharding(self.mesh)
         self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
         self.pad_slot = num_pages * page_size  # out of range: dropped by the KV write
@@ -188,7 +199,9 @@ class ModelRunner:
         if T is None:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
         rows = min(T, PROMPT_LOGPROB_ROWS) if prompt_logprobs else 0
-        return BatchShape(T, min(T, self.max_seqs_bucket), self.max_pages, rows)
+        S = min(T, self.max_seqs_bucket)
+        R = min(T, S + min(S, self.max_spec_seqs) * self.num_spec_tokens) if self.num_spec_tokens else 0
+        return BatchShape(T, S, self.max_pages, rows, R)
 
     def all_shapes(self) -> list[BatchShape]:
         """Every step variant the engine can run (each bucket, and the prompt-logprob buckets with their rows)."""
@@ -254,6 +267,6 @@ class ModelRunner:
         of its sampled ids when steps overlap."""
         logits, plp = self._dispatch(empty_batch(shape, self.pad_slot), shape, None)
         if self.overlap:
-            ids = jax.device_put(np.zeros(shape.num_seqs, np.int32), jax.devices()[0])  # as the sampler returns
+            ids = jax.device_put(np.zeros(shape.num_rows, np.int32), jax.devices()[0])  # as the sampler returns
             jax.block_until_ready(self.widen(ids))
         jax.block_until_ready((logits, plp))

@@ -23,7 +23,8 @@ class ScheduledRequest:
     """Compute `request.all_token_ids[start:start + num_new_tokens]` at positions start.. into `block_ids` (the
     whole block table); `sample` is True when this reaches the end of the sequence, so a next token is drawn.
     With overlapped steps the last of these tokens may be a placeholder, sampled by the step still in flight
-    (`token_ids` is then one shorter than num_new_tokens). `epoch`: the request's preemption count when scheduled."""
+    (`token_ids` is then one shorter than num_new_tokens). `epoch`: the request's preemption count when scheduled.
+    `spec_token_ids`: proposed tokens (speculative decoding) that end the chunk, verified by this step."""
 
     request: Request
     num_new_tokens: int
@@ -31,6 +32,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     epoch: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -38,7 +40,8 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        known = self.request.all_token_ids[self.start : self.start + self.num_new_tokens - len(self.spec_token_ids)]
+        return known + self.spec_token_ids if self.spec_token_ids else known
 
 
 @dataclass

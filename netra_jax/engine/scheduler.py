@@ -61,6 +61,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in service order (a copy)."""
+        return list(self._running)
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
@@ -155,11 +160,13 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
-        """New tokens to give `req` from `start`: up to the end of its sequence (placeholders included) within the
-        token budget, and within the step's prompt-logprob rows. 0 when the pending token will end it by length."""
+        """New tokens to give `req` from `start`: up to the end of its sequence (placeholders included) and its
+        proposed tokens, within the token budget (which may cut proposals short), and within the step's
+        prompt-logprob rows. 0 when the pending token will end it by length."""
         end = req.num_tokens + req.num_placeholders
         if req.num_placeholders and end >= min(req.max_total_tokens or self.max_model_len, self.max_model_len):
             return 0
+        end += len(req.spec_token_ids)
         n = min(end - start, budget)
         if len(prompt_logprob_rows(req, start, n)) > self._prompt_rows_left:
             n = self._prompt_rows_left
@@ -264,30 +271,48 @@ class Scheduler:
                 pending.update(hashes[lo:hi])
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        """Schedule n tokens of `req` and count them in flight (the sampled one as a placeholder)."""
+        """Schedule n tokens of `req` and count them in flight (the sampled one as a placeholder). Tokens past the
+        end of its sequence are its proposed tokens (as many as fit); the proposal is used up either way."""
         start = req.num_scheduled_end
-        sample = start + n == req.num_tokens + req.num_placeholders
+        end = req.num_tokens + req.num_placeholders
+        sample = start + n >= end
+        spec = req.spec_token_ids[: max(0, start + n - end)]
+        req.spec_token_ids = []
         self._prompt_rows_left -= len(prompt_logprob_rows(req, start, n))
         req.num_inflight_tokens += n
         req.num_placeholders += sample
-        return ScheduledRequest(req, n, start, list(req.block_ids), sample, req.num_preemptions)
+        return ScheduledRequest(req, n, start, list(req.block_ids), sample, req.num_preemptions, spec)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_inflight_tokens = 0  # that work is lost; a placeholder still in flight is appended when known
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.prepend([req])
+
+    def reserve_slots(self, req: Request, num_tokens: int) -> bool:
+        """Extend running `req`'s block table to cover `num_tokens` tokens (lookahead slots a draft model writes
+        before the step that verifies its proposal); False, allocating nothing, when the pool is short of blocks."""
+        need = self.pool.blocks_needed(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free_blocks:
+            return False
+        req.block_ids.extend(self.pool.allocate(need))
+        return True
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the requests of `out` by what was computed, append sampled tokens to those that sampled, apply
         token-level stop conditions and free finished requests. Returns the requests finished by this update.
         Results of requests finished since `out` was scheduled are dropped; a request preempted since keeps its
-        sampled token (drawn from a complete forward) but not the KV progress."""
+        sampled token (drawn from a complete forward) but not the KV progress. A request that verified proposed
+        tokens gets its accepted tokens (`sampled[id]`: the accepted drafts, then the target's own token); the KV
+        slots of rejected proposals are rolled back by counting them out of num_computed_tokens."""
         live = [s for s in out.scheduled if self._requests.get(s.request_id) is s.request]
         for s in live:
             if s.sample and s.request_id not in sampled:
@@ -297,17 +322,25 @@ class Scheduler:
         pool = self.pool
         for s in live:
             req = s.request
+            tokens = sampled.get(req.request_id) if s.sample else None
             if s.epoch == req.num_preemptions:
                 req.num_inflight_tokens -= s.num_new_tokens
-                req.num_computed_tokens += s.num_new_tokens
+                computed = s.num_new_tokens
+                known = req.all_token_ids
+                if s.spec_token_ids:  # accepted drafts are the first len(tokens) - 1 of them
+                    accepted = len(tokens) - 1
+                    if not 0 <= accepted <= len(s.spec_token_ids):
+                        raise ValueError(f"request {s.request_id!r}: {len(tokens)} tokens for its proposal")
+                    computed -= len(s.spec_token_ids) - accepted
+                    known = known + list(tokens[:accepted])
+                req.num_computed_tokens += computed
                 if pool.enable_prefix_caching:
                     pool.cache_full_blocks(
-                        req.all_token_ids, req.block_ids, req.num_computed_tokens, req.cache_key, req.block_hashes
+                        known, req.block_ids, req.num_computed_tokens, req.cache_key, req.block_hashes
                     )
             if not s.sample:
                 continue
             req.num_placeholders -= 1
-            tokens = sampled[req.request_id]
             for t in [tokens] if isinstance(tokens, int) else tokens:
                 req.append_output(t)
                 if req.first_token_time is None:

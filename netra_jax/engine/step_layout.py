@@ -28,9 +28,15 @@ class BatchShape:
     """Static shape of one compiled step variant."""
 
     num_tokens: int  # T
-    num_seqs: int  # S (logit rows sampled)
+    num_seqs: int  # S
     max_pages: int  # W (block-table width)
     prompt_rows: int = 0  # P: prompt positions whose logprobs this variant computes (0: none)
+    logit_rows: int = 0  # R: logit rows sampled; 0 = one per sequence (S). Speculative variants sample more
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows the step returns and the sampler draws from: S, or the speculative variant's R."""
+        return self.logit_rows or self.num_seqs
 
     @property
     def num_items(self) -> int:
@@ -54,6 +60,7 @@ class StepLayout:
     @functools.cache
     def of(shape: BatchShape) -> StepLayout:
         T, S, W, N, P = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.num_items, shape.prompt_rows
+        R = shape.num_rows
         return StepLayout(
             (
                 ("tokens", T),  # token ids (a placeholder's slot holds 0 and is filled on device)
@@ -62,7 +69,7 @@ class StepLayout:
                 ("prev_rows", T),  # row of the previous step's sampled ids that is this token, -1: token known
                 ("query_start_loc", S + 1),
                 ("seq_lens", S),
-                ("logits_idx", S),  # last token of each sequence (the sampled row)
+                ("logits_idx", R),  # sampled rows: each sequence's last token (and its proposed tokens' inputs)
                 ("block_tables", S * W),
                 ("work_tokens", T),  # attention work lists (see ops.attention.build_work)
                 ("work_num_tokens", 1),
@@ -100,7 +107,7 @@ class StepInputs(NamedTuple):
     positions: object  # [T] int32
     prev_rows: object  # [T] int32
     md: AttentionMetadata
-    logits_idx: object  # [S] int32
+    logits_idx: object  # [R] int32
     prompt_idx: object  # [P] int32
     prompt_target: object  # [P] int32
 
@@ -134,6 +141,7 @@ class PackedBatch:
     num_seqs: int  # real sequences
     num_tokens: int  # real tokens
     prompt_rows: list[tuple[int, int]]  # per prompt-logprob row: (index in scheduled, position in the prompt)
+    row_start: list[int]  # per scheduled request: its first sampled row (then one more per proposed token)
 
 
 def empty_batch(shape: BatchShape, pad_slot: int) -> np.ndarray:
@@ -141,14 +149,17 @@ def empty_batch(shape: BatchShape, pad_slot: int) -> np.ndarray:
     return layout_buffer(shape, [], pad_slot)[0]
 
 
-def layout_buffer(shape: BatchShape, q_lens: list[int], pad_slot: int) -> tuple[np.ndarray, StepLayout]:
+def layout_buffer(
+    shape: BatchShape, q_lens: list[int], pad_slot: int, per_token: list[bool] | None = None
+) -> tuple[np.ndarray, StepLayout]:
     """A packed array for sequences of `q_lens` new tokens with everything but their tokens filled in: padding
-    slots, no placeholders, the attention work lists. The caller writes tokens, positions, slots and the tables."""
+    slots, no placeholders, the attention work lists (`per_token`: see build_work). The caller writes tokens,
+    positions, slots and the tables."""
     lay = shape.layout
     buf = np.zeros(lay.size, np.int32)
     lay.view(buf, "slots")[:] = pad_slot
     lay.view(buf, "prev_rows")[:] = -1
-    tokens, nt, start, length, seq, ni = build_work(q_lens, shape.num_tokens, shape.num_seqs)
+    tokens, nt, start, length, seq, ni = build_work(q_lens, shape.num_tokens, shape.num_seqs, per_token)
     for name, value in (
         ("work_tokens", tokens),
         ("work_num_tokens", nt),
@@ -175,14 +186,18 @@ def pack_batch(
 ) -> PackedBatch:
     """Lay the scheduled requests out as one flat token batch in a single int32 array (one host->device copy).
     A chunk's last token may still be a placeholder (sampled by the previous step, not yet on the host): its slot
-    names that step's row in `prev_rows` (request id -> row) and the step gathers the token on device."""
-    buf, lay = layout_buffer(shape, [sr.num_new_tokens for sr in out.scheduled], pad_slot)
+    names that step's row in `prev_rows` (request id -> row) and the step gathers the token on device.
+    A chunk ending in k proposed tokens samples k + 1 rows (its last known token's and each proposal's), and its
+    tokens take the per-token attention path, so each verified token is computed exactly as a lone decode."""
+    spec = [bool(sr.spec_token_ids) for sr in out.scheduled]
+    buf, lay = layout_buffer(shape, [sr.num_new_tokens for sr in out.scheduled], pad_slot, spec if any(spec) else None)
     tok, pos, slot, prev = (lay.view(buf, k) for k in ("tokens", "positions", "slots", "prev_rows"))
     qsl, seq_lens, lidx = (lay.view(buf, k) for k in ("query_start_loc", "seq_lens", "logits_idx"))
     bt = lay.view(buf, "block_tables").reshape(shape.num_seqs, shape.max_pages)
     p_idx, p_target = lay.view(buf, "prompt_idx"), lay.view(buf, "prompt_target")
     prompt_rows: list[tuple[int, int]] = []
-    t = 0
+    row_start: list[int] = []
+    t = r = 0
     for s, sr in enumerate(out.scheduled):
         n, start = sr.num_new_tokens, sr.start
         known = sr.token_ids
@@ -206,7 +221,12 @@ def pack_batch(
             prompt_rows.append((s, q))
         t += n
         qsl[s + 1] = t
-        lidx[s] = t - 1
+        k = len(sr.spec_token_ids) + 1  # sampled rows of this request: the inputs of its last k tokens
+        if r + k > shape.num_rows:
+            raise ValueError(f"more sampled rows than the step's {shape.num_rows}")
+        row_start.append(r)
+        lidx[r : r + k] = np.arange(t - k, t, dtype=np.int32)
+        r += k
     ns = len(out.scheduled)
     qsl[ns + 1 :] = t
-    return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t, prompt_rows=prompt_rows)
+    return PackedBatch(shape=shape, host=buf, num_seqs=ns, num_tokens=t, prompt_rows=prompt_rows, row_start=row_start)
