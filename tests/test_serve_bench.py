@@ -4,6 +4,7 @@ fixed schedule (TTFT, then one token per ITL): the measured metrics must match t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -101,9 +102,9 @@ class Fake:
         )
 
 
-@pytest.fixture(scope="module")
-def fake():
-    f = Fake()
+@contextlib.contextmanager
+def serving(f: Fake):
+    """Serve `f` on a free loopback port in a thread; `f.url` is its root while the block runs."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(f.app(), log_level="warning", lifespan="off"))
@@ -112,9 +113,17 @@ def fake():
     while not server.started:
         time.sleep(0.01)
     f.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield f
-    server.should_exit = True
-    thread.join(5)
+    try:
+        yield f
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with serving(Fake()) as f:
+        yield f
 
 
 @pytest.fixture

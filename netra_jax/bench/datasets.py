@@ -141,7 +141,10 @@ async def build(args, maker: TextMaker, num: int, seed: int) -> list[Item]:
     """`num` requests of the chosen dataset (shared-prefix: ceil(num / turns) conversations, num turns in all)."""
     rng = random.Random(seed)
     if args.dataset == "jsonl":
-        return load_jsonl(args.dataset_path, num, args.output_len)
+        items = load_jsonl(args.dataset_path, num, args.output_len)
+        if args.endpoint != "chat" and any(i.messages is not None for i in items):
+            raise SystemExit(f"{args.dataset_path}: lines of 'messages' need --endpoint chat")
+        return items
     in_len, out_len = args.input_len, args.output_len
     if args.dataset == "long":
         in_len = in_len if args.input_len_given else LONG_PRESET["input_len"]
@@ -169,7 +172,8 @@ async def _shared_prefix(args, maker: TextMaker, num: int, rng, in_len: int, out
 
 
 def load_jsonl(path: str | Path, num: int, default_out: int) -> list[Item]:
-    """Lines of {"prompt": str} or {"messages": [...]}, optionally with "max_tokens"; cycled to `num` items."""
+    """Lines of {"prompt": str} or {"messages": [...]}, optionally with "max_tokens" (other keys, such as a task
+    name, are ignored); cycled to `num` items."""
     if not path:
         raise SystemExit("--dataset jsonl needs --dataset-path")
     items = []

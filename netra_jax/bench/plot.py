@@ -67,8 +67,10 @@ def plot(results: list[dict], labels: list[str], out: str | Path) -> Path:
 
 
 def markdown_table(results: list[dict], labels: list[str]) -> str:
-    """One row per swept point and result file (grouped by point): output tok/s, median TTFT and TPOT, failures."""
+    """One row per swept point and result file (grouped by point): output tok/s, median TTFT and TPOT, failures; and
+    the draft acceptance rate and mean acceptance length when any pass has speculative decoding counts."""
     num = lambda v, f: "-" if v is None else format(v, f)
+    spec = any(r.get("spec_decode") for res in results for r in res.get("runs", []))
     rows = []
     for i, (res, label) in enumerate(zip(results, labels, strict=True)):
         for j, r in enumerate(res.get("runs", [])):
@@ -81,10 +83,14 @@ def markdown_table(results: list[dict], labels: list[str]) -> str:
                 num(r.get("output_throughput"), ".1f"),
                 num(r.get("median_ttft_ms"), ".1f"),
                 num(r.get("median_tpot_ms"), ".2f"),
-                str(r.get("failed", 0)),
             ]
-            rows.append((key, cells))
-    head = ["max concurrency", "request rate", "engine", "output tok/s", "median TTFT ms", "median TPOT ms", "failed"]
-    lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+            if spec:
+                sd = r.get("spec_decode") or {}
+                cells += [num(sd.get("acceptance_rate"), ".1%"), num(sd.get("mean_acceptance_length"), ".2f")]
+            rows.append((key, [*cells, str(r.get("failed", 0))]))
+    head = ["max concurrency", "request rate", "engine", "output tok/s", "median TTFT ms", "median TPOT ms"]
+    head += ["draft acceptance", "mean acceptance length"] if spec else []
+    head.append("failed")
+    lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- |" + " ---: |" * (len(head) - 3)]
     lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(rows, key=lambda kv: kv[0])]
     return "\n".join(lines) + "\n"

@@ -10,17 +10,17 @@ serve` itself on a free port, waits for /ready, runs the sweep and stops it (net
 Metrics follow vLLM's definitions: TTFT is the time to the first chunk carrying text, ITL the gaps between later such
 chunks, TPOT (e2e - ttft) / (output_tokens - 1) for requests with more than one token, E2E the time to the last text
 chunk; output tokens come from the final usage chunk (`stream_options.include_usage`) or else the text-chunk count.
-A sweep's passes each get a fresh random set (seed + pass index) so one pass cannot hit another's prefix cache.
+A sweep's passes each get a fresh random set (seed + pass index) so one pass cannot hit another's prefix cache (a
+JSONL set is the same in every pass). Every result records the machine (netra_jax.bench.machine) and, when the
+server counts speculative decoding in its /metrics, each pass's draft acceptance (netra_jax.bench.spec_metrics).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -32,6 +32,9 @@ import numpy as np
 
 from netra_jax.bench import datasets as bd
 from netra_jax.bench import plot as bench_plot
+from netra_jax.bench import spec_metrics
+from netra_jax.bench.machine import machine_info
+from netra_jax.bench.options import parse_args, prompts_per_pass, run_config
 
 
 def default_result_dir() -> Path:
@@ -261,50 +264,29 @@ async def run(args) -> dict:
         if args.warmup:
             await bench.warmup(await bd.build(args, maker, args.warmup, args.seed - 1))
         runs = []
+        first = before = await spec_metrics.read(client, args.base_url, headers)  # after the warm-up
         for rate in args.request_rate:
             for conc, n in zip(args.max_concurrency, prompts_per_pass(args), strict=True):
                 items = await bd.build(args, maker, n, args.seed + len(runs))
                 m = await bench.run_pass(items, conc, rate, args.seed + len(runs))
+                after = await spec_metrics.read(client, args.base_url, headers)
+                if (spec := spec_metrics.delta(after, before)) is not None:
+                    m["spec_decode"] = spec
+                before = after
                 runs.append(m)
                 print_pass(m, args.percentiles)
     config = run_config(args) | {"model": model, "text_source": source if args.dataset != "jsonl" else "jsonl"}
     label = args.label[0] if args.label else _slug(f"{model}-{args.dataset}")
-    return {
+    res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "label": label,
+        "machine": machine_info(),
         "config": config,
         "runs": runs,
     }
-
-
-def prompts_per_pass(args) -> list[int]:
-    """--num-prompts for each --max-concurrency value: one number for all, or a list of the same length."""
-    n = args.num_prompts
-    if len(n) == 1:
-        return n * len(args.max_concurrency)
-    if len(n) != len(args.max_concurrency):
-        raise SystemExit(f"--num-prompts has {len(n)} values for {len(args.max_concurrency)} --max-concurrency values")
-    return n
-
-
-def run_config(args) -> dict:
-    """The options that shape a run, as strict JSON (an infinite rate is the string "inf")."""
-    skip = (
-        "api_key",
-        "plot",
-        "table",
-        "label",
-        "result_dir",
-        "no_plot",
-        "disable_tqdm",
-        "input_len_given",
-        "output_len_given",
-        "server_log",
-        "launch_timeout",
-    )
-    config = {k: v for k, v in vars(args).items() if k not in skip}
-    config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
-    return config
+    if (spec := spec_metrics.delta(before, first)) is not None:  # the whole sweep, warm-up left out
+        res["spec_decode"] = spec
+    return res
 
 
 def print_pass(m: dict, percentiles: list[float]) -> None:
@@ -321,83 +303,14 @@ def print_pass(m: dict, percentiles: list[float]) -> None:
     for name in ("ttft", "tpot", "itl", "e2el"):
         ps = "  ".join(f"p{p:g} {ms(m[f'p{p:g}_{name}_ms'])}" for p in percentiles)
         print(f"{name.upper():>5} ms: mean {ms(m[f'mean_{name}_ms'])}  median {ms(m[f'median_{name}_ms'])}  {ps}")
+    if (spec := m.get("spec_decode")) and spec["num_drafts"]:
+        print(
+            f"speculation: {spec['num_drafts']} drafts, {spec['num_accepted_tokens']}/{spec['num_draft_tokens']} "
+            f"draft tokens accepted ({spec['acceptance_rate']:.1%}), mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}"
+        )
     for e in m["errors"]:
         print(f"  error: {e}")
-
-
-def _numbers(kind):
-    def parse(s: str) -> list:
-        out = []
-        for p in s.split(","):
-            p = p.strip().lower()
-            out.append(None if kind is int and p in ("0", "none", "all") else kind("inf" if p == "inf" else p))
-        return out
-
-    return parse
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="netra-jax bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is dropped)")
-    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument(
-        "--max-concurrency",
-        type=_numbers(int),
-        default=[None],
-        help="comma list, one pass each: requests in flight at most (0/all: no cap)",
-    )
-    p.add_argument(
-        "--request-rate",
-        type=_numbers(float),
-        default=[math.inf],
-        help="comma list of arrival rates in req/s (Poisson); inf: all at once",
-    )
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    p.add_argument("--num-prompts", type=_numbers(int), default=[100], help="requests per pass, or one per concurrency")
-    p.add_argument("--dataset", choices=bd.DATASETS, default="random")
-    p.add_argument("--dataset-path", help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens')")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (random 1024, long 4000)")
-    p.add_argument("--output-len", type=int, default=None, help="max_tokens (random 128, long 128)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
-    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: user turns per conversation")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="send ignore_eos: true (netra-jax, vLLM, llama-server): outputs of max_tokens",
-    )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the statistics")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
-    p.add_argument(
-        "--launch", action="store_true", help="start `netra-jax serve` on a free port, run against it, then stop it"
-    )
-    p.add_argument(
-        "--server-args",
-        default="",
-        metavar="'ARGS'",
-        help="with --launch: model and flags of `netra-jax serve`, one string",
-    )
-    p.add_argument("--launch-timeout", type=float, default=1800.0, help="with --launch: seconds to wait for /ready")
-    p.add_argument("--server-log", default=None, help="with --launch: server output file (default: a temp file)")
-    p.add_argument("--result-dir", default=None, help="default: ./benchmarks/results if there, else ./bench-results")
-    p.add_argument("--label", nargs="+", default=None, help="result name; with --plot one per file")
-    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
-    p.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files, one line each")
-    p.add_argument("--table", metavar="MD", help="with --plot: also write a markdown table of them to this file")
-    p.add_argument("--disable-tqdm", action="store_true")
-    a = p.parse_args(argv)
-    a.base_url = re.sub(r"/v1/?$", "", a.base_url.rstrip("/"))
-    a.input_len_given, a.output_len_given = a.input_len is not None, a.output_len is not None
-    a.input_len = 1024 if a.input_len is None else a.input_len
-    a.output_len = 128 if a.output_len is None else a.output_len
-    return a
 
 
 def _slug(s: str) -> str:
