@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint format run serve chat bench bench-serve bench-offline clean
+.PHONY: setup test test-fast lint format run serve chat bench bench-serve bench-offline bench-spec clean
 
 setup: $(STAMP)
 
@@ -36,19 +36,25 @@ serve: setup
 
 # Serving benchmark on the default model: starts `netra-jax serve` (--launch), sweeps the closed-loop concurrency
 # from 1 to 512 users with a prompt count per pass (random prompts of 256 tokens, 64 output tokens with ignore_eos),
-# stops the server; writes benchmarks/results/<date>-serve_netra_jax.json and .png. About 10 minutes on a 2-core CPU
-# (requests beyond the server's --max-num-seqs, 64 by default, wait in its queue). A quick one:
-#   make bench-serve BENCH_CONCURRENCY=1,4,16 BENCH_PROMPTS=16
+# stops the server; writes benchmarks/results/<date>-serve_netra_jax.json and .png. Then the long-context point, on a
+# fresh server: one user, 3 random prompts of 6000 tokens, 32 output tokens each (<date>-serve_netra_jax_long.json;
+# BENCH_LONG=0 skips it). About 12 minutes on a 2-core CPU (requests beyond the server's --max-num-seqs, 64 by
+# default, wait in its queue). A quick one:
+#   make bench-serve BENCH_CONCURRENCY=1,4,16 BENCH_PROMPTS=16 BENCH_LONG=0
 # Engine flags go through BENCH_SERVER_ARGS (e.g. "--dtype float32 --max-num-seqs 128"); more client flags
-# (--warmup 8, --request-rate ...) through BENCH_ARGS.
+# (--warmup 8, --request-rate ...) through BENCH_ARGS (both sweeps).
 BENCH_CONCURRENCY ?= 1,4,16,64,256,512
 BENCH_PROMPTS ?= 8,16,32,128,256,512
 BENCH_SERVER_ARGS ?=
 BENCH_ARGS ?=
+BENCH_LONG ?= 1
 bench-serve: setup
 	$(VENV)/bin/netra-jax bench serve --launch --server-args="$(BENCH_SERVER_ARGS)" \
 		--max-concurrency $(BENCH_CONCURRENCY) --num-prompts $(BENCH_PROMPTS) --dataset random \
 		--input-len 256 --output-len 64 --ignore-eos --label netra_jax $(BENCH_ARGS)
+	@if [ "$(BENCH_LONG)" != 0 ]; then set -x; $(VENV)/bin/netra-jax bench serve --launch \
+		--server-args="$(BENCH_SERVER_ARGS)" --max-concurrency 1 --num-prompts 3 --dataset random \
+		--input-len 6000 --output-len 32 --ignore-eos --label netra_jax_long $(BENCH_ARGS); fi
 
 # Offline throughput (LLM.generate, 64 chat prompts x 128 tokens, float32) against Hugging Face generate when its
 # interpreter is found (see the top of benchmarks/offline_throughput.py); BENCH_OFFLINE_ARGS="--quick --no-hf" for a
@@ -56,6 +62,16 @@ bench-serve: setup
 BENCH_OFFLINE_ARGS ?=
 bench-offline: setup
 	$(PY) benchmarks/offline_throughput.py $(BENCH_OFFLINE_ARGS)
+
+# Speculative decoding, offline A/B in one process (benchmarks/spec_decode.py): the default model in float32 with
+# n-gram speculation against none, greedy, on benchmarks/prompts/grounded.jsonl (copy/edit/summarize a given text) and
+# chat.jsonl (free-form) at batch 1 and 8, 3 repeats; output tok/s of each, the ratio, acceptance, and a check that the
+# greedy tokens are identical (exit status 1 otherwise). Writes benchmarks/results/<date>-spec_decode.json and .md.
+# About 40 minutes on a 2-core CPU; BENCH_SPEC_ARGS="--quick" for a smoke run, "--sets grounded --batch 1" for the
+# headline point only.
+BENCH_SPEC_ARGS ?=
+bench-spec: setup
+	$(PY) benchmarks/spec_decode.py $(BENCH_SPEC_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
