@@ -141,6 +141,8 @@ def test_grounded_chat_sweep_records_machine_and_per_pass_acceptance(spec_fake, 
         "1,2",
         "--num-prompts",
         "2,4",
+        "--output-len",
+        "3",
         "--warmup",
         "1",
         "--label",
@@ -150,6 +152,7 @@ def test_grounded_chat_sweep_records_machine_and_per_pass_acceptance(spec_fake, 
     assert res["rc"] == 0 and res["machine"]["jax"] == metadata.version("jax") and res["machine"]["cpu_flags"]
     assert len(spec_fake.requests) == 1 + 2 + 4
     assert spec_fake.requests[1]["messages"][0]["role"] == "system"  # the file's messages, sent as they are
+    assert {b["max_tokens"] for b in spec_fake.requests} == {3}  # a given --output-len overrides the lines
     for run, n in zip(res["runs"], (2, 4), strict=True):  # each pass counts its own requests only
         spec = run["spec_decode"]
         assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (2 * n, 6 * n, 4 * n)

@@ -219,7 +219,7 @@ def test_jsonl_failures_and_counting_chunks_without_usage(reset, tmp_path):
     fake = reset
     fake.ttft, fake.itl, fake.usage = 0.02, 0.01, False
     data = tmp_path / "prompts.jsonl"
-    data.write_text('{"prompt": "a b c"}\n\n{"prompt": "FAIL"}\n{"prompt": "d e", "max_tokens": 2}\n')
+    data.write_text('{"prompt": "a b c", "max_tokens": 5}\n\n{"prompt": "FAIL"}\n{"prompt": "d e", "max_tokens": 2}\n')
     res = _run(
         fake,
         tmp_path,
@@ -229,8 +229,6 @@ def test_jsonl_failures_and_counting_chunks_without_usage(reset, tmp_path):
         str(data),
         "--num-prompts",
         "6",
-        "--output-len",
-        "5",
         "--max-concurrency",
         "3",
         "--no-plot",

@@ -141,7 +141,7 @@ async def build(args, maker: TextMaker, num: int, seed: int) -> list[Item]:
     """`num` requests of the chosen dataset (shared-prefix: ceil(num / turns) conversations, num turns in all)."""
     rng = random.Random(seed)
     if args.dataset == "jsonl":
-        items = load_jsonl(args.dataset_path, num, args.output_len)
+        items = load_jsonl(args.dataset_path, num, args.output_len, override=args.output_len_given)
         if args.endpoint != "chat" and any(i.messages is not None for i in items):
             raise SystemExit(f"{args.dataset_path}: lines of 'messages' need --endpoint chat")
         return items
@@ -171,9 +171,9 @@ async def _shared_prefix(args, maker: TextMaker, num: int, rng, in_len: int, out
     return out
 
 
-def load_jsonl(path: str | Path, num: int, default_out: int) -> list[Item]:
+def load_jsonl(path: str | Path, num: int, default_out: int, override: bool = False) -> list[Item]:
     """Lines of {"prompt": str} or {"messages": [...]}, optionally with "max_tokens" (other keys, such as a task
-    name, are ignored); cycled to `num` items."""
+    name, are ignored); cycled to `num` items. A line's max_tokens wins over `default_out` unless `override`."""
     if not path:
         raise SystemExit("--dataset jsonl needs --dataset-path")
     items = []
@@ -181,7 +181,7 @@ def load_jsonl(path: str | Path, num: int, default_out: int) -> list[Item]:
         if not line.strip():
             continue
         row = json.loads(line)
-        mt = int(row.get("max_tokens") or row.get("output_len") or default_out)
+        mt = default_out if override else int(row.get("max_tokens") or row.get("output_len") or default_out)
         if isinstance(row.get("prompt"), str):
             items.append(Item([row["prompt"]], mt, prompt_lens=[None]))
         elif isinstance(row.get("messages"), list):

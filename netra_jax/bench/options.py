@@ -79,9 +79,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
     p.add_argument("--num-prompts", type=_numbers(int), default=[100], help="requests per pass, or one per concurrency")
     p.add_argument("--dataset", choices=bd.DATASETS, default="random")
-    p.add_argument("--dataset-path", help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens')")
+    p.add_argument(
+        "--dataset-path",
+        help="jsonl: lines of {'prompt'} or {'messages'} (+ optional 'max_tokens'; a given --output-len overrides it)",
+    )
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (random 1024, long 4000)")
-    p.add_argument("--output-len", type=int, default=None, help="max_tokens (random 128, long 128)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="max_tokens (random 128, long 128; jsonl: each line's own, else 128)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
     p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: user turns per conversation")
