@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="--task embed: JSON overriding the checkpoint's pooling, e.g. "
         '\'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST | MEAN | CLS)',
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\' '
+        "(greedy and seeded outputs are unchanged; optional disable_by_batch_size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
@@ -74,11 +81,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags; a bad --pooler-config is a CLIError."""
     from netra_jax.pooling import pooler_config_from
+    from netra_jax.spec import speculative_config_from
 
     try:
         pooler = pooler_config_from(a.pooler_config)
     except ValueError as e:
         raise CLIError(f"--pooler-config: {e}") from None
+    try:
+        speculative = speculative_config_from(a.speculative_config)
+    except ValueError as e:
+        raise CLIError(f"--speculative-config: {e}") from None
     return EngineConfig(
         model=a.model or "",
         dtype=a.dtype,
@@ -106,6 +118,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         task=a.task,
         pooler_config=pooler,
         async_scheduling=a.async_scheduling,
+        speculative=speculative,
     )
 
 

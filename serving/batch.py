@@ -25,6 +25,7 @@ from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lin
 )
 from netra_jax.serving.batch_openai import Job, RequestError, prepare, response_body
 from netra_jax.serving.context import ServingContext
+from netra_jax.spec import stats_between
 
 if TYPE_CHECKING:
     from netra_jax.config import EngineConfig
@@ -159,6 +160,7 @@ class BatchSummary:
     prompt_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
+    speculative: dict | None = None  # speculative decoding counters of this run (netra_jax.spec.stats_between)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -169,7 +171,16 @@ class BatchSummary:
             f"batch: {self.requests} requests ({self.completed} completed, {self.errors} errors, {self.skipped} "
             f"already done) in {self.seconds:.1f}s; {self.prompt_tokens} prompt + {self.output_tokens} output "
             f"tokens, {self.output_tokens_per_s:.1f} output tok/s"
-        )
+        ) + _speculative_line(self.speculative)
+
+
+def _speculative_line(spec: dict | None) -> str:
+    if not spec:
+        return ""
+    return (
+        f"; speculative: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} proposed tokens accepted "
+        f"({spec['acceptance_rate']:.0%}), mean acceptance length {spec['mean_acceptance_length']:.2f}"
+    )
 
 
 class OutputWriter:
@@ -246,6 +257,7 @@ def run_batch(
     window = max_in_flight or 4 * engine.config.scheduler.max_num_seqs
     prog, summary, bar = open_job(input_path, output_path, progress)
     skip_bar = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+    spec_before = engine.spec_stats()
 
     def items() -> Iterator[Work | dict | None]:
         for n, raw in read_lines(input_path):
@@ -259,6 +271,8 @@ def run_batch(
         with open(output_path, "a", encoding="utf-8") as f:
             process(engine, items(), OutputWriter(f, summary, bar).emit, name, window, chat_output, chat_template)
     finally:
+        if spec_before is not None:
+            summary.speculative = stats_between(spec_before, engine.spec_stats())
         close_job(prog, summary, bar, t0, progress)
     return summary
 

@@ -83,6 +83,26 @@ class ServerMetrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
+        if eng.spec_stats_ is not None:
+            self._spec_gauges(eng.spec_stats_)
+
+    def _spec_gauges(self, stats) -> None:
+        """vLLM's speculative-decoding counters (cumulative since start) under the server's prefix."""
+        r = self.registry
+        for name, doc in (
+            ("num_drafts", "Verification steps with proposed tokens"),
+            ("num_draft_tokens", "Proposed tokens"),
+            ("num_accepted_tokens", "Proposed tokens accepted by the target"),
+        ):
+            Gauge(f"netra_spec_decode_{name}", doc, registry=r).set_function(lambda n=name: getattr(stats, n))
+        per_pos = Gauge(
+            "netra_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in the proposal (0 = first)",
+            ["position"],
+            registry=r,
+        )
+        for i in range(stats.num_speculative_tokens):
+            per_pos.labels(str(i)).set_function(lambda i=i: stats.accepted_per_pos[i])
 
     def record(self, out: RequestOutput, aborted: bool = False) -> None:
         """Account one engine request at its end (finished, or aborted with what it had produced)."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from netra_jax.spec.config import SPEC_METHODS, SpeculativeConfig, speculative_config_from
 from netra_jax.spec.ngram import NgramProposer
-from netra_jax.spec.stats import SpecStats, accept
+from netra_jax.spec.stats import SpecStats, accept, stats_between
 
 if TYPE_CHECKING:
     from netra_jax.engine.request import Request
@@ -21,6 +21,7 @@ __all__ = [
     "accept",
     "make_proposer",
     "speculative_config_from",
+    "stats_between",
 ]
 
 

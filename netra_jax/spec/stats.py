@@ -66,3 +66,16 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
         }
+
+
+def stats_between(before: dict | None, after: dict) -> dict:
+    """The counters of `after` minus those of `before` (both `SpecStats.as_dict()`, before None: since start), with
+    the rates recomputed: the figures of a run on an engine that served other work earlier."""
+    k = len(after["accepted_per_pos"])
+    s = SpecStats(k)
+    b = before or SpecStats(k).as_dict()
+    s.num_drafts = after["num_drafts"] - b["num_drafts"]
+    s.num_draft_tokens = after["num_draft_tokens"] - b["num_draft_tokens"]
+    s.num_accepted_tokens = after["num_accepted_tokens"] - b["num_accepted_tokens"]
+    s.accepted_per_pos = [x - y for x, y in zip(after["accepted_per_pos"], b["accepted_per_pos"], strict=True)]
+    return s.as_dict()
