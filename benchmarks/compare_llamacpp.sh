@@ -3,36 +3,81 @@
 # on the same weights as F32 and on the original Q4_1 file, with the same client settings, one engine at a time (each
 # server is stopped before the next starts).
 #
-# Usage:  LLAMA_SERVER=/path/to/llama-server benchmarks/compare_llamacpp.sh [netra-jax bench serve flags]
-#   Client defaults: --max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128
-#   --ignore-eos --endpoint completions. Flags given here come after them and win, e.g. a smoke run:
-#   benchmarks/compare_llamacpp.sh --max-concurrency 2 --num-prompts 4 --output-len 8
+# Usage:  LLAMA_SERVER=/path/to/llama-server [PRESET=...] benchmarks/compare_llamacpp.sh [netra-jax bench serve flags]
+# Presets (client flags; flags given here come after them and win, e.g. a smoke run:
+# benchmarks/compare_llamacpp.sh --max-concurrency 2 --num-prompts 4 --output-len 8):
+#   random    (default) --max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128
+#             --ignore-eos --endpoint completions; ENGINES="netra_jax_f32 llamacpp_f32 llamacpp_q4_1"
+#   grounded  speculative decoding where it pays: the chat requests of benchmarks/prompts/grounded.jsonl (copy, edit,
+#             convert or summarize a given text; greedy, each stops at its end or its max_tokens), --max-concurrency 1,8
+#             --num-prompts 24,48 --endpoint chat; each engine without and with n-gram speculation:
+#             ENGINES="netra_jax_f32 netra_jax_f32_spec llamacpp_f32 llamacpp_f32_spec", PARALLEL=8 CTX_PER_SLOT=1024
+#   chat      the same on free-form questions (benchmarks/prompts/chat.jsonl): where speculation finds little to copy
+#   long      long context: one user, 6000-token random prompts, 32 output tokens (--max-concurrency 1 --num-prompts 3
+#             --input-len 6000 --output-len 32 --ignore-eos); ENGINES="netra_jax_f32 llamacpp_f32", PARALLEL=1
+#             CTX_PER_SLOT=8192
 # Environment:
 #   LLAMA_SERVER  llama.cpp's llama-server binary (required; built outside the repository, never committed)
 #   GGUF          the Q4_1 model file (default: the default model, located or fetched by netra_jax.assets)
-#   THREADS=2 PARALLEL=32 CTX_PER_SLOT=512   llama-server --threads, --parallel and -c PARALLEL*CTX_PER_SLOT
+#   THREADS=2 PARALLEL CTX_PER_SLOT   llama-server --threads, --parallel and -c PARALLEL*CTX_PER_SLOT (preset defaults)
 #   SERVER_ARGS   extra `netra-jax serve` flags (it always gets --dtype float32)
-#   ENGINES="netra_jax_f32 llamacpp_f32 llamacpp_q4_1"   which runs to do; RESULT_DIR=benchmarks/results
+#   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec llamacpp_f32
+#                 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
+#   SPEC_K=5 SPEC_NGRAM_MAX=4 SPEC_NGRAM_MIN=2   n-gram speculation of the *_spec runs: netra-jax gets
+#                 --speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": MAX,
+#                 "prompt_lookup_min": MIN}'; llama-server its prompt-lookup equivalent, LLAMA_SPEC_ARGS (default
+#                 "--spec-type ngram-simple --spec-ngram-simple-size-n MIN --spec-ngram-simple-size-m K": look up the
+#                 last MIN tokens in the context, draft the K that followed them)
+#   RESULT_DIR=benchmarks/results
 # F32 weights: the Q4_1 file de-quantized with the gguf Python package (python -m netra_jax.bench.gguf_f32), the same
 # de-quantization netra-jax's loader applies, so netra-jax float32 and llama.cpp F32 run identical weights; this needs
 # no llama-quantize binary. The copy (~540 MB) is written once, next to the Q4_1 file.
-# Writes RESULT_DIR/<date>-serve_<engine>.json for each engine, one PNG of all of them, and
-# RESULT_DIR/<date>-llamacpp_compare.md (settings and a table of output tok/s, median TTFT and TPOT per concurrency).
+# Writes RESULT_DIR/<date>-serve_<preset>_<engine>.json for each engine (random: <date>-serve_<engine>.json), one PNG
+# of all of them, and RESULT_DIR/<date>-llamacpp_compare[_<preset>].md: settings, the machine (CPU, speed flags, jax)
+# and a table of output tok/s, median TTFT and TPOT per concurrency, with the draft acceptance rate and mean
+# acceptance length read from each server's /metrics when speculation ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a llama.cpp llama-server binary}"
 [ -x "$LLAMA_SERVER" ] || { echo "error: $LLAMA_SERVER is not an executable" >&2; exit 2; }
-THREADS=${THREADS:-2}
-PARALLEL=${PARALLEL:-32}
-CTX_PER_SLOT=${CTX_PER_SLOT:-512}
-SERVER_ARGS=${SERVER_ARGS:-}
-ENGINES=${ENGINES:-netra_jax_f32 llamacpp_f32 llamacpp_q4_1}
-RESULT_DIR=${RESULT_DIR:-benchmarks/results}
-BENCH=(--max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128 --ignore-eos
-       --endpoint completions)
+PRESET=${PRESET:-random}
+PROMPTS=benchmarks/prompts
+case $PRESET in
+  random)
+    BENCH=(--max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128 --ignore-eos
+           --endpoint completions)
+    DEFAULT_ENGINES="netra_jax_f32 llamacpp_f32 llamacpp_q4_1"; DEFAULT_PARALLEL=32; DEFAULT_CTX=512 ;;
+  grounded | chat)
+    BENCH=(--max-concurrency 1,8 --num-prompts 24,48 --dataset jsonl --dataset-path "$PROMPTS/$PRESET.jsonl"
+           --endpoint chat)
+    DEFAULT_ENGINES="netra_jax_f32 netra_jax_f32_spec llamacpp_f32 llamacpp_f32_spec"; DEFAULT_PARALLEL=8
+    DEFAULT_CTX=1024 ;;
+  long)
+    BENCH=(--max-concurrency 1 --num-prompts 3 --dataset random --input-len 6000 --output-len 32 --ignore-eos
+           --endpoint completions)
+    DEFAULT_ENGINES="netra_jax_f32 llamacpp_f32"; DEFAULT_PARALLEL=1; DEFAULT_CTX=8192 ;;
+  *) echo "error: unknown PRESET $PRESET (random, grounded, chat, long)" >&2; exit 2 ;;
+esac
 BENCH+=("$@")
+THREADS=${THREADS:-2}
+PARALLEL=${PARALLEL:-$DEFAULT_PARALLEL}
+CTX_PER_SLOT=${CTX_PER_SLOT:-$DEFAULT_CTX}
+SERVER_ARGS=${SERVER_ARGS:-}
+ENGINES=${ENGINES:-$DEFAULT_ENGINES}
+RESULT_DIR=${RESULT_DIR:-benchmarks/results}
+SPEC_K=${SPEC_K:-5}
+SPEC_NGRAM_MAX=${SPEC_NGRAM_MAX:-4}
+SPEC_NGRAM_MIN=${SPEC_NGRAM_MIN:-2}
+SPEC_JSON="{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC_K, \"prompt_lookup_max\": $SPEC_NGRAM_MAX,"
+SPEC_JSON+=" \"prompt_lookup_min\": $SPEC_NGRAM_MIN}"
+NETRA_SPEC_ARGS="--speculative-config '$SPEC_JSON'"
+LLAMA_SPEC_DEFAULT="--spec-type ngram-simple --spec-ngram-simple-size-n $SPEC_NGRAM_MIN"
+LLAMA_SPEC_DEFAULT+=" --spec-ngram-simple-size-m $SPEC_K"
+LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:-$LLAMA_SPEC_DEFAULT}
+PREFIX=""  # result labels: <preset>_<engine> except for the default preset
+[ "$PRESET" = random ] || PREFIX="${PRESET}_"
 
 if [ -n "${GGUF:-}" ]; then
   OURS_MODEL=$(printf '%q' "$GGUF")
@@ -44,8 +89,7 @@ else
   OURS_MODEL=""  # netra-jax serve's own default: the same file
   F32=$("$PY" -m netra_jax.bench.gguf_f32 --default | tail -n1)
 fi
-echo "Q4_1: $GGUF"
-echo "F32:  $F32"
+echo "preset $PRESET; Q4_1: $GGUF; F32: $F32"
 
 LLAMA_PID=""
 stop_llama() {
@@ -69,13 +113,15 @@ bench() {  # bench LABEL ARGS...: one sweep; RESULT = its result file ("" if non
   rm -f "$mark"
 }
 
-run_llama() {  # run_llama LABEL MODEL_FILE: start llama-server, sweep, stop it
+run_llama() {  # run_llama LABEL MODEL_FILE [llama-server flags]: start llama-server, sweep, stop it
   local label=$1 model=$2 port log
+  shift 2
   port=$("$PY" -c 'from netra_jax.bench.launch import free_port; print(free_port())')
   log=$(mktemp "${TMPDIR:-/tmp}/llama-server-$label.XXXXXX")
   echo "starting $LLAMA_SERVER on $model (port $port, output in $log)"
   "$LLAMA_SERVER" -m "$model" --alias "$(basename "$model" .gguf)" --host 127.0.0.1 --port "$port" \
-    --parallel "$PARALLEL" -c $((PARALLEL * CTX_PER_SLOT)) --cont-batching --threads "$THREADS" >"$log" 2>&1 &
+    --parallel "$PARALLEL" -c $((PARALLEL * CTX_PER_SLOT)) --cont-batching --threads "$THREADS" --metrics \
+    "$@" >"$log" 2>&1 &
   LLAMA_PID=$!
   bench "$label" --base-url "http://127.0.0.1:$port" --wait-ready 600
   stop_llama
@@ -85,12 +131,20 @@ FILES=()
 LABELS=()
 for engine in $ENGINES; do
   echo "=== $engine ==="
+  label=$PREFIX$engine
   case $engine in
     netra_jax_f32)
-      bench "$engine" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
+      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
       name="netra-jax F32" ;;
-    llamacpp_f32) run_llama "$engine" "$F32"; name="llama.cpp F32" ;;
-    llamacpp_q4_1) run_llama "$engine" "$GGUF"; name="llama.cpp Q4_1" ;;
+    netra_jax_f32_spec)
+      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $NETRA_SPEC_ARGS $SERVER_ARGS"
+      name="netra-jax F32 n-gram" ;;
+    llamacpp_f32) run_llama "$label" "$F32"; name="llama.cpp F32" ;;
+    # shellcheck disable=SC2086  # LLAMA_SPEC_ARGS: several flags
+    llamacpp_f32_spec) run_llama "$label" "$F32" $LLAMA_SPEC_ARGS; name="llama.cpp F32 n-gram" ;;
+    llamacpp_q4_1) run_llama "$label" "$GGUF"; name="llama.cpp Q4_1" ;;
+    # shellcheck disable=SC2086
+    llamacpp_q4_1_spec) run_llama "$label" "$GGUF" $LLAMA_SPEC_ARGS; name="llama.cpp Q4_1 n-gram" ;;
     *) echo "error: unknown engine $engine" >&2; exit 2 ;;
   esac
   if [ -n "$RESULT" ]; then
@@ -101,22 +155,28 @@ done
 [ ${#FILES[@]} -gt 0 ] || { echo "error: no results" >&2; exit 1; }
 
 DATE=$(date +%F)
-MD="$RESULT_DIR/$DATE-llamacpp_compare.md"
+MD="$RESULT_DIR/$DATE-llamacpp_compare${PREFIX:+_$PRESET}.md"
 TABLE=$(mktemp)
 PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS[@]}" --result-dir "$RESULT_DIR" \
   --table "$TABLE" | sed -n 's/^wrote \(.*\.png\)$/\1/p')
 VERSION=$("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version || true)
-CPU=$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ //' || true)
+MACHINE=$("$PY" -c 'from netra_jax.bench.machine import describe, machine_info; print(describe(machine_info()))')
 BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail -n1)
 {
-  echo "# Serving: netra-jax vs llama.cpp llama-server ($DATE)"
+  echo "# Serving: netra-jax vs llama.cpp llama-server, preset $PRESET ($DATE)"
   echo
   echo "- Model: SmolLM2-135M-Instruct, \`$(basename "$GGUF")\`. netra-jax runs it in float32 (de-quantized at load;"
-  echo "  JAX backend $BACKEND); llama.cpp runs the F32 copy of the same weights and the Q4_1 file itself."
+  echo "  JAX backend $BACKEND); llama.cpp runs the F32 copy of the same weights (its Q4_1 rows: the Q4_1 file"
+  echo "  itself)."
   echo "- Client: \`netra-jax bench serve ${BENCH[*]}\`, one engine at a time."
   echo "- llama-server: ${VERSION:-version unknown}; \`--parallel $PARALLEL -c $((PARALLEL * CTX_PER_SLOT))" \
-       "--cont-batching --threads $THREADS\`."
-  echo "- Machine: $(nproc) CPUs${CPU:+ ($CPU)}. Results: $(printf '`%s` ' "${FILES[@]##*/}")"
+       "--cont-batching --threads $THREADS --metrics\`."
+  case " $ENGINES " in
+    *_spec\ *)
+      echo "- n-gram speculation (the n-gram rows): netra-jax \`--speculative-config '$SPEC_JSON'\`;" \
+           "llama-server \`$LLAMA_SPEC_ARGS\`." ;;
+  esac
+  echo "- Machine: $MACHINE. Results: $(printf '`%s` ' "${FILES[@]##*/}")"
   echo "- Plot: \`${PLOT##*/}\`"
   echo
   cat "$TABLE"
