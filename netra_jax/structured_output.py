@@ -138,5 +138,22 @@ class GrammarMatcher:
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar would accept from here (the state is unchanged)."""
+        return int(self.matcher.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
+
+    def masks_along(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """The masks of the next token after each prefix of `tokens` (len(tokens) + 1 of them, fewer if a token
+        breaks the grammar), for verifying proposed tokens; the state is rolled back to where it was."""
+        out, n = [self.mask()], 0
+        for t in tokens:
+            if not self.matcher.consume_token(int(t)):
+                break
+            n += 1
+            out.append(self.mask())
+        if n:
+            self.matcher.rollback(n)
+        return out
+
     def copy(self) -> GrammarMatcher:
         return GrammarMatcher(self.matcher.deep_copy(), self.vocab_size)

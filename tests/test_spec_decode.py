@@ -180,6 +180,22 @@ def test_prefix_hits_and_structured_output(base, spec):
     _check_idle(spec)
 
 
+def test_grammar_requests_verify_proposals_the_grammar_allows(base, spec):
+    """Proposals are cut to the grammar's valid prefix and each verified position gets the mask of the state
+    after the proposals before it: outputs equal decoding without speculation."""
+    tok = base.get_tokenizer()
+    texts = ["the cat sat on the mat and the cat sat on the mat and the cat", "ab ab ab ab ab ab ab ab ab ab ab"]
+    prompts = [tok.encode(t) for t in texts]
+    regex = SamplingParams(
+        max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,80}")
+    )
+    before = spec.engine.spec_stats()
+    _same(_run(base, prompts, regex), _run(spec, prompts, regex))
+    stats = stats_between(before, spec.engine.spec_stats())
+    assert stats["num_accepted_tokens"] > 0, stats
+    _check_idle(spec)
+
+
 def test_draft_model_equal_to_target_accepts_everything(base, self_draft):
     """The target as its own draft proposes exactly its greedy tokens: every greedy proposal is accepted."""
     prompts = _prompts(base.model_config.vocab_size, n=6, seed=6)

@@ -245,8 +245,8 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Give each decoding request (its next step computes only its last token) up to k proposed tokens, within
-        its length limit. Requests with a grammar are not speculated; nothing is proposed while more than
-        disable_by_batch_size requests run."""
+        its length limit; with a grammar, only the proposal's prefix the grammar accepts. Nothing is proposed while
+        more than disable_by_batch_size requests run."""
         spec, sched = self.spec_config, self.scheduler
         running = sched.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
@@ -256,13 +256,16 @@ class LLMEngine:
             if req.num_scheduled_end != req.num_tokens - 1 or req.num_placeholders:
                 continue
             entry = self._state_of(req)
-            if entry is None or entry[1].grammar is not None:
+            if entry is None:
                 continue
             room = min(req.max_total_tokens or self.max_model_len, self.max_model_len) - req.num_tokens - 1
             if room > 0:
                 chosen.append(req)
                 limits.append(min(room, spec.num_speculative_tokens))
         for req, proposal in zip(chosen, self.proposer.propose(chosen, limits), strict=True):
+            grammar = self._state_of(req)[1].grammar
+            if grammar is not None:
+                proposal = proposal[: grammar.valid_prefix(proposal)]
             req.spec_token_ids = proposal
 
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
@@ -284,8 +287,12 @@ class LLMEngine:
             drafts = s.spec_token_ids
             if entry is None:
                 rows.extend([None] * (len(drafts) + 1))
-            else:
-                rows.extend(self._row(entry[1], drafts[:j]) for j in range(len(drafts) + 1))
+                continue
+            grammar = entry[1].grammar
+            masks = grammar.masks_along(drafts) if grammar is not None and drafts else None
+            rows.extend(
+                self._row(entry[1], drafts[:j], None if masks is None else masks[j]) for j in range(len(drafts) + 1)
+            )
         batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_rows, self.vocab_size)
         out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, *(step.run.prompt_logprobs or ())):
@@ -297,9 +304,10 @@ class LLMEngine:
             row_start = step.run.batch.row_start
             step.row_of = {s.request_id: row_start[i] for i, s in enumerate(step.sched.scheduled) if s.sample}
 
-    def _row(self, sample: SampleState, drafts: list[int] = ()) -> sampling.RowSampling:
+    def _row(self, sample: SampleState, drafts: list[int] = (), mask=None) -> sampling.RowSampling:
         """The sampling row of the request's next token, or (speculative) of the token after proposals `drafts`:
-        the draws, bias and penalties that token would get in a lone decode step after those tokens."""
+        the draws, bias, penalties and grammar mask (`mask`, computed along the proposals) that token would get in a
+        lone decode step after those tokens."""
         req = sample.request
         sp = req.sampling_params
         num_output = req.num_output_tokens + len(drafts)
@@ -325,7 +333,7 @@ class LLMEngine:
             row.prompt_ids = req.prompt_token_ids
             row.output_ids = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
         if sample.grammar is not None:
-            row.allowed = sample.grammar.mask()
+            row.allowed = sample.grammar.mask() if mask is None else mask
         return row
 
     def _process(self, step: _Step) -> list[RequestOutput]:
