@@ -12,6 +12,7 @@
 #             convert or summarize a given text; greedy, each stops at its end or its max_tokens), --max-concurrency 1,8
 #             --num-prompts 24,48 --endpoint chat; each engine without and with n-gram speculation:
 #             ENGINES="netra_jax_f32 netra_jax_f32_spec llamacpp_f32 llamacpp_f32_spec", PARALLEL=8 CTX_PER_SLOT=1024
+#             (the 24 requests repeat from pass to pass: both engines' prompt caches can shorten TTFT after the first)
 #   chat      the same on free-form questions (benchmarks/prompts/chat.jsonl): where speculation finds little to copy
 #   long      long context: one user, 6000-token random prompts, 32 output tokens (--max-concurrency 1 --num-prompts 3
 #             --input-len 6000 --output-len 32 --ignore-eos); ENGINES="netra_jax_f32 llamacpp_f32", PARALLEL=1
