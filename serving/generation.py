@@ -23,7 +23,8 @@ class ClientDisconnected(Exception):
 class Generation:
     """Engine requests for `prompts` (ids `<request_id>-<i>`), started at once. `events()` yields (prompt index,
     RequestOutput) as they arrive and raises the first engine error. `close()` is synchronous, so it also works from
-    a cancelled task: it aborts every unfinished engine request, which frees its KV blocks within a step."""
+    a cancelled task: it aborts every unfinished engine request, which frees its KV blocks within a step.
+    The engine puts each output straight into the one queue `events()` reads (no task per prompt in between)."""
 
     def __init__(
         self,
@@ -43,16 +44,20 @@ class Generation:
         self.done = [False] * len(prompts)  # finished, or failed before it was added
         self._q: asyncio.Queue = asyncio.Queue()
         self._closed = False
-        self._tasks = [asyncio.create_task(self._pump(i, p)) for i, p in enumerate(prompts)]
+        self._tasks = [asyncio.create_task(self._admit(i, p)) for i, p in enumerate(prompts)]
 
-    async def _pump(self, i: int, prompt: PromptType) -> None:
+    async def _admit(self, i: int, prompt: PromptType) -> None:
+        put = self._q.put_nowait
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            put((i, item))
+
         try:
-            async for out in self.engine.generate(prompt, self.params, self.rids[i], self.priority):
-                self._q.put_nowait((i, out))
+            await self.engine.submit(prompt, self.params, self.rids[i], sink, self.priority)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._q.put_nowait((i, e))
+            put((i, e))
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         pending = len(self.rids)

@@ -91,3 +91,54 @@ def test_failing_step_fails_clients():
 
     asyncio.run(main())
     assert not ae.is_alive
+
+
+def test_outputs_of_a_step_wake_the_loop_once_and_a_failing_sink_starves_no_one(aengine):
+    """Three requests decoding together: their outputs reach the event loop in one call per step (not one per
+    request), in order, and a sink that raises loses its own outputs only."""
+    cases = reference("tiny-qwen3")["cases"][:3]
+    got: dict[str, list] = {f"s{i}": [] for i in range(3)}
+    wakeups = 0
+
+    def broken(item):
+        raise RuntimeError("a consumer bug")
+
+    async def main():
+        nonlocal wakeups
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(*args, **kw):
+            nonlocal wakeups
+            wakeups += 1
+            return real(*args, **kw)
+
+        loop.call_soon_threadsafe = counted
+        try:
+            done = asyncio.Event()
+
+            def sink(rid):
+                def put(item):
+                    got[rid].append(item)
+                    if all(v and v[-1].finished for v in got.values()):
+                        done.set()
+
+                return put
+
+            await asyncio.gather(
+                *[
+                    aengine.submit({"prompt_token_ids": c["prompt_ids"]}, GREEDY, rid, sink(rid))
+                    for rid, c in zip(got, cases, strict=True)
+                ],
+                aengine.submit({"prompt_token_ids": cases[0]["prompt_ids"]}, GREEDY, "broken", broken),
+            )
+            await asyncio.wait_for(done.wait(), 120)
+        finally:
+            del loop.call_soon_threadsafe
+
+    asyncio.run(main())
+    for (_, outs), case in zip(got.items(), cases, strict=True):
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(case["greedy_ids"]) + 1))
+        assert outs[-1].outputs[0].token_ids == case["greedy_ids"]
+    delivered = sum(len(v) for v in got.values()) + GREEDY.max_tokens  # the broken sink's outputs were handed out too
+    assert wakeups < delivered / 2  # 4 admissions plus about one call per step, for 4 outputs per step

@@ -1,5 +1,6 @@
-"""AsyncEngine: runs the LLMEngine step loop in its own thread and hands each request's outputs to an asyncio
-queue, so an HTTP server can `async for` over a generation and abort it when the client leaves; a step watchdog."""
+"""AsyncEngine: runs the LLMEngine step loop in its own thread and hands each request's outputs to its asyncio
+sink (one event-loop wake-up per step for all of them), so an HTTP server can `async for` over a generation and abort
+it when the client leaves; a step watchdog."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def _fault_from_env() -> tuple[int, str] | None:
     return int(step), kind or "raise"
 
 
+# Receives a request's outputs in order, then possibly one exception (the engine failed); called in the event loop.
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
 @dataclass
 class _Cmd:
     kind: str  # "add" | "abort" | "call"
@@ -53,7 +58,7 @@ class _Cmd:
     prompt: PromptType | None = None
     params: SamplingParams | None = None
     reply: asyncio.Future | None = None
-    out_q: asyncio.Queue | None = None
+    sink: Sink | None = None
     loop: asyncio.AbstractEventLoop | None = None
     fn: Callable[[LLMEngine], Any] | None = None
     priority: int = 0
@@ -68,7 +73,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, step_timeout: float | None = None):
         self.engine = engine
         self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
         self._wake = threading.Event()
         self._lock = threading.Lock()  # orders commands against the loop's death
         self._stop = threading.Event()
@@ -98,24 +103,15 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._queues)
+        return len(self._sinks)
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come. `priority` (vLLM's): smaller is served first under
         `--scheduling-policy priority`; a non-zero value under fcfs is a ValueError, as any bad input."""
-        loop = asyncio.get_running_loop()
-        reply, out_q = loop.create_future(), asyncio.Queue()
-        with self._lock:
-            if self.dead is not None or not self._thread.is_alive():
-                raise EngineDeadError(f"engine is not running: {self.dead!r}")
-            self._send(_Cmd("add", request_id, prompt, params, reply, out_q, loop, priority=priority))
-        try:
-            await reply  # raises the engine's ValueError for bad input
-        except asyncio.CancelledError:  # the caller left while the request was being admitted
-            self.abort(request_id)
-            raise
+        out_q: asyncio.Queue = asyncio.Queue()
+        await self.submit(prompt, params, request_id, out_q.put_nowait, priority)
         finished = False
         try:
             while True:
@@ -129,6 +125,25 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def submit(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, sink: Sink, priority: int = 0
+    ) -> None:
+        """Admit a request whose outputs go to `sink(output)`, called in this event loop's thread, in order; then,
+        if the engine fails before the request finishes, `sink(EngineDeadError)`. Returns once the engine took the
+        request (raises its ValueError for bad input, before any output). The caller aborts a request it stops
+        reading; a request cancelled while being admitted is aborted here."""
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        with self._lock:
+            if self.dead is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            self._send(_Cmd("add", request_id, prompt, params, reply, sink, loop, priority=priority))
+        try:
+            await reply  # raises the engine's ValueError for bad input
+        except asyncio.CancelledError:  # the caller left while the request was being admitted
+            self.abort(request_id)
+            raise
 
     def abort(self, request_id: str) -> None:
         self._send(_Cmd("abort", request_id))
@@ -167,7 +182,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd.kind == "abort":
-                if self._queues.pop(cmd.request_id, None) is not None:
+                if self._sinks.pop(cmd.request_id, None) is not None:
                     self.engine.abort_request(cmd.request_id)
                 continue
             if cmd.kind == "call":
@@ -181,7 +196,7 @@ class AsyncEngine:
             except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
                 self._post(cmd.loop, _set_exc, cmd.reply, e)
                 continue
-            self._queues[cmd.request_id] = (cmd.loop, cmd.out_q)
+            self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
             self._post(cmd.loop, _set_result, cmd.reply, None)
 
     def _loop(self) -> None:
@@ -200,18 +215,27 @@ class AsyncEngine:
                 if self.dead is not None:  # the watchdog gave up on this step; its clients have their error
                     break
                 self.num_steps += 1
-                for out in outputs:
-                    target = self._queues.get(out.request_id)
-                    if target is None:
-                        continue
-                    loop, q = target
-                    self._post(loop, q.put_nowait, out)
-                    if out.finished:
-                        self._queues.pop(out.request_id, None)
+                if outputs:
+                    self._deliver(outputs)
         except BaseException as e:  # a failed step: fail everything in flight, never hang a client
-            log.error("engine step failed; failing %d requests:\n%s", len(self._queues), traceback.format_exc())
+            log.error("engine step failed; failing %d requests:\n%s", len(self._sinks), traceback.format_exc())
             self.last_step_start = None
             self._fail(e, f"engine step failed: {e!r}")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their sinks: one call into each event loop for all of its requests (a wake-up
+        per step, not per request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if target is None:
+                continue
+            loop, sink = target
+            by_loop.setdefault(loop, []).append((sink, out))
+            if out.finished:
+                del self._sinks[out.request_id]
+        for loop, items in by_loop.items():
+            self._post(loop, _feed, items)
 
     def _inject(self, kind: str) -> None:
         step = self.num_steps + 1
@@ -231,7 +255,7 @@ class AsyncEngine:
                 f"engine step {self.num_steps + 1} has run for {time.monotonic() - start:.1f}s "
                 f"(step timeout {self.step_timeout:g}s)"
             )
-            log.error("%s; failing %d requests", msg, len(self._queues))
+            log.error("%s; failing %d requests", msg, len(self._sinks))
             self._fail(StepTimeoutError(msg), msg)
             return
 
@@ -241,9 +265,9 @@ class AsyncEngine:
             if self.dead is None:
                 self.dead = cause
         err = EngineDeadError(message)
-        for loop, q in list(self._queues.values()):
-            self._post(loop, q.put_nowait, err)
-        self._queues.clear()
+        for loop, sink in list(self._sinks.values()):
+            self._post(loop, sink, err)
+        self._sinks.clear()
         while True:  # reject commands that raced with the failure
             try:
                 cmd = self._cmds.get_nowait()
@@ -251,6 +275,14 @@ class AsyncEngine:
                 break
             if cmd.reply is not None:
                 self._post(cmd.loop, _set_exc, cmd.reply, err)
+
+
+def _feed(items: list[tuple[Sink, RequestOutput]]) -> None:
+    for sink, out in items:
+        try:
+            sink(out)
+        except Exception:  # one broken consumer must not starve the others of this step's outputs
+            log.exception("output sink of request %s failed", out.request_id)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
