@@ -147,6 +147,11 @@ class ChoiceParser:
             self.tools = RequiredToolOutput(make_id)
 
     @property
+    def plain(self) -> bool:
+        """No reasoning or tool parser: every piece of text is content as it comes (and the finish reason stays)."""
+        return self.reasoning is None and self.tools is None
+
+    @property
     def tools_called(self) -> bool:
         return self.tools is not None and self.tools.num_calls > 0
 

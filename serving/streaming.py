@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+from pydantic import BaseModel
+from pydantic_core import to_json
 
 from netra_jax.engine.async_engine import EngineDeadError
 from netra_jax.engine.outputs import RequestOutput
@@ -57,6 +60,38 @@ def _sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 
 
+_MARK = "netra-text-delta-mark"  # stands for the text in a template chunk; `to_json` writes it unescaped
+
+
+class TextChunks:
+    """The SSE event of a stream's most frequent chunk, one choice's plain text delta and nothing else (no
+    logprobs, finish reason, token ids or usage), without building and serializing a model per token: the chunk
+    model `make(index, text)` is serialized once per choice index with a marker for the text, and each event is that
+    template with the text JSON-encoded by the same serializer, so the bytes are those `_sse(make(index, text))`
+    gives. A template the marker cannot be found in exactly once (an id or model name holding it) is not used."""
+
+    def __init__(self, make: Callable[[int, str], BaseModel]) -> None:
+        self._make = make
+        self._parts: dict[int, tuple[str, str] | None] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        parts = self._parts.get(index, False)
+        if parts is False:
+            parts = self._parts[index] = _split(_sse(self._make(index, _MARK)))
+        if parts is None:
+            return _sse(self._make(index, text))
+        head, tail = parts
+        return head + to_json(text).decode() + tail
+
+
+def _split(template: str) -> tuple[str, str] | None:
+    mark = to_json(_MARK).decode()
+    if template.count(mark) != 1:
+        return None
+    head, _, tail = template.partition(mark)
+    return head, tail
+
+
 def stream_failure(e: BaseException, metrics: ServerMetrics | None) -> tuple[int, str]:
     """The status and message of an engine failure after a stream began (told in-band): 503 for a dead engine,
     400 for bad input, else 500 (logged; the message names only the exception's type). Counted in `metrics`."""
@@ -91,8 +126,14 @@ async def chat_stream(
     sent_ids = [0] * ctx.n
     done = [False] * ctx.n
 
+    def model(choices, use=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use)
+
     def chunk(choices, use=None) -> str:
-        return _sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use))
+        return _sse(model(choices, use))
+
+    text_chunk = TextChunks(lambda j, text: model([ChatStreamChoice(index=j, delta=DeltaMessage(content=text))]))
+    plain = not ctx.continuous_usage and not ctx.return_token_ids  # a text delta can take the template
 
     try:
         for j in range(ctx.n):
@@ -111,10 +152,15 @@ async def chat_stream(
                     sent_lp[j] = len(o.logprobs)
                     lps = ChatLogprobs(content=chat_logprobs(new, ctx.tokens, ctx.num_logprobs)) if new else None
                 reason, stop_reason = finish(o)
+                reader = None if readers is None or readers[j].plain else readers[j]
+                if plain and reason is None and lps is None and reader is None:  # all of the text is content
+                    if o.delta_text:
+                        yield text_chunk(j, o.delta_text)
+                    continue
                 delta = DeltaMessage(content=o.delta_text) if o.delta_text else None
-                if readers is not None:  # a reader may hold text back (a tag in the making) until it decides
-                    delta = (readers[j].finish if reason is not None else readers[j].feed)(o.delta_text)
-                    reason = readers[j].finish_reason(reason)
+                if reader is not None:  # a reader may hold text back (a tag in the making) until it decides
+                    delta = (reader.finish if reason is not None else reader.feed)(o.delta_text)
+                    reason = reader.finish_reason(reason)
                 if delta is None and lps is None and reason is None:
                     continue
                 choice = ChatStreamChoice(
@@ -148,8 +194,14 @@ async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) ->
     opened = [not echo_lps] * total
     held = [""] * total  # text of a choice not yet opened
 
+    def model(choices, use=None) -> CompletionChunk:
+        return CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use)
+
     def chunk(choices, use=None) -> str:
-        return _sse(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=use))
+        return _sse(model(choices, use))
+
+    text_chunk = TextChunks(lambda j, text: model([CompletionChoice(index=j, text=text)]))
+    plain = not ctx.continuous_usage and not ctx.return_token_ids  # a text delta can take the template
 
     try:
         if ctx.echo is not None and not echo_lps:
@@ -183,6 +235,9 @@ async def completion_stream(gen: Generation, first, rest, ctx: StreamContext) ->
                 lps = join_logprobs(head_lps, lps)
                 reason, stop_reason = finish(o)
                 if not head and not text and lps is None and reason is None:
+                    continue
+                if plain and not head and lps is None and reason is None:
+                    yield text_chunk(j, text)
                     continue
                 choice = CompletionChoice(
                     index=j, text=head + text, logprobs=lps, finish_reason=reason, stop_reason=stop_reason
