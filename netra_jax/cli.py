@@ -40,6 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="fcfs: first come first served | priority: by each request's priority (lower first), then arrival; "
         "the lowest-priority running request is preempted when the KV cache runs out",
     )
+    p.add_argument(
+        "--align-chunks-to-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cut the last prompt chunk of a step so the step ends on a compiled token bucket when that moves fewer "
+        "tokens to the next step than it saves in padding (default: on for the CPU backend)",
+    )
     p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (per-channel scales)")
     p.add_argument(
         "--task",
@@ -107,6 +114,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_waiting=a.max_waiting,
             scheduling_policy=a.scheduling_policy,
+            align_chunks_to_buckets=a.align_chunks_to_buckets,
         ),
         attention_backend=a.attention_backend,
         tensor_parallel_size=a.tensor_parallel_size,

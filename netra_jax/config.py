@@ -421,6 +421,16 @@ class SchedulerConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_waiting: int | None = None  # queue cap; None = unbounded
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting order (priority, arrival), lowest priority preempted
+    # cut the last prompt chunk admitted to a step so the step ends on a token bucket, when that moves fewer tokens
+    # to the next step than it saves in padding (engine/buckets.py fit_chunk). None: on for the CPU backend, where a
+    # step costs in proportion to its padded size (`for_platform`)
+    align_chunks_to_buckets: bool | None = None
+
+    def for_platform(self, platform: str) -> SchedulerConfig:
+        """This config with the settings left to the platform (jax.default_backend(): "cpu", "gpu", ...) filled in."""
+        if self.align_chunks_to_buckets is None:
+            return dataclasses.replace(self, align_chunks_to_buckets=platform == "cpu")
+        return self
 
 
 TASKS = ("generate", "embed")  # what a served model does: generate text | return pooled embeddings

@@ -31,6 +31,8 @@ __all__ = ["LLMEngine", "PromptType"]
 
 log = logging.getLogger(__name__)
 
+_MAX_SPEC_BACKOFF = 4  # a request with failing proposals waits at most 2^4 - 1 steps before proposing again
+
 
 @dataclass
 class _Step:
@@ -92,7 +94,7 @@ class LLMEngine:
         if config.task == "embed":  # embedding steps bring their own scratch pages; the runner's stay unused
             num_pages = 2
         self.pool = BlockPool(num_pages, page, enable_prefix_caching=cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.pool, self.max_model_len)
+        self.scheduler = Scheduler(sched.for_platform(jax.default_backend()), self.pool, self.max_model_len)
         self.runner = ModelRunner(
             model_cfg,
             params,
@@ -246,7 +248,9 @@ class LLMEngine:
     def _propose(self) -> None:
         """Give each decoding request (its next step computes only its last token) up to k proposed tokens, within
         its length limit; with a grammar, only the proposal's prefix the grammar accepts. Nothing is proposed while
-        more than disable_by_batch_size requests run."""
+        more than disable_by_batch_size requests run. A request whose proposals keep failing backs off: after m
+        proposals in a row with nothing accepted it gets none for its next 2^m - 1 steps (at most 15), so text that
+        does not repeat its context costs few wasted verifications."""
         spec, sched = self.spec_config, self.scheduler
         running = sched.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
@@ -254,6 +258,9 @@ class LLMEngine:
         chosen, limits = [], []
         for req in running[: self.runner.max_spec_seqs]:
             if req.num_scheduled_end != req.num_tokens - 1 or req.num_placeholders:
+                continue
+            if req.spec_pause:
+                req.spec_pause -= 1
                 continue
             entry = self._state_of(req)
             if entry is None:
@@ -267,6 +274,11 @@ class LLMEngine:
             if grammar is not None:
                 proposal = proposal[: grammar.valid_prefix(proposal)]
             req.spec_token_ids = proposal
+
+    def _record_acceptance(self, req, num_drafted: int, num_accepted: int) -> None:
+        self.spec_stats_.record(num_drafted, num_accepted)
+        req.spec_misses = 0 if num_accepted else min(req.spec_misses + 1, _MAX_SPEC_BACKOFF)
+        req.spec_pause = (1 << req.spec_misses) - 1
 
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
         """Pack and dispatch the forward; placeholder tokens come from `prev`'s sampled ids on device."""
@@ -357,7 +369,7 @@ class LLMEngine:
             drafts = s.spec_token_ids
             if drafts:
                 sampled[s.request_id] = accept(drafts, ids[r : r + len(drafts) + 1])
-                self.spec_stats_.record(len(drafts), len(sampled[s.request_id]) - 1)
+                self._record_acceptance(s.request, len(drafts), len(sampled[s.request_id]) - 1)
             else:
                 sampled[s.request_id] = [int(ids[r])]
         self._record_prompt_logprobs(step)

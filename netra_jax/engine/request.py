@@ -124,6 +124,8 @@ class Request:
         self.num_inflight_tokens = 0  # tokens scheduled in steps whose results the scheduler has not seen yet
         self.num_placeholders = 0  # sampled tokens of those steps: counted in the sequence, not yet known
         self.spec_token_ids: list[int] = []  # proposed next tokens (speculative decoding), verified when scheduled
+        self.spec_misses = 0  # proposals in a row of which nothing was accepted
+        self.spec_pause = 0  # decode steps left without proposals (2 ** misses - 1 after a miss)
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # memo of the chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule

@@ -15,6 +15,7 @@ from jax import lax
 
 from netra_jax import parallel
 from netra_jax.config import CacheConfig, ModelConfig
+from netra_jax.engine.buckets import token_buckets
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.engine.step_layout import (
     PROMPT_LOGPROB_ROWS,
@@ -30,20 +31,6 @@ from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
-
-
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 1 up to the first one covering `max_tokens`, with 1.5x steps between them from 512 on
-    (prefill steps are large: this caps their padding at a third instead of a half); the last capped to
-    `max_tokens`."""
-    out, b = [], 1
-    while b < max_tokens:
-        out.append(b)
-        if b >= 512 and b * 3 // 2 < max_tokens:
-            out.append(b * 3 // 2)
-        b *= 2
-    out.append(max_tokens)
-    return tuple(out)
 
 
 def _step(params, kv, packed, prev_ids=None, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):

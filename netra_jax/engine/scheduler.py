@@ -8,6 +8,7 @@ import time
 
 from netra_jax.config import SchedulerConfig
 from netra_jax.engine.block_pool import BlockPool, chain_hashes
+from netra_jax.engine.buckets import fit_chunk, token_buckets
 from netra_jax.engine.request import Request, RequestStatus, check_context_length
 from netra_jax.engine.request_queue import check_priority, make_waiting_queue
 from netra_jax.engine.sched_output import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
@@ -206,6 +207,7 @@ class Scheduler:
                     budget += self._evict(out, victim)
                 pending = None
                 continue
+            n = self._fit_last_chunk(out, n, budget)  # (its blocks stay allocated for the whole chunk)
             self._waiting.pop()
             pool.take(hits)
             req.block_ids = hits + pool.allocate(need)
@@ -221,6 +223,18 @@ class Scheduler:
             if pending is not None:
                 self._add_pending(pending, req)
         self._waiting.prepend(deferred)
+
+    def _fit_last_chunk(self, out: SchedulerOutput, n: int, budget: int) -> int:
+        """An admitted request's chunk of n tokens, cut to end the step on a token bucket (buckets.fit_chunk) when
+        it is the step's last admission (the budget, the queue or the seats end with it) and the config asks for it."""
+        cfg = self.config
+        last = budget <= n or len(self._waiting) == 1 or len(self._running) + 1 >= cfg.max_num_seqs
+        if not cfg.align_chunks_to_buckets or not last:
+            return n
+        used = sum(s.num_new_tokens for s in out.scheduled)
+        # what the step's requests bring to the next: a decode each where they sample, else the rest of the prompt
+        then = sum(1 if s.sample else s.request.num_tokens - s.start - s.num_new_tokens for s in out.scheduled)
+        return fit_chunk(used, n, then, token_buckets(cfg.max_num_batched_tokens))
 
     def _victims_making_room(self, req: Request, hits: list[int], need: int) -> list[Request]:
         """The fewest running requests, in the policy's victim order, whose preemption gives waiting `req` a seat

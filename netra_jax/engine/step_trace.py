@@ -105,7 +105,7 @@ class StepTrace:
 
     def _config_line(self) -> dict:
         e = self.engine
-        sched = e.config.scheduler
+        sched = e.scheduler.config  # (resolved for the platform)
         return {
             "kind": "config",
             "buckets": list(e.runner.buckets),
@@ -187,17 +187,15 @@ def install(engine: LLMEngine, path: str | os.PathLike) -> StepTrace:
         finally:
             trace.read(s.sched, t0, engine.device_wait_s - w0)
 
-    def cpu_now() -> tuple[float, float, float | None]:
-        return time.process_time(), time.thread_time(), xla_cpu_seconds()
-
     def traced_step():
-        t0, w0, c0 = time.perf_counter(), engine.device_wait_s, cpu_now()
+        t0, w0 = time.perf_counter(), engine.device_wait_s
+        p0, e0, x0 = time.process_time(), time.thread_time(), xla_cpu_seconds()  # process first: it encloses
         try:
             return step()
         finally:
-            c1 = cpu_now()
-            cpu = (c1[0] - c0[0], c1[1] - c0[1], None if c0[2] is None or c1[2] is None else c1[2] - c0[2])
-            trace.call_done(time.perf_counter() - t0, engine.device_wait_s - w0, cpu)
+            e1, p1, x1 = time.thread_time(), time.process_time(), xla_cpu_seconds()  # the engine thread's interval
+            xla = None if x0 is None or x1 is None else x1 - x0
+            trace.call_done(time.perf_counter() - t0, engine.device_wait_s - w0, (p1 - p0, e1 - e0, xla))
 
     engine.runner.run, engine._process, engine.step = traced_run, traced_process, traced_step
     return trace
