@@ -107,11 +107,11 @@ class SpecFake(Fake):
 
         async def metrics(_):
             n = len(self.requests)
-            lines = [
-                f"netra_spec_decode_num_drafts_total {2 * n}",
-                f"netra_spec_decode_num_draft_tokens_total {6 * n}",
-                f"netra_spec_decode_num_accepted_tokens_total {4 * n}",
-                f'netra_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {2 * n}',
+            lines = [  # gauges, as netra-jax's server writes them (no _total suffix)
+                f"netra_spec_decode_num_drafts {2 * n}",
+                f"netra_spec_decode_num_draft_tokens {6 * n}",
+                f"netra_spec_decode_num_accepted_tokens {4 * n}",
+                f'netra_spec_decode_num_accepted_tokens_per_pos{{position="0"}} {2 * n}',
             ]
             return PlainTextResponse("\n".join(lines) + "\n")
 
