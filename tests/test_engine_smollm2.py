@@ -60,3 +60,19 @@ def test_smollm2_32_mixed_prompts_batched_equal_solo_and_reference(smollm2_path)
     pool = llm.engine.pool
     pool.check_invariant()
     assert pool.num_in_use == 0
+
+
+@pytest.mark.slow
+def test_smollm2_reference_chats_with_ngram_speculation(smollm2_path):
+    """With n-gram speculation the reference chats still give transformers' greedy answers, token for token (the
+    engine's exactness guarantee), while proposals are made and some accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(smollm2_path, dtype="float32", max_num_seqs=4, warmup=False, speculative_config=spec)
+    ref = reference("smollm2")["cases"]
+    sp = SamplingParams(max_tokens=48, temperature=0)
+    for out, case in zip(llm.chat([c["messages"] for c in ref], sp, use_tqdm=False), ref, strict=True):
+        assert out.outputs[0].token_ids == case["greedy_ids"]
+        assert out.outputs[0].text == case["greedy_text"]
+    stats = llm.engine.spec_stats()
+    assert stats["num_accepted_tokens"] > 0, stats
+    llm.engine.pool.check_invariant()
