@@ -37,6 +37,18 @@ class ConfigError(ValueError):
     """A checkpoint's configuration cannot be served (unsupported architecture, rope type, missing field)."""
 
 
+def json_object(value: dict[str, Any] | str, what: str) -> dict[str, Any]:
+    """A settings object given as a dict or as its JSON text (a CLI flag); ConfigError naming `what` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """One RoPE setting as transformers computes it (`modeling_rope_utils`): the inverse frequencies of the rotated

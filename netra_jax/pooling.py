@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from netra_jax.config import ConfigError, PoolerConfig
+from netra_jax.config import ConfigError, PoolerConfig, json_object
 
 __all__ = [
     "NOT_AN_EMBEDDING_ENGINE",
@@ -165,13 +165,7 @@ def pooler_config_from(value: PoolerConfig | dict[str, Any] | str | None) -> Poo
     pooling_type (or seq_pooling_type) LAST | MEAN | CLS and normalize (or use_activation). ConfigError if bad."""
     if value is None or isinstance(value, PoolerConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"pooler config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"pooler config must be a JSON object, got {value!r}")
+    value = json_object(value, "pooler config")
     names = {"pooling_type": "pooling_type", "seq_pooling_type": "pooling_type"}
     names |= {"normalize": "normalize", "use_activation": "normalize"}
     unknown = sorted(set(value) - set(names))

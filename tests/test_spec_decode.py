@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
+from test_engine import _CompileCounter
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
@@ -284,17 +285,6 @@ def test_disable_by_batch_size_stops_proposals(base):
     batch = llm.engine.spec_stats()["num_drafts"]
     _run(llm, prompts[3:4], params)
     assert llm.engine.spec_stats()["num_drafts"] - batch > 0  # alone, it speculates
-
-
-class _CompileCounter(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if msg.startswith("Finished XLA compilation of jit("):
-            self.names.append(msg.split("(")[1].split(")")[0])
 
 
 def test_no_compilations_after_warmup_with_speculation():

@@ -3,11 +3,10 @@ to k tokens per step, the target verifies them in its ordinary step."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from netra_jax.config import ConfigError
+from netra_jax.config import ConfigError, json_object
 
 SPEC_METHODS = ("ngram", "draft_model")
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
@@ -53,8 +52,7 @@ class SpeculativeConfig:
         """vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
         "prompt_lookup_min": m} or {"model": path, "num_speculative_tokens": k} (method "draft_model" implied).
         One lookup bound given alone sets both, as vLLM does. Unknown keys raise ConfigError."""
-        if not isinstance(d, dict):
-            raise ConfigError(f"speculative_config must be an object, got {type(d).__name__}")
+        d = json_object(d, "speculative config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -79,9 +77,4 @@ def speculative_config_from(value: SpeculativeConfig | dict[str, Any] | str | No
     """A SpeculativeConfig from what users pass: the object, vLLM's dict, its JSON text (the CLI flag), or None."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"speculative config is not valid JSON: {e}") from None
-    return SpeculativeConfig.from_dict(value)
+    return SpeculativeConfig.from_dict(json_object(value, "speculative config"))
