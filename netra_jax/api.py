@@ -40,11 +40,13 @@ _CACHE_SET = False
 
 
 def enable_compilation_cache(path: str | None) -> None:
-    """Persistent XLA compilation cache so a restart reuses the compiled step buckets."""
+    """Persistent XLA compilation cache so a restart reuses the compiled step buckets: `path`, else
+    $JAX_COMPILATION_CACHE_DIR, else <cache dir>/xla ("" = off). Every compiled program is stored, however quick its
+    compile or small its executable (jax's defaults skip those under 1 s)."""
     global _CACHE_SET
     if _CACHE_SET or path == "":
         return
-    path = path or str(assets.cache_dir() / "xla")
+    path = path or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(assets.cache_dir() / "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -261,13 +261,16 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_started(host: str, port: int) -> None:
         bound["addr"] = (host, port)
+        if not warm.is_set():
+            print(f"netra-jax: listening on http://{host}:{port} (/health 200; /ready 503 until warm)", flush=True)
         announce()
 
     def warm_up() -> None:
         if cfg.warmup:
-            print("netra-jax: compiling step buckets (/ready answers 503 until done) ...", flush=True)
-            secs = engine.warmup()
-            print(f"netra-jax: warm-up done in {secs:.1f}s", flush=True)
+            print("netra-jax: warming up (/health answers 200, /ready 503 until done) ...", flush=True)
+            secs = engine.warmup(progress=lambda line: print(f"netra-jax: {line}", flush=True))
+            report = engine.warmup_report
+            print(f"netra-jax: warm-up done in {secs:.1f}s ({len(report.compiled)} variants compiled)", flush=True)
         warm.set()
         announce()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -21,6 +22,7 @@ from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.step_trace import install_from_env as install_step_trace
+from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.ops import sampling
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
@@ -135,28 +137,20 @@ class LLMEngine:
         self.device_wait_s = 0.0  # time the host spent blocked on step results (the rest of a step is host work)
         self.num_requests = 0
         self.ready = False
+        self.warmup_report: WarmupReport | None = None
         self.step_trace = install_step_trace(self)  # opt-in per-step trace ($NETRA_STEP_TRACE); None: off
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_total * self.pool.block_size
 
-    def warmup(self) -> float:
-        """Compile every step variant (each token bucket, and the two prompt-logprob buckets with their rows) and
-        the sampler variants (task "embed": the embedding buckets instead); returns seconds spent."""
-        t0 = time.perf_counter()
-        if self.embedder is not None:
-            self.embedder.warmup()
-            self.ready = True
-            return time.perf_counter() - t0
-        shapes = self.runner.all_shapes()
-        for shape in shapes:
-            self.runner.warmup_shape(shape)
-        sampling.warm_up(sorted({s.num_rows for s in shapes}), self.vocab_size)
-        if self.proposer is not None:
-            self.proposer.warmup()
+    def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
+        """Compile every program a request can need (the reachable step buckets, sampler variants, proposer; task
+        "embed": the embedding buckets) in `workers` threads, reporting each to `progress` (see
+        `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled."""
+        self.warmup_report = warm_up(self, progress, workers)
         self.ready = True
-        return time.perf_counter() - t0
+        return self.warmup_report.seconds
 
     # ------------------------------------------------------------------ requests
     def add_request(

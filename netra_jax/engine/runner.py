@@ -150,10 +150,13 @@ class ModelRunner:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
         self.buckets = token_buckets(max_num_batched_tokens)
+        # the most tokens one step can hold: the token budget, every sequence's whole context, every KV slot
+        self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len, num_pages * page_size)
+        top = next(b for b in self.buckets if b >= self.max_step_tokens)  # the largest bucket a step can need
         # steps computing prompt logprobs (prefill chunks of the requests asking for them: rare) pad to one of two
         # buckets, so warm-up compiles two more variants instead of doubling them all
-        smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, self.buckets[-1]))
-        self.prompt_logprob_buckets = tuple(sorted({smallest, self.buckets[-1]}))
+        smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
+        self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap
@@ -191,9 +194,13 @@ class ModelRunner:
         return BatchShape(T, S, self.max_pages, rows, R)
 
     def all_shapes(self) -> list[BatchShape]:
-        """Every step variant the engine can run (each bucket, and the prompt-logprob buckets with their rows)."""
-        shapes = {self.shape_for(b) for b in self.buckets}
-        shapes |= {self.shape_for(b, prompt_logprobs=True) for b in self.prompt_logprob_buckets}
+        """Every step variant the engine can reach: the shape `shape_for` gives each step size from 1 to
+        `max_step_tokens` tokens, plain and with prompt logprobs. Buckets only a larger step would need are left out."""
+        top = self.max_step_tokens
+        shapes = set()
+        for plp in (False, True):
+            buckets = self.prompt_logprob_buckets if plp else self.buckets
+            shapes |= {self.shape_for(n, plp) for n in (*(b for b in buckets if b < top), top)}
         return sorted(shapes, key=lambda s: (s.num_tokens, s.prompt_rows))
 
     # ------------------------------------------------------------------ execution
@@ -248,6 +255,20 @@ class ModelRunner:
             mesh=self.mesh,
         )
         return np.asarray(out[: len(ids)])
+
+    def lower_step(self, shape: BatchShape) -> jax.stages.Lowered:
+        """Trace and lower one step variant with the arguments `run` passes it (compiling the result is what the
+        first `run` of that shape would compile; it then finds it in the jit's caches)."""
+        prev_ids = self._no_ids if self.overlap else None
+        host = empty_batch(shape, self.pad_slot)  # numpy, as pack_batch's
+        return self._jit.trace(
+            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
+        ).lower()
+
+    def lower_widen(self, num_rows: int) -> jax.stages.Lowered:
+        """Trace and lower `widen` of `num_rows` sampled ids (overlapped steps)."""
+        ids = jax.device_put(np.zeros(num_rows, np.int32), jax.devices()[0])  # as the sampler returns them
+        return self._widen.trace(ids).lower()
 
     def warmup_shape(self, shape: BatchShape) -> None:
         """Compile (and run once on an all-padding batch, which writes nothing) one step variant, and the widening
