@@ -95,7 +95,7 @@ def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, b
     return o, kp, vp
 
 
-def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md, backend: str, mesh):
+def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh):
     T = x.shape[0]
     q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
     k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -108,8 +108,25 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kv: KVCache, md
     fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
     if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
         fn = head_parallel(fn, mesh)
-    o, kp, vp = fn(q, k, v, kv.k[i], kv.v[i], md, lp.get("sinks"))
+    o, kp, vp = fn(q, k, v, kp, vp, md, lp.get("sinks"))
     return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh"))
+def _layer(x, lp, kp, vp, positions, md, *, cfg: ModelConfig, i: int, backend: str, mesh):
+    """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages). A nested jit, so a model's
+    alike layers are traced and lowered once per step variant instead of once each (start-up time); XLA inlines the
+    calls, and the compiled step is the one the unrolled loop gives."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h, kp, vp = _attention_block(h, lp, cfg, i, positions, kp, vp, md, backend, mesh)
+    if cfg.sandwich_norms:
+        h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
+    x = x + h
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg)
+    if cfg.sandwich_norms:
+        h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
+    return x + h, kp, vp
 
 
 def hidden_states(
@@ -133,19 +150,12 @@ def hidden_states(
     if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     new_k, new_v = [], []
+    first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        h, kp, vp = _attention_block(h, lp, cfg, i, positions, kv, md, backend, mesh)
+        like = first_of_kind.setdefault((cfg.layer_window(i), cfg.layer_rope(i), cfg.is_moe_layer(i)), i)
+        x, kp, vp = _layer(x, lp, kv.k[i], kv.v[i], positions, md, cfg=cfg, i=like, backend=backend, mesh=mesh)
         new_k.append(kp)
         new_v.append(vp)
-        if cfg.sandwich_norms:
-            h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
-        x = x + h
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg)
-        if cfg.sandwich_norms:
-            h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
-        x = x + h
     if rows is not None:
         x = x[rows]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
