@@ -8,11 +8,15 @@ import random
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import FIXTURES
 
 from netra_jax import LLM, SamplingParams
+from netra_jax.engine.runner import ModelRunner
 from netra_jax.engine.warmup import engine_variants
+from netra_jax.loader import load_model
 from netra_jax.ops import sampling
 
 MODEL = FIXTURES / "tiny-llama"
@@ -169,3 +173,19 @@ def test_parallel_warm_up_compiles_what_one_thread_does(warmed, compiles):
     with compiles as after:
         _workload(serial)
     assert after == []
+
+
+def test_steps_lower_alike_however_the_parameters_were_placed():
+    """Converted parameters come uncommitted, restored ones committed; the runner commits them, so a step lowers to
+    the same module (the same persistent-cache key) on a first start and on later ones."""
+    cfg, params = load_model(MODEL, "float32", cache=False)
+    loose = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)
+    placed = jax.device_put(params, jax.devices()[0])
+    assert not jax.tree.leaves(loose)[0].committed and jax.tree.leaves(placed)[0].committed
+    texts = []
+    for p in (loose, placed):
+        runner = ModelRunner(
+            cfg, p, num_pages=8, page_size=16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, overlap=True
+        )
+        texts.append([runner.lower_step(s).as_text() for s in runner.all_shapes()[:2]])
+    assert texts[0] == texts[1]

@@ -146,6 +146,8 @@ class ModelRunner:
         if self.mesh is not None:  # a no-op for parameters the loader already placed on this mesh
             params = parallel.shard_params(params, cfg, self.mesh)
             cfg = parallel.shard_config(cfg, tensor_parallel_size)  # KV heads replicated when fewer than N
+        else:  # committed, as the parameter cache restores them: converted or restored, the steps lower alike and
+            params = jax.device_put(params, jax.devices()[0])  # hit the same persistent compilation-cache entries
         self.cfg, self.params = cfg, params
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
