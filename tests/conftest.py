@@ -3,8 +3,11 @@ and a persistent XLA compilation cache so repeated engine builds reuse compiled 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,28 @@ MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"]  # mixture-of-ex
 
 def reference(name: str) -> dict:
     return json.loads((FIXTURES / name / "reference.json").read_text())
+
+
+@contextlib.contextmanager
+def compiled_jits() -> Iterator[list[str]]:
+    """The names of the jitted functions XLA compiles inside the block, in order (jax's compile log)."""
+    import jax
+
+    names: list[str] = []
+
+    class _Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if msg.startswith("Finished XLA compilation of jit("):
+                names.append(msg.split("(")[1].split(")")[0])
+
+    handler, logger = _Log(), logging.getLogger("jax._src.dispatch")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,12 +3,10 @@ prefill and prefix-cache hits; seeded sampling; n > 1; stop strings; no compilat
 
 from __future__ import annotations
 
-import logging
 import random
 
-import jax
 import pytest
-from conftest import FIXTURES, reference
+from conftest import FIXTURES, compiled_jits, reference
 
 from netra_jax import LLM, SamplingParams
 
@@ -181,23 +179,8 @@ def test_stream_deltas_concatenate(llm):
     assert m.ttft is not None and m.e2e >= m.ttft >= 0 and m.tpot is not None
 
 
-class _CompileCounter(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if msg.startswith("Finished XLA compilation of jit("):
-            self.names.append(msg.split("(")[1].split(")")[0])
-
-
 def test_no_compilations_after_warmup(llm):
-    counter = _CompileCounter()
-    logger = logging.getLogger("jax._src.dispatch")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
+    with compiled_jits() as compiled:
         rng = random.Random(11)
         vocab = llm.model_config.vocab_size
         reqs, params = [], []
@@ -216,15 +199,12 @@ def test_no_compilations_after_warmup(llm):
             )
         for start in range(0, 100, 25):  # waves of different batch compositions
             llm.generate(reqs[start : start + 25], params[start : start + 25], use_tqdm=False)
-        after_warm = list(counter.names)
+        after_warm = list(compiled)
         # control: a penalty variant is not warmed, so the counter must see it compile
         llm.generate(reqs[0], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
     model_steps = [n for n in after_warm if n in ("_step", "_sample", "_widen_ids")]
     assert model_steps == [], f"compiled after warm-up: {model_steps}"
-    assert "_sample" in counter.names[len(after_warm) :]
+    assert "_sample" in compiled[len(after_warm) :]
 
 
 @pytest.mark.parametrize(

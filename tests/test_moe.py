@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, MOE_MODELS
+from conftest import FIXTURES, MOE_MODELS, compiled_jits
 from safetensors.numpy import load_file
 
 from netra_jax.config import ModelConfig
@@ -106,15 +105,6 @@ def test_unnormalised_top_k():
     assert np.abs(normalised - want).max() > 1e-2  # the flag changes the result
 
 
-class _CompileCounter(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record):
-        self.count += record.getMessage().startswith("Finished XLA compilation of jit(moe_mlp)")
-
-
 def test_one_compilation_for_any_routing():
     name = "tiny-qwen3-moe"
     cfg = ModelConfig.from_hf_dir(FIXTURES / name)
@@ -124,18 +114,11 @@ def test_one_compilation_for_any_routing():
     skewed = np.repeat(x[:1], 24, axis=0)  # every token to the same two experts: the others get no rows
     routes = [np.asarray(route(jnp.asarray(a), params, cfg)[1]) for a in (x, skewed)]
     assert len(np.unique(routes[1])) == 2 and len(np.unique(routes[0])) > 2
-    counter = _CompileCounter()
-    logger = logging.getLogger("jax._src.dispatch")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
+    with compiled_jits() as compiled:
         f(jnp.asarray(x), params, cfg).block_until_ready()
-        first = counter.count
+        first = compiled.count("moe_mlp")
         got = np.asarray(f(jnp.asarray(skewed), params, cfg))
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
-    assert first == 1 and counter.count == 1  # the second routing compiled nothing
+    assert first == 1 and compiled.count("moe_mlp") == 1  # the second routing compiled nothing
     want = reference_moe(name, skewed.astype(np.float64), cfg)
     assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 

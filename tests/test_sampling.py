@@ -3,11 +3,10 @@ greedy, filters, penalties, bias, logprobs, draw frequencies, seeding, batch ind
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import numpy as np
 import pytest
+from conftest import compiled_jits
 from scipy.stats import chi2
 
 from netra_jax.ops import sampling as sm
@@ -269,28 +268,13 @@ def test_padding_and_non_finite_rows_return_valid_tokens():
     np.testing.assert_array_equal(tok[4:8], np.argmax(x[4:8], -1))
 
 
-class CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.compiled: list[str] = []
-
-    def emit(self, record):
-        if "Finished XLA compilation of jit(_sample)" in record.getMessage():
-            self.compiled.append(record.getMessage())
-
-
 def test_warm_up_covers_the_common_variants():
     # as the engine calls it: logits committed to the device (the model step's output), arrays put per step
     x = jax.device_put(logits_for(12), jax.devices()[0])
     assert sm.warm_up([S], V) == len(sm.variant_keys()) == 6
-    log, logger = CompileLog(), logging.getLogger("jax")
-    logger.addHandler(log)
-    try:
-        with jax.log_compiles(True):
-            for rows in ([R(temperature=0.0)], [R(seed=1, num_logprobs=2)], [R(top_k=20, seed=2)], [R()] * S):
-                run(rows, x)
-            assert log.compiled == []
-            run([R(temperature=0.0, logit_bias=dict.fromkeys(range(20), 1.0))], x)  # bias variants: on first use
-            assert len(log.compiled) == 1
-    finally:
-        logger.removeHandler(log)
+    with compiled_jits() as compiled:
+        for rows in ([R(temperature=0.0)], [R(seed=1, num_logprobs=2)], [R(top_k=20, seed=2)], [R()] * S):
+            run(rows, x)
+        assert compiled.count("_sample") == 0
+        run([R(temperature=0.0, logit_bias=dict.fromkeys(range(20), 1.0))], x)  # bias variants: on first use
+        assert compiled.count("_sample") == 1

@@ -5,17 +5,14 @@ a draft model equal to the target accepts everything, n-gram lookup and acceptan
 from __future__ import annotations
 
 import json
-import logging
 import math
 import random
 import shutil
 from collections import Counter
 
-import jax
 import numpy as np
 import pytest
-from conftest import FIXTURES, reference
-from test_engine import _CompileCounter
+from conftest import FIXTURES, compiled_jits, reference
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
@@ -289,11 +286,7 @@ def test_disable_by_batch_size_stops_proposals(base):
 
 def test_no_compilations_after_warmup_with_speculation():
     llm = LLM(MODEL, speculative_config=NGRAM, **{**ENGINE, "warmup": True, "max_num_seqs": 8})
-    counter = _CompileCounter()
-    logger = logging.getLogger("jax._src.dispatch")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
+    with compiled_jits() as compiled:
         rng = random.Random(8)
         prompts = _prompts(llm.model_config.vocab_size, n=30, seed=8)
         params = [
@@ -307,8 +300,5 @@ def test_no_compilations_after_warmup_with_speculation():
             for i in range(len(prompts))
         ]
         _run(llm, prompts, params)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
     assert llm.engine.spec_stats()["num_accepted_tokens"] > 0
-    assert [n for n in counter.names if n in ("_step", "_sample", "_widen_ids")] == []
+    assert [n for n in compiled if n in ("_step", "_sample", "_widen_ids")] == []
