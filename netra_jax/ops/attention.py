@@ -3,6 +3,8 @@ sequences' new tokens concatenated) attends to each sequence's pages through its
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,13 +19,16 @@ from netra_jax.ops.paged_attention_mosaic import (
 from netra_jax.ops.paged_attention_triton import paged_attention_triton, paged_attention_triton_interpret
 
 # Two jnp paths, chosen per token by the host's work lists (see `build_work`):
-# - per token (decode rows): each token gathers its own sequence's keys, _KEY_CHUNK at a time (64 measured fastest
-#   on CPU: the gathered chunk stays in cache), _TOKEN_BLOCK tokens at once;
+# - per token (decode rows, speculative runs): _TOKEN_BLOCK tokens at once, each gathering its own sequence's keys
+#   in chunks of _WHOLE_KEYS up to its last whole multiple of them, then of _TAIL_KEYS (see `_token_path`; on CPU the
+#   long chunks cut a 6k-context decode's attention by a third against 64-key chunks, the short ones keep a short
+#   context from computing many masked keys, and a block of tokens shares each loop step's fixed cost);
 # - per query block (prefill rows): up to _QUERY_BLOCK consecutive tokens of one sequence share each gathered chunk
 #   of _BLOCK_KEY_CHUNK keys and score it with one small matmul, _ITEM_GROUP blocks at once. Without it a prompt's
 #   tokens would each gather the whole prompt again (quadratic KV traffic).
-_KEY_CHUNK = 64
-_TOKEN_BLOCK = 64
+_WHOLE_KEYS = 512
+_TAIL_KEYS = 128
+_TOKEN_BLOCK = 16
 _QUERY_BLOCK = 32
 _BLOCK_KEY_CHUNK = 128
 _ITEM_GROUP = 16
@@ -157,15 +162,57 @@ def _softmax_init(sinks, shape):
     return jnp.broadcast_to(sinks, shape), jnp.ones(shape)
 
 
-def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, sliding_window, soft_cap, sinks):
+def _decode_chunk(carry, qg, k_pages, v_pages, pages, kpos, qpos, *, sliding_window, soft_cap):
+    """One online-softmax step of a block of tokens, each over its own chunk of keys: those of its `pages`, at
+    absolute positions kpos, visible up to its position qpos. carry: (m, l, acc) [t, KH, G], [t, KH, G],
+    [t, KH, G, D]; qg: [t, KH, G, D] scaled queries; pages: [t, ppc] page ids; kpos: [t, ck]; qpos: [t].
+    A token whose qpos is below its chunk's keys gets an exact no-op (alpha = 1, p = 0)."""
+    m, l, acc = carry
+    t, KH, G, D = qg.shape
+    ck = pages.shape[1] * k_pages.shape[1]
+
+    def fetch(pages_array):  # [t, ck, KH, 1, D] float32
+        # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
+        x = jnp.take(pages_array, pages, axis=0, mode="clip").reshape(t, ck, KH, 1, D)
+        return x.astype(jnp.float32)
+
+    # a multiply-and-sum (one fused loop over the gathered keys) rather than a batched dot: measured faster on CPU
+    s = (fetch(k_pages) * qg[:, None]).sum(-1).transpose(0, 2, 3, 1)  # [t, KH, G, ck]
+    s, mask = _masked_scores(s, kpos[:, None, None, :], qpos[:, None, None, None], sliding_window, soft_cap)
+    m_new = jnp.maximum(m, s.max(-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    pv = (p.transpose(0, 3, 1, 2)[..., None] * fetch(v_pages)).sum(1)  # [t, KH, G, D]
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+
+def decode_chunks(page_size: int) -> tuple[int, int]:
+    """Pages per chunk of the per-token path: (tail chunk, whole chunk), the whole chunk a multiple of the tail."""
+    tail = max(1, _TAIL_KEYS // page_size)
+    return tail, max(1, _WHOLE_KEYS // (tail * page_size)) * tail
+
+
+def _token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_window, soft_cap, sinks):
     """Per-token attention for the tokens idx[:count] (others are T: dropped), written into out [T, H, D].
-    sinks: [KH, G] float32 or None."""
+    sinks: [KH, G] float32 or None.
+
+    Blocks of up to _TOKEN_BLOCK tokens at once. A token at position pos reads keys [0, n * W) in whole chunks of W
+    keys, n = (pos + 1) // W, and the rest in tail chunks, each chunk on its own pages: a long context takes few
+    large gathers, a short one computes at most one tail chunk past its end. The chunks a token goes through depend
+    on its own position only (the block's loops run to its longest token; the extra steps are exact no-ops for the
+    others), so a token takes the same keys in the same chunks whether decoded alone, beside other sequences or
+    inside a speculative run (its float rounding may still differ with the block's size, as a matmul's does with
+    its rows)."""
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
     G = H // KH
-    ppc = max(1, _KEY_CHUNK // P)  # pages per chunk
-    ck = ppc * P
-    rows_all = _pad_pages(lay.rows, ppc)
+    ppt, ppw = decode_chunks(P)  # pages per tail chunk, per whole chunk
+    ckt, ckw = ppt * P, ppw * P
+    rows_all = _pad_pages(lay.rows, ppw)
+    last_page = rows_all.shape[1] - 1
+    step = functools.partial(
+        _decode_chunk, k_pages=k_pages, v_pages=v_pages, sliding_window=sliding_window, soft_cap=soft_cap
+    )
     tb = min(_TOKEN_BLOCK, idx.shape[0])
     if idx.shape[0] % tb:
         idx = jnp.pad(idx, (0, tb - idx.shape[0] % tb), constant_values=T)
@@ -173,28 +220,34 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
     def block(b, out):
         ti = jax.lax.dynamic_slice_in_dim(idx, b * tb, tb)  # [tb] token ids (T = none)
         tc = jnp.minimum(ti, T - 1)
-        live = (ti < T) & lay.valid[tc]
-        pb = jnp.where(live, lay.q_pos[tc], -1)  # [tb]; -1 masks every key
+        pos = jnp.where((ti < T) & lay.valid[tc], lay.q_pos[tc], -1)  # [tb]; -1: no keys
         rows = rows_all[tc]  # [tb, pages]
-        qg = q[tc].astype(jnp.float32).reshape(tb, 1, KH, G, D) * scale  # [tb, 1, KH, G, D]
-        lo = jnp.min(jnp.where(live, pb, jnp.iinfo(jnp.int32).max))
+        qg = q[tc].astype(jnp.float32).reshape(tb, KH, G, D) * scale
+        n_whole = (pos + 1) // ckw  # [tb]
+        n_tail = (pos + 1 - n_whole * ckw + ckt - 1) // ckt
+        if sliding_window is None:
+            lo_whole = lo_tail = jnp.zeros_like(pos)
+        else:  # chunks wholly before the window change nothing: a token starts at the first that can
+            start = jnp.maximum(pos - sliding_window + 1, 0)
+            lo_whole, lo_tail = start // ckw, jnp.maximum(start - n_whole * ckw, 0) // ckt
 
-        def body(c, carry):
-            m, l, acc = carry  # [tb, KH, G], [tb, KH, G], [tb, KH, G, D]
-            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [tb, ppc]
-            # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
-            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
-            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
-            kpos = (c * ck + jnp.arange(ck, dtype=jnp.int32))[None, :, None, None]  # [1, ck, 1, 1]
-            s, mask = _masked_scores((qg * k).sum(-1), kpos, pb[:, None, None, None], sliding_window, soft_cap)
-            m_new = jnp.maximum(m, s.max(1))  # s: [tb, ck, KH, G]
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-            return m_new, l * alpha + p.sum(1), acc * alpha[..., None] + (p[..., None] * v).sum(1)
+        def whole(c, carry):
+            pages = jax.lax.dynamic_slice_in_dim(rows, c * ppw, ppw, axis=1)  # [tb, ppw]
+            kpos = jnp.broadcast_to(c * ckw + jnp.arange(ckw, dtype=jnp.int32), (tb, ckw))
+            skip = (c < lo_whole) | (c >= n_whole)  # outside this token's whole chunks: a no-op
+            return step(carry, qg, pages=pages, kpos=kpos, qpos=jnp.where(skip, -1, pos))
 
-        init = (*_softmax_init(sinks, (tb, KH, G)), jnp.zeros((tb, KH, G, D)))
-        hi = jnp.where(live.any(), n_chunks(ck), 0)  # an empty block gathers nothing
-        _, l, acc = jax.lax.fori_loop(_first_chunk(lo, sliding_window, ck), hi, body, init)
+        def tail(j, carry):
+            first = n_whole * ckw + j * ckt  # [tb] each token's first key of its j-th tail chunk
+            pidx = jnp.minimum(first[:, None] // P + jnp.arange(ppt), last_page)  # [tb, ppt]
+            pages = jnp.take_along_axis(rows, pidx, axis=1)
+            kpos = first[:, None] + jnp.arange(ckt, dtype=jnp.int32)
+            skip = (j < lo_tail) | (j >= n_tail)
+            return step(carry, qg, pages=pages, kpos=kpos, qpos=jnp.where(skip, -1, pos))
+
+        carry = (*_softmax_init(sinks, (tb, KH, G)), jnp.zeros((tb, KH, G, D)))
+        carry = jax.lax.fori_loop(jnp.min(lo_whole), jnp.max(n_whole), whole, carry)
+        _, l, acc = jax.lax.fori_loop(jnp.min(lo_tail), jnp.max(n_tail), tail, carry)
         o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tb, H, D)
         return out.at[ti].set(o.astype(out.dtype), mode="drop")
 
@@ -203,7 +256,7 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, n_chunks, *, scale, s
     return jax.lax.fori_loop(0, (count + tb - 1) // tb, block, out)
 
 
-def _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, *, scale, sliding_window, soft_cap, sinks):
+def _block_path(out, q, k_pages, v_pages, lay, md, w, *, scale, sliding_window, soft_cap, sinks):
     """Query-block attention for the host's items (runs of one sequence's tokens), written into out [T, H, D].
     sinks: [KH, G] float32 or None."""
     T, H, D = q.shape
@@ -270,9 +323,10 @@ def paged_attention_reference(
     """Plain-jnp ragged paged attention with an online softmax over fixed-size key chunks.
 
     Tokens go per token or per query block as `md.work` says (every token per token when it is absent). Loops run
-    for as many chunks as the longest context needs (a dynamic trip count, so cost follows the real lengths and no
-    context-length bucket is compiled). Chunk boundaries are absolute positions, so a token's arithmetic does not
-    depend on its batch companions: extra chunks of a longer companion are fully masked for it.
+    for as many chunks as the contexts need (dynamic trip counts, so cost follows the real lengths and no
+    context-length bucket is compiled). A per-token row's chunks depend on its own position only (see
+    `_token_path`), whether decoded alone, beside other sequences or inside a speculative run. Query
+    blocks' chunk boundaries are absolute positions: extra chunks of a longer companion are fully masked for them.
 
     q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
     step's keys); sinks: [q_heads] attention-sink logits (gpt-oss) or None: each head's softmax also spans its sink,
@@ -282,21 +336,16 @@ def paged_attention_reference(
     T, H, D = q.shape
     KH = k_pages.shape[2]
     lay = with_token_layout(md, T).layout
-    max_len = jnp.max(md.seq_lens)
-
-    def n_chunks(ck):
-        return (max_len + ck - 1) // ck
-
     sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
     sinks = None if sinks is None else sinks.reshape(KH, H // KH)
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     out = jnp.zeros((T, H, D), q.dtype)
     if md.work is None:
         idx = jnp.arange(T, dtype=jnp.int32)
-        return _token_path(out, q, k_pages, v_pages, lay, idx, jnp.int32(T), n_chunks, **kw)
+        return _token_path(out, q, k_pages, v_pages, lay, idx, jnp.int32(T), **kw)
     w = md.work
-    out = _token_path(out, q, k_pages, v_pages, lay, w.tokens, w.num_tokens, n_chunks, **kw)
-    return _block_path(out, q, k_pages, v_pages, lay, md, w, n_chunks, **kw)
+    out = _token_path(out, q, k_pages, v_pages, lay, w.tokens, w.num_tokens, **kw)
+    return _block_path(out, q, k_pages, v_pages, lay, md, w, **kw)
 
 
 def auto_backend(
