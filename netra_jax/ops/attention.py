@@ -173,7 +173,9 @@ def _decode_chunk(carry, qg, k_pages, v_pages, pages, kpos, qpos, *, sliding_win
 
     def fetch(pages_array):  # [t, ck, KH, 1, D] float32
         # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
-        x = jnp.take(pages_array, pages, axis=0, mode="clip").reshape(t, ck, KH, 1, D)
+        # (pages as rows of one 2-D array: each page one contiguous copy, faster than a 4-D gather on CPU)
+        rows = pages_array.reshape(pages_array.shape[0], -1)
+        x = jnp.take(rows, pages, axis=0, mode="clip").reshape(t, ck, KH, 1, D)
         return x.astype(jnp.float32)
 
     # a multiply-and-sum (one fused loop over the gathered keys) rather than a batched dot: measured faster on CPU
