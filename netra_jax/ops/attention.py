@@ -227,11 +227,9 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_win
         qg = q[tc].astype(jnp.float32).reshape(tb, KH, G, D) * scale
         n_whole = (pos + 1) // ckw  # [tb]
         n_tail = (pos + 1 - n_whole * ckw + ckt - 1) // ckt
-        if sliding_window is None:
-            lo_whole = lo_tail = jnp.zeros_like(pos)
-        else:  # chunks wholly before the window change nothing: a token starts at the first that can
-            start = jnp.maximum(pos - sliding_window + 1, 0)
-            lo_whole, lo_tail = start // ckw, jnp.maximum(start - n_whole * ckw, 0) // ckt
+        # chunks wholly before a sliding window change nothing: a token starts at the first that can
+        lo_whole = _first_chunk(pos, sliding_window, ckw)  # [tb] (or 0)
+        lo_tail = _first_chunk(pos - n_whole * ckw, sliding_window, ckt)
 
         def whole(c, carry):
             pages = jax.lax.dynamic_slice_in_dim(rows, c * ppw, ppw, axis=1)  # [tb, ppw]
