@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.bench.machine import machine_info
+from netra_jax.bench.results import write_result
 from netra_jax.config import CacheConfig
 from netra_jax.ops import attention as attn
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, paged_attention_reference
@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.engine:
         result["engine"] = bench_engine(6000, 32, args.engine_repeats)
-    out = Path(args.out or HERE / "results" / f"{dt.date.today()}-attention_decode.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(result, "attention_decode", HERE / "results", args.out)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -129,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before_after": [load0, os.getloadavg()],
         "results": results,
     }
-    out = Path(a.out or HERE / "results" / f"{doc['date']}-host_overlap.json")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+    from netra_jax.bench.results import write_result
+
+    write_result(doc, "host_overlap", HERE / "results", a.out)
     return 0
 
 

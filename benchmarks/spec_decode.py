@@ -241,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         "config": config,
         "points": points,
     }
-    out = Path(a.out) if a.out else HERE / "results" / f"{datetime.date.today().isoformat()}-spec_decode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    from netra_jax.bench.results import write_result
+
+    out = write_result(res, "spec_decode", HERE / "results", a.out)
     table = markdown(res)
     out.with_suffix(".md").write_text(table)
     print(table, end="")
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    print(f"wrote {out.with_suffix('.md')}")
     return 0 if all(p["identical"] for p in points) else 1
 
 

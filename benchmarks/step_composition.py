@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         "note": "offline closed loop in one engine; variants alternate pass by pass; medians of --repeats passes",
         "results": results,
     }
-    out = Path(a.out or HERE / "results" / f"{doc['date']}-step_composition.json")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    from netra_jax.bench.results import write_result
+
+    write_result(doc, "step_composition", HERE / "results", a.out)
     print("\n| users | variant | output tok/s | ratio | median TTFT ms | median TPOT ms | steps | padding |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in results:
@@ -194,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['median_ttft_ms']:.0f} | {m['median_tpot_ms']:.1f} | {m['steps']:.0f} | "
                 f"{100 * m['padding_share']:.0f}% |"
             )
-    print(f"wrote {out}")
     return 0
 
 

@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": a.repeats,
         "rows": rows,
     }
-    path = Path(a.out or HERE / "results" / f"{doc['date']}-step_cost.json")
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {path}")
+    from netra_jax.bench.results import write_result
+
+    write_result(doc, "step_cost", HERE / "results", a.out)
     return 0
 
 
