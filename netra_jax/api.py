@@ -281,6 +281,7 @@ class LLM:
                             n_out += sum(len(o.token_ids) for o in out.outputs)
                             bar.set_postfix_str(f"output {n_out / (time.perf_counter() - t0):.1f} tok/s")
                             bar.update(1)
+            self.engine.settle()
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -36,6 +36,7 @@ def _check_idle(llm):
     llm.engine.pool.check_invariant()
     llm.engine.scheduler.check_invariant()
     assert llm.engine.pool.num_in_use == 0 and not llm.engine.scheduler.has_unfinished()
+    assert not llm.engine.has_unfinished_requests() and llm.engine._in_flight is None  # no step outlives the call
 
 
 def _summary(outs):
@@ -241,7 +242,6 @@ def test_an_error_inside_a_step_leaves_no_request_stuck(pair, which, monkeypatch
         if not engine.has_unfinished_requests():
             break
         finished |= {o.request_id for o in engine.step() if o.finished}
-    engine.step()  # settles a last overlapped step, if any
     assert finished == {f"e{i}" for i in range(6)}
     _check_idle(llm)
 
@@ -257,8 +257,8 @@ def test_aborts_in_flight_leak_nothing(pair):
         engine.step()
         engine.abort_request(f"a{n}")  # a step for it is in flight: its token must be dropped
     assert engine._in_flight is not None
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests():  # includes the last in-flight step, for requests that are all gone
         for out in engine.step():
             assert not out.request_id.startswith(("a0", "a1", "a2", "a3", "a4", "a5"))
-    engine.step()  # the last in-flight step, for requests that are all gone
+    assert engine._in_flight is None
     _check_idle(llm)

@@ -203,7 +203,15 @@ class LLMEngine:
         return self.embedder.embed(prompts)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """True while a request runs or an overlapped step is still in flight (dispatched before the requests in
+        it finished): one more `step` reads that step back, so no device work outlives the loop that started it."""
+        return bool(self._states) or self._in_flight is not None
+
+    def settle(self) -> None:
+        """Read back an overlapped step left in flight when its last request finished, if no request runs: the
+        synchronous callers (LLM.generate) end with no device work outstanding."""
+        if self._in_flight is not None and not self._states:
+            self.step()
 
     def spec_stats(self) -> dict | None:
         """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
