@@ -145,6 +145,8 @@ def _tame(case) -> None:
             body[key] = value
     if "prompt" in body:
         body.pop("messages", None)  # /tokenize takes one of them
+    elif case.operation.path == "/tokenize" and "messages" not in body:
+        body["prompt"] = VALID_INPUT["prompt"]  # its schema requires neither, the route one of them
     if "messages" in body and isinstance(body.get("logprobs"), bool):
         body["logprobs"] = body["logprobs"] or body.get("top_logprobs") is not None
     for key, (lo, hi) in RANGES.items():
@@ -159,7 +161,8 @@ def _bound(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    chat = case.operation.path == "/v1/chat/completions"
+    if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 4
     for key, hi, limit in (("max_tokens", 4, 512), ("max_completion_tokens", 4, 512), ("n", 2, 128)):
         v = body.get(key)
