@@ -319,6 +319,7 @@ class LLM:
                     if out.request_id == rid:
                         yield out
                         if out.finished:
+                            self.engine.settle()
                             return
         finally:
             self.engine.abort_request(rid)
