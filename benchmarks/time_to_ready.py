@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from netra_jax.assets import cache_dir
 from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
 
@@ -38,18 +39,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 POLL_S = 0.1
 
 
-def real_cache_root() -> Path:
-    root = os.environ.get("NETRA_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "netra_jax"
-    )
-    return Path(root)
-
-
 def fresh_cache_root(parent: Path) -> Path:
     """A cache root whose xla/ is empty and whose model and parameter caches are the real ones (linked)."""
     root = Path(tempfile.mkdtemp(prefix="ttr-cache-", dir=parent))
     for name in ("smollm2", "params"):
-        src = real_cache_root() / name
+        src = cache_dir() / name
         if src.exists():
             (root / name).symlink_to(src, target_is_directory=True)
     return root
