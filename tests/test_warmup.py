@@ -21,7 +21,7 @@ from netra_jax.ops import sampling
 
 MODEL = FIXTURES / "tiny-llama"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-PROGRESS = re.compile(r"compiling (step|widen|sampler) variant (\d+) of (\d+) \((.+)\)")
+PROGRESS = re.compile(r"compiling (step|widen|sampler|logprobs) variant (\d+) of (\d+) \((.+)\)")
 
 
 class Compiles:
@@ -128,7 +128,7 @@ def test_serving_after_warm_up_compiles_nothing(warmed, compiles):
         # control: a penalty sampler variant is not warmed, so the listener must see it compile
         with compiles as control:
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
-        assert control and all("_sample" in n for n in control)
+        assert control and all("sample_tokens" in n for n in control)
     finally:
         del runner.shape_for
     assert set(used) <= set(runner.all_shapes())
@@ -145,7 +145,12 @@ def test_progress_counts_every_variant(warmed):
     for m in parsed:
         by_kind.setdefault(m.group(1), []).append((int(m.group(2)), int(m.group(3))))
     num_rows = len({s.num_rows for s in runner.all_shapes()})
-    expected = {"step": len(runner.all_shapes()), "widen": num_rows, "sampler": num_rows * len(sampling.variant_keys())}
+    expected = {
+        "step": len(runner.all_shapes()),
+        "widen": num_rows,
+        "sampler": num_rows * len(sampling.variant_keys()),
+        "logprobs": num_rows,
+    }
     assert {k: len(v) for k, v in by_kind.items()} == expected  # the engine overlaps steps: widenings too
     for kind, seen in by_kind.items():
         assert seen == [(i, expected[kind]) for i in range(1, expected[kind] + 1)]

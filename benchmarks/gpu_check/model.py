@@ -164,5 +164,5 @@ def run(sec: Section) -> None:
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(log)
-    steps = [n for n in log.names if n.startswith(("jit(_step", "jit(_sample"))]
+    steps = [n for n in log.names if n.startswith(("jit(_step", "jit(sample_tokens", "jit(token_logprobs"))]
     sec.set("compiles_after_warmup", {"total": len(log.names), "model_steps": len(steps), "names": log.names[:20]})

@@ -47,7 +47,7 @@ class Variant:
     """One compiled program the engine calls: `lower` traces and lowers it with the arguments the engine passes, so
     compiling the result fills the jit's own caches and the engine's first call of it compiles nothing."""
 
-    kind: str  # "step" | "widen" | "sampler"
+    kind: str  # "step" | "widen" | "sampler" | "logprobs"
     label: str  # what makes it a variant, for progress lines: "128 tokens, 64 rows"
     lower: Callable[[], jax.stages.Lowered] = field(compare=False, repr=False)
 
@@ -79,14 +79,24 @@ def step_label(shape: BatchShape) -> str:
 
 
 def sampler_label(num_rows: int, key: sampling.SamplingKey) -> str:
-    how = "greedy" if key.all_greedy else "top-k/top-p" if key.use_filter else "sampled"
-    return f"{_count(num_rows, 'row')}, {how}{', logprobs' if key.want_logprobs else ''}"
+    return f"{_count(num_rows, 'row')}, {'greedy' if key.all_greedy else 'sampled'}"
+
+
+def _step_logits(num_rows: int, vocab_size: int) -> jax.Array:
+    """Logits as a step returns them: committed to the device, so the lowered programs are the ones the engine calls."""
+    return jax.device_put(np.zeros((num_rows, vocab_size), np.float32), jax.devices()[0])  # [R, vocab]
 
 
 def _lower_sampler(num_rows: int, vocab_size: int, key: sampling.SamplingKey) -> jax.stages.Lowered:
-    """The sampler as the engine calls it: committed logits (a step's output) and numpy row parameters."""
-    logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), jax.devices()[0])  # [R, vocab]
-    return sampling.sample.trace(logits, sampling.dummy_arrays(key, num_rows, vocab_size), key=key).lower()
+    """The token program as the engine calls it: a step's logits and numpy row parameters."""
+    arrays = sampling.dummy_arrays(key, num_rows, vocab_size)
+    return sampling.sample_tokens.trace(_step_logits(num_rows, vocab_size), arrays, key=key).lower()
+
+
+def _lower_logprobs(num_rows: int, vocab_size: int) -> jax.stages.Lowered:
+    """The logprob program as the engine calls it: a step's logits and the token program's output."""
+    tokens = jax.device_put(np.zeros(num_rows, np.int32), jax.devices()[0])  # [R]
+    return sampling.token_logprobs.trace(_step_logits(num_rows, vocab_size), tokens).lower()
 
 
 def engine_variants(
@@ -94,17 +104,18 @@ def engine_variants(
 ) -> list[Variant]:
     """Every program the engine may call for `runner`'s configuration: each reachable step shape
     (`ModelRunner.all_shapes`), largest first (the longest compiles start first); with overlapped steps the
-    widening of each sampled-row count; then the sampler's common variants (`sampling.variant_keys`) for each
-    sampled-row count. Penalty, bias and grammar-mask sampler variants compile on first use."""
+    widening of each sampled-row count; then, for each sampled-row count, the sampler's common token programs
+    (`sampling.variant_keys`) and its logprob program. Penalty, bias and grammar-mask token programs compile on
+    first use."""
     shapes = sorted(runner.all_shapes(), key=lambda s: (-s.num_tokens, -s.prompt_rows))
     rows = sorted({s.num_rows for s in shapes})
     out = [Variant("step", step_label(s), partial(runner.lower_step, s)) for s in shapes]
     if runner.overlap:
         out += [Variant("widen", _count(r, "row"), partial(runner.lower_widen, r)) for r in rows]
     keys = sampling.variant_keys() if keys is None else keys
-    out += [
-        Variant("sampler", sampler_label(r, k), partial(_lower_sampler, r, vocab_size, k)) for r in rows for k in keys
-    ]
+    for r in rows:
+        out += [Variant("sampler", sampler_label(r, k), partial(_lower_sampler, r, vocab_size, k)) for k in keys]
+        out.append(Variant("logprobs", _count(r, "row"), partial(_lower_logprobs, r, vocab_size)))
     return out
 
 

@@ -1,5 +1,6 @@
 """On-device token sampling with per-row parameters (bias, penalties, temperature, min-p/top-k/top-p, seed, logprobs).
-The host packs a SamplingBatch with numpy; a separately jitted `sample` runs one small compiled variant per key."""
+The host packs a SamplingBatch with numpy; `sample` runs a small jitted token program per key and, when a row wants
+logprobs, a logprob program per row count."""
 
 from __future__ import annotations
 
@@ -48,12 +49,15 @@ _ONE_BITS = 0x3F800000  # float32 bits of 1.0: weights lie in [0, 1]
 # - Penalty histories longer than HIST_BUCKETS[-1]: see _history (exact unless a request has more distinct prompt ids
 #   plus output ids than the cap; then the most recent ones count).
 # Cost: the all-greedy variant is one argmax; sampling adds about one exp pass and a short search. top_k/top_p
-# thresholds come from lax.top_k over CANDIDATES tokens; rows with a larger top_k, or a nucleus reaching beyond the
-# candidates, get an exact bisection on the float bits of their weights, run only when some row needs it.
+# thresholds come from lax.top_k over CANDIDATES tokens, computed only when some row of the batch has a top_k or top_p
+# (a branch on device, so one compiled variant serves batches with and without them); rows with a larger top_k, or a
+# nucleus reaching beyond the candidates, get an exact bisection on the float bits of their weights, run only when
+# some row needs it. Logprobs are a program of their own (`token_logprobs`), so no token variant is compiled twice.
 
 
 def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[SamplingKey] | None = None) -> int:
-    """Compile `sample` for every (row bucket, key); returns the number of variants run."""
+    """Compile the token program for every (row bucket, key) and the logprob program for every row bucket; returns
+    the number of programs run."""
     keys = variant_keys() if keys is None else keys
     n = 0
     for s in row_buckets:
@@ -62,6 +66,9 @@ def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[Sampling
         for k in keys:
             jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s, vocab_size)), key=k))
             n += 1
+        tokens = jax.device_put(jnp.zeros(s, jnp.int32), jax.devices()[0])  # committed, as a token program's output
+        jax.block_until_ready(token_logprobs(logits, tokens))
+        n += 1
     return n
 
 
@@ -141,15 +148,18 @@ def _thresholds(e: jax.Array, a: SamplingArrays, active: jax.Array) -> jax.Array
     return jnp.maximum(tau0, tau_p[:, None])
 
 
-def _weights(x: jax.Array, a: SamplingArrays, key: SamplingKey) -> tuple[jax.Array, jax.Array]:
+def _weights(x: jax.Array, a: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     """Unnormalised filtered weights [S, V] and the uniforms [S, 2] of the draw. Greedy rows, and rows whose logits
-    are unusable (NaN, +inf, all -inf), get weight 1 on the maximal logits and u = 0: the draw is then the argmax."""
+    are unusable (NaN, +inf, all -inf), get weight 1 on the maximal logits and u = 0: the draw is then the argmax.
+    The top-k/top-p thresholds are computed only when some drawing row has a top_k or top_p (for a row without them
+    they equal its min_p)."""
     greedy = a.temperature <= 0.0  # [S]
     z = x / jnp.where(greedy, 1.0, a.temperature)[:, None]  # [S, V]
     m = jnp.max(z, -1, keepdims=True)  # [S, 1]
     hot = greedy | ~jnp.isfinite(m[:, 0])  # [S]
     e = jnp.exp(z - m)  # [S, V] in [0, 1], 1 at the max
-    tau = _thresholds(e, a, ~hot) if key.use_filter else a.min_p[:, None]
+    filtered = ~hot & ((a.top_k > 0) | (a.top_p < 1.0))  # [S]
+    tau = lax.cond(filtered.any(), lambda: _thresholds(e, a, ~hot), lambda: a.min_p[:, None])  # [S, 1]
     w = jnp.where(hot[:, None], (z == m).astype(jnp.float32), jnp.where(e >= tau, e, 0.0))
     return w, jnp.where(hot[:, None], 0.0, a.uniforms)
 
@@ -173,23 +183,34 @@ def _draw(w: jax.Array, u: jax.Array) -> jax.Array:
     return blk * _BLOCK + _search(inner, u[:, 1])
 
 
-def _sample(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> SamplerOutput:
+@partial(jax.jit, static_argnames=("key",))
+def sample_tokens(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> jax.Array:
+    """One token per row [S] int32 from logits [S, V]. Compiled per key (without `want_logprobs`) and row count."""
     x = _process(logits, a, key)  # [S, V]
     if key.all_greedy:
-        tokens = _argmax(x)  # [S]
-    else:
-        tokens = jnp.minimum(_draw(*_weights(x, a, key)), x.shape[1] - 1)  # [S], in range even for NaN rows
-    if not key.want_logprobs:
-        return SamplerOutput(tokens, None, None, None)
+        return _argmax(x)  # [S]
+    return jnp.minimum(_draw(*_weights(x, a)), x.shape[1] - 1)  # [S], in range even for NaN rows
+
+
+@jax.jit
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """vLLM's default ("raw") logprobs of the sampled tokens [S] and the top MAX_LOGPROBS ids [S, K] and logprobs
+    [S, K]: log_softmax of the model logits [S, V], before bias, penalties and temperature."""
     raw = logits.astype(jnp.float32)  # [S, V]
     m = jnp.max(raw, -1, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(raw - m), -1, keepdims=True))  # [S, 1]
     lp = jnp.take_along_axis(raw, tokens[:, None], 1)[:, 0] - lse[:, 0]  # [S]
     top_vals, top_ids = lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[1]))  # [S, K]
-    return SamplerOutput(tokens, lp, top_ids.astype(jnp.int32), top_vals - lse)
+    return lp, top_ids.astype(jnp.int32), top_vals - lse
 
 
-sample = jax.jit(_sample, static_argnames=("key",))
+def sample(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> SamplerOutput:
+    """Sample a batch: the token program of `key`, then the logprob program when `key.want_logprobs` (both dispatched
+    asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call)."""
+    tokens = sample_tokens(logits, a, key=key._replace(want_logprobs=False))  # [S]
+    if not key.want_logprobs:
+        return SamplerOutput(tokens, None, None, None)
+    return SamplerOutput(tokens, *token_logprobs(logits, tokens))
 
 
 @partial(jax.jit, static_argnames=("key",))
@@ -204,5 +225,5 @@ def sampling_probs(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) ->
     x = _process(logits, a, key)
     if key.all_greedy:
         return jax.nn.one_hot(_argmax(x), x.shape[1], dtype=jnp.float32)
-    w = _weights(x, a, key)[0]
+    w = _weights(x, a)[0]
     return w / jnp.sum(w, -1, keepdims=True)

@@ -51,10 +51,10 @@ class RowSampling:
 
 
 class SamplingKey(NamedTuple):
-    """Static part of a batch; one compiled variant per distinct key (and row count S)."""
+    """Static part of a batch. The token program compiles once per distinct key less `want_logprobs` (and row count
+    S); logprobs are a second program, one per row count, run only when some row wants them."""
 
     all_greedy: bool  # every real row is greedy: one argmax, no draw
-    use_filter: bool  # some sampled row has top_k or top_p: candidates + thresholds
     bias_size: int  # B, from BIAS_BUCKETS (0: no row has a logit_bias)
     hist_size: int  # L, from HIST_BUCKETS (0: no row has an active penalty)
     want_logprobs: bool  # some row wants logprobs: compute raw logprobs and the top MAX_LOGPROBS
@@ -157,7 +157,6 @@ def build_sampling_batch(rows: Sequence[RowSampling | None], num_rows: int, voca
     nlp = np.full(s, -1, np.int32)
     biases: list[tuple[int, np.ndarray, np.ndarray]] = []
     hists: list[tuple[int, np.ndarray, int]] = []
-    use_filter = False
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -173,7 +172,6 @@ def build_sampling_batch(rows: Sequence[RowSampling | None], num_rows: int, voca
             top_k[i] = r.top_k if 0 < r.top_k < vocab_size else 0
             top_p[i] = min(max(r.top_p, 0.0), 1.0)
             min_p[i] = min(max(r.min_p, 0.0), 1.0)
-            use_filter |= bool(top_k[i] > 0 or top_p[i] < 1.0)
         if r.logit_bias:
             ids = np.fromiter(r.logit_bias.keys(), np.int64, len(r.logit_bias))
             vals = np.fromiter(r.logit_bias.values(), np.float64, len(r.logit_bias))
@@ -202,14 +200,14 @@ def build_sampling_batch(rows: Sequence[RowSampling | None], num_rows: int, voca
         temp, top_k, top_p, min_p, rep, pres, freq, uniforms, bias_ids, bias_vals, hist_ids, hist_out, allowed
     )
     all_greedy = not bool((temp[real] > 0).any())
-    key = SamplingKey(all_greedy, use_filter and not all_greedy, b, hl, bool((nlp >= 0).any()), allowed is not None)
+    key = SamplingKey(all_greedy, b, hl, bool((nlp >= 0).any()), allowed is not None)
     return SamplingBatch(arrays, key, nlp)
 
 
-def variant_keys(logprobs: bool = True) -> list[SamplingKey]:
-    """The common variants to compile at warm-up for each row bucket (no bias, no penalties: those compile on use)."""
-    lps = (False, True) if logprobs else (False,)
-    return [SamplingKey(g, f, 0, 0, lp) for lp in lps for g, f in ((True, False), (False, False), (False, True))]
+def variant_keys() -> list[SamplingKey]:
+    """The token programs to compile at warm-up for each row bucket: all-greedy and sampled (top-k/top-p are decided
+    on device); bias, penalty and grammar-mask variants compile on first use."""
+    return [SamplingKey(True, 0, 0, False), SamplingKey(False, 0, 0, False)]
 
 
 def dummy_arrays(key: SamplingKey, num_rows: int, vocab_size: int = 0) -> SamplingArrays:
