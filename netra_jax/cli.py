@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\' '
-        "(greedy and seeded outputs are unchanged; optional disable_by_batch_size)",
+        "(greedy and seeded outputs are unchanged); disable_by_batch_size: no proposals while more requests run "
+        "(default 4; null: always)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)

@@ -17,10 +17,25 @@ from conftest import FIXTURES, compiled_jits, reference
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
 from netra_jax.sampling_params import StructuredOutputsParams
-from netra_jax.spec import NgramProposer, SpeculativeConfig, accept, speculative_config_from, stats_between
+from netra_jax.spec import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    NgramProposer,
+    SpeculativeConfig,
+    accept,
+    speculative_config_from,
+    stats_between,
+)
 
 MODEL = FIXTURES / "tiny-llama"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# proposals at every batch size (the default stops them above DEFAULT_DISABLE_BY_BATCH_SIZE running requests), so
+# the exactness tests verify wide batches of proposals
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,
+}
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, warmup=False)
 
 
@@ -255,6 +270,12 @@ def test_speculative_config_like_vllm():
     c = speculative_config_from('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 3, 3)
     assert speculative_config_from({"num_speculative_tokens": 2}).prompt_lookup_max == 5
+    # disable_by_batch_size: omitted, the measured default; null, always speculate (vLLM's default)
+    assert speculative_config_from({"num_speculative_tokens": 2}).disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert (
+        speculative_config_from('{"num_speculative_tokens": 2, "disable_by_batch_size": null}').disable_by_batch_size
+        is None
+    )
     d = speculative_config_from({"model": "/some/draft", "num_speculative_tokens": 2})
     assert (d.method, d.model) == ("draft_model", "/some/draft")
     assert speculative_config_from(None) is None and speculative_config_from(c) is c

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from netra_jax.spec.config import SPEC_METHODS, SpeculativeConfig, speculative_config_from
+from netra_jax.spec.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SPEC_METHODS,
+    SpeculativeConfig,
+    speculative_config_from,
+)
 from netra_jax.spec.ngram import NgramProposer
 from netra_jax.spec.stats import SpecStats, accept, stats_between
 
@@ -13,6 +18,7 @@ if TYPE_CHECKING:
     from netra_jax.engine.request import Request
 
 __all__ = [
+    "DEFAULT_DISABLE_BY_BATCH_SIZE",
     "SPEC_METHODS",
     "NgramProposer",
     "NgramRequestProposer",

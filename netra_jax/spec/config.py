@@ -10,6 +10,11 @@ from netra_jax.config import ConfigError, json_object
 
 SPEC_METHODS = ("ngram", "draft_model")
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
+# Proposals stop while more requests than this run, unless the config says otherwise (None: never stop). On 2 CPU
+# cores (SmolLM2, n-gram k 5) speculation gained 1.49x at 1 request on grounded prompts and 1.18x on free-form chat,
+# and at 8 requests 1.13x on grounded prompts but 0.93x on chat: each verification widens a step that already costs
+# about in proportion to its tokens (benchmarks/results/2026-12-02-spec_decode_batch*.md).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -17,14 +22,15 @@ class SpeculativeConfig:
     """method "ngram": the proposal is the k tokens that followed the most recent earlier occurrence of the
     sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). method "draft_model": `model`
     (same tokenizer as the target) proposes k tokens greedily. disable_by_batch_size: no proposals while more
-    requests than this are running (vLLM's option; None: always speculate)."""
+    requests than this are running (vLLM's option; default DEFAULT_DISABLE_BY_BATCH_SIZE, where vLLM's is None;
+    None, or null in JSON: always speculate)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     prompt_lookup_min: int = _DEFAULT_LOOKUP
     model: str | None = None
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
