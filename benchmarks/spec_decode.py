@@ -187,6 +187,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max")
     p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the speculative engine's disable_by_batch_size (default: none, so every point measures speculation)",
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="first N requests of each set (default: all)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on each request's max_tokens")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="KV bytes of each engine")
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_speculative_tokens": a.k,
         "prompt_lookup_max": a.ngram_max,
         "prompt_lookup_min": a.ngram_min,
+        "disable_by_batch_size": a.disable_by_batch_size,
     }
     sets = {name: load_set(name, a.num_prompts, a.max_tokens) for name in a.sets}
     engines = {
