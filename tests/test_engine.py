@@ -200,8 +200,11 @@ def test_no_compilations_after_warmup(llm):
         for start in range(0, 100, 25):  # waves of different batch compositions
             llm.generate(reqs[start : start + 25], params[start : start + 25], use_tqdm=False)
         after_warm = list(compiled)
-        # control: a penalty variant is not warmed, so the counter must see it compile
-        llm.generate(reqs[0], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
+        # control: a variant warm-up leaves out, and one no earlier request compiled (penalties with a bias of over
+        # 128 entries, the largest bias bucket), so the counter must see it compile
+        bias = dict.fromkeys(range(3, 140), 0.0)
+        control = SamplingParams(max_tokens=2, repetition_penalty=1.3, logit_bias=bias, seed=1)
+        llm.generate(reqs[0], control, use_tqdm=False)
     model_steps = [n for n in after_warm if n in ("_step", "sample_tokens", "token_logprobs", "_widen_ids")]
     assert model_steps == [], f"compiled after warm-up: {model_steps}"
     assert "sample_tokens" in compiled[len(after_warm) :]

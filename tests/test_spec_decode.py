@@ -134,8 +134,9 @@ def test_seeded_sampling_equals_no_speculation(base, spec):
 
 @pytest.fixture(scope="module")
 def self_draft():
-    """The target as its own draft model: its proposals are the target's greedy tokens."""
-    return LLM(MODEL, speculative_config={"model": str(MODEL), "num_speculative_tokens": 3}, **ENGINE)
+    """The target as its own draft model: its proposals are the target's greedy tokens (at every batch size)."""
+    spec = {"model": str(MODEL), "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    return LLM(MODEL, speculative_config=spec, **ENGINE)
 
 
 def test_sampled_tokens_follow_the_target_distribution(self_draft):
