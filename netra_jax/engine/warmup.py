@@ -15,7 +15,6 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
 from netra_jax.engine.step_layout import BatchShape
 from netra_jax.ops import sampling
@@ -82,21 +81,16 @@ def sampler_label(num_rows: int, key: sampling.SamplingKey) -> str:
     return f"{_count(num_rows, 'row')}, {'greedy' if key.all_greedy else 'sampled'}"
 
 
-def _step_logits(num_rows: int, vocab_size: int) -> jax.Array:
-    """Logits as a step returns them: committed to the device, so the lowered programs are the ones the engine calls."""
-    return jax.device_put(np.zeros((num_rows, vocab_size), np.float32), jax.devices()[0])  # [R, vocab]
-
-
 def _lower_sampler(num_rows: int, vocab_size: int, key: sampling.SamplingKey) -> jax.stages.Lowered:
     """The token program as the engine calls it: a step's logits and numpy row parameters."""
+    logits, _ = sampling.example_inputs(num_rows, vocab_size)
     arrays = sampling.dummy_arrays(key, num_rows, vocab_size)
-    return sampling.sample_tokens.trace(_step_logits(num_rows, vocab_size), arrays, key=key).lower()
+    return sampling.sample_tokens.trace(logits, arrays, key=key).lower()
 
 
 def _lower_logprobs(num_rows: int, vocab_size: int) -> jax.stages.Lowered:
     """The logprob program as the engine calls it: a step's logits and the token program's output."""
-    tokens = jax.device_put(np.zeros(num_rows, np.int32), jax.devices()[0])  # [R]
-    return sampling.token_logprobs.trace(_step_logits(num_rows, vocab_size), tokens).lower()
+    return sampling.token_logprobs.trace(*sampling.example_inputs(num_rows, vocab_size)).lower()
 
 
 def engine_variants(

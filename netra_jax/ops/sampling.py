@@ -9,6 +9,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from netra_jax.ops import token_mask
@@ -55,18 +56,26 @@ _ONE_BITS = 0x3F800000  # float32 bits of 1.0: weights lie in [0, 1]
 # some row needs it. Logprobs are a program of their own (`token_logprobs`), so no token variant is compiled twice.
 
 
+def example_inputs(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Zero logits [R, vocab] float32 and token ids [R] int32 as the engine passes them to the sampler's programs:
+    committed to the device (a step's output and a token program's output), so programs compiled on them are the
+    ones the engine calls."""
+    dev = jax.devices()[0]
+    logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), dev)  # [R, vocab]
+    tokens = jax.device_put(np.zeros(num_rows, np.int32), dev)  # [R]
+    return logits, tokens
+
+
 def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[SamplingKey] | None = None) -> int:
     """Compile the token program for every (row bucket, key) and the logprob program for every row bucket; returns
     the number of programs run."""
     keys = variant_keys() if keys is None else keys
     n = 0
     for s in row_buckets:
-        # committed, like the model step's logits, so these are the variants the engine calls
-        logits = jax.device_put(jnp.zeros((s, vocab_size), jnp.float32), jax.devices()[0])
+        logits, tokens = example_inputs(s, vocab_size)
         for k in keys:
             jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s, vocab_size)), key=k))
             n += 1
-        tokens = jax.device_put(jnp.zeros(s, jnp.int32), jax.devices()[0])  # committed, as a token program's output
         jax.block_until_ready(token_logprobs(logits, tokens))
         n += 1
     return n
