@@ -129,10 +129,31 @@ def _layer(x, lp, kp, vp, positions, md, *, cfg: ModelConfig, i: int, backend: s
     return x + h, kp, vp
 
 
+def embed_tokens(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """The embedding layer's output for token ids, as Hugging Face's `get_input_embeddings()(ids)` gives it: the
+    table's rows, times sqrt(hidden) for Gemma 3 (`cfg.scale_embeddings`). What `forward(..., input_embeds=...)`
+    takes in place of ids. token_ids: [T] int; returns [T, hidden] in the table's dtype."""
+    x = params["embed"][token_ids]  # [T, hidden]
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    return x
+
+
+def _inputs(params: dict, cfg: ModelConfig, token_ids: jax.Array | None, input_embeds: jax.Array | None) -> jax.Array:
+    """The first layer's input [T, hidden]: ids embedded, or the given embeddings (exactly one of the two)."""
+    if (token_ids is None) == (input_embeds is None):
+        raise ValueError("pass exactly one of token_ids and input_embeds")
+    if token_ids is not None:
+        return embed_tokens(params, cfg, token_ids)
+    if input_embeds.ndim != 2 or input_embeds.shape[1] != cfg.hidden_size:
+        raise ValueError(f"input_embeds must be [tokens, hidden={cfg.hidden_size}], got {input_embeds.shape}")
+    return input_embeds
+
+
 def hidden_states(
     params: dict,
     cfg: ModelConfig,
-    token_ids: jax.Array,
+    token_ids: jax.Array | None,
     positions: jax.Array,
     kv: KVCache,
     md: AttentionMetadata,
@@ -140,15 +161,13 @@ def hidden_states(
     *,
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
+    input_embeds: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The decoder stack up to the final norm (no lm_head): what `forward` turns into logits and embedding models
     pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
     Returns (final-normed hidden states [S or T, hidden] in the parameters' dtype, updated kv cache)."""
-    embed = params["embed"]
-    x = embed[token_ids]  # [T, hidden]
-    md = with_token_layout(md, token_ids.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
-    if cfg.scale_embeddings:
-        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    x = _inputs(params, cfg, token_ids, input_embeds)  # [T, hidden]
+    md = with_token_layout(md, x.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
     new_k, new_v = [], []
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
     for i, lp in enumerate(params["layers"]):
@@ -172,14 +191,28 @@ def forward(
     *,
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
+    input_embeds: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the model on a flat batch of new tokens, writing their K/V into the pages.
 
-    token_ids, positions: [T] int32. logits_indices: [S] int32 rows whose logits are wanted (all rows if None).
-    mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as `netra_jax.parallel` lays them out.
+    token_ids, positions: [T] int32 (token_ids None when input_embeds is given). logits_indices: [S] int32 rows whose
+    logits are wanted (all rows if None). mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as
+    `netra_jax.parallel` lays them out. input_embeds: [T, hidden] the embedding layer's output in place of token ids,
+    as Hugging Face's `inputs_embeds` (Gemma 3's sqrt(hidden) scale already applied; see `embed_tokens`).
     Returns (logits [S or T, vocab] float32, updated kv cache).
     """
-    x, kv = hidden_states(params, cfg, token_ids, positions, kv, md, logits_indices, backend=backend, mesh=mesh)
+    x, kv = hidden_states(
+        params,
+        cfg,
+        token_ids,
+        positions,
+        kv,
+        md,
+        logits_indices,
+        backend=backend,
+        mesh=mesh,
+        input_embeds=input_embeds,
+    )
     logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [S, vocab]
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
