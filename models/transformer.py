@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from netra_jax.config import ModelConfig
+from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.quant import matmul
 from netra_jax.models.rope import rope
@@ -95,7 +96,9 @@ def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, b
     return o, kp, vp
 
 
-def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh):
+def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh):
+    """Attention of layer i before its output projection: x [T, hidden] -> (each head's output [T, q_heads,
+    head_dim], K pages, V pages)."""
     T = x.shape[0]
     q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
     k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -108,25 +111,50 @@ def _attention_block(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
     fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
     if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
         fn = head_parallel(fn, mesh)
-    o, kp, vp = fn(q, k, v, kp, vp, md, lp.get("sinks"))
-    return _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo")), kp, vp
+    return fn(q, k, v, kp, vp, md, lp.get("sinks"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh"))
-def _layer(x, lp, kp, vp, positions, md, *, cfg: ModelConfig, i: int, backend: str, mesh):
-    """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages). A nested jit, so a model's
-    alike layers are traced and lowered once per step variant instead of once each (start-up time); XLA inlines the
-    calls, and the compiled step is the one the unrolled loop gives."""
+@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh", "hooks"))
+def _layer(
+    x,
+    lp,
+    kp,
+    vp,
+    positions,
+    md,
+    hook_ctx=None,
+    hook_in=None,
+    *,
+    cfg: ModelConfig,
+    i: int,
+    backend: str,
+    mesh,
+    hooks: LayerHooks | None = None,
+):
+    """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages, recorded activations). A
+    nested jit, so a model's alike layers are traced and lowered once per step variant instead of once each
+    (start-up time); XLA inlines the calls, and the compiled step is the one the unrolled loop gives. `hooks`: this
+    layer's hook points (see `netra_jax.models.hooks`), run with `hook_ctx` and their traced inputs `hook_in`."""
+    records: dict[str, jax.Array] = {}
+
+    def point(name, value):
+        return apply_point(value, name, hooks, hook_ctx, hook_in, records)
+
+    T = x.shape[0]
+    x = point("resid_pre", x)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    h, kp, vp = _attention_block(h, lp, cfg, i, positions, kp, vp, md, backend, mesh)
+    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh)  # [T, q_heads, head_dim]
+    o = point("attn_heads", o)
+    h = _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"))
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
-    x = x + h
+    x = point("resid_mid", x + point("attn_out", h))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
-    return x + h, kp, vp
+    x = point("resid_post", x + point("mlp_out", h))
+    return x, kp, vp, records
 
 
 def embed_tokens(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
@@ -162,22 +190,68 @@ def hidden_states(
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
     input_embeds: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    hooks: Hooks | HookSpec | None = None,
+    hook_arrays: dict | None = None,
+    hook_request: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """The decoder stack up to the final norm (no lm_head): what `forward` turns into logits and embedding models
     pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
-    Returns (final-normed hidden states [S or T, hidden] in the parameters' dtype, updated kv cache)."""
+    Returns (final-normed hidden states [S or T, hidden] in the parameters' dtype, updated kv cache), and with
+    `hooks` the recorded activations as a third element."""
     x = _inputs(params, cfg, token_ids, input_embeds)  # [T, hidden]
     md = with_token_layout(md, x.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
+    if isinstance(hooks, Hooks):  # the whole set: its spec and its arrays
+        hooks.check(cfg.num_layers, cfg.num_heads)
+        hooks, hook_arrays = hooks.spec, hooks.arrays
+    ctx = None
+    if hooks is not None:
+        valid = md.layout.valid  # [T]
+        request = jnp.where(valid, 0, -1) if hook_request is None else hook_request  # [T] int32
+        ctx = HookContext(positions=positions, valid=valid, request=request)
     new_k, new_v = [], []
+    records: dict[str, jax.Array] = {}
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
     for i, lp in enumerate(params["layers"]):
         like = first_of_kind.setdefault((cfg.layer_window(i), cfg.layer_rope(i), cfg.is_moe_layer(i)), i)
-        x, kp, vp = _layer(x, lp, kv.k[i], kv.v[i], positions, md, cfg=cfg, i=like, backend=backend, mesh=mesh)
+        lh = None if hooks is None else hooks.for_layer(i)
+        x, kp, vp, rec = _layer(
+            x,
+            lp,
+            kv.k[i],
+            kv.v[i],
+            positions,
+            md,
+            None if lh is None else ctx,
+            layer_inputs(hook_arrays, lh),
+            cfg=cfg,
+            i=like,
+            backend=backend,
+            mesh=mesh,
+            hooks=lh,
+        )
         new_k.append(kp)
         new_v.append(vp)
+        records.update(rec)
     if rows is not None:
         x = x[rows]
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
+    out = rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
+    return out if hooks is None else (*out, records)
+
+
+def unembed(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Logits of hidden states: the final norm's output x [N, hidden] -> [N, vocab] float32 (lm_head, then the final
+    soft-cap). With `final_norm` applied first, the logit lens of any residual stream: unembed(params, cfg,
+    rms_norm(resid, params["final_norm"], cfg.rms_norm_eps))."""
+    logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [N, vocab]
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
+
+
+def logit_lens(params: dict, cfg: ModelConfig, resid: jax.Array) -> jax.Array:
+    """What the model would predict from residual stream `resid` [N, hidden] (e.g. a recorded
+    "layers.{i}.resid_post"): final norm, lm_head and soft-cap, as after the last layer. Returns [N, vocab] float32."""
+    return unembed(params, cfg, rms_norm(resid, params["final_norm"], cfg.rms_norm_eps))
 
 
 def forward(
@@ -192,16 +266,23 @@ def forward(
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
     input_embeds: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    hooks: Hooks | HookSpec | None = None,
+    hook_arrays: dict | None = None,
+    hook_request: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """Run the model on a flat batch of new tokens, writing their K/V into the pages.
 
     token_ids, positions: [T] int32 (token_ids None when input_embeds is given). logits_indices: [S] int32 rows whose
     logits are wanted (all rows if None). mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as
     `netra_jax.parallel` lays them out. input_embeds: [T, hidden] the embedding layer's output in place of token ids,
     as Hugging Face's `inputs_embeds` (Gemma 3's sqrt(hidden) scale already applied; see `embed_tokens`).
-    Returns (logits [S or T, vocab] float32, updated kv cache).
+    hooks: a `Hooks` set, or its static spec (`Hooks.spec`) with its traced inputs in hook_arrays (`Hooks.arrays`),
+    hook_request [T] int32 each token's request index for `HookContext.request` (default 0, -1 for padding): see
+    `netra_jax.models.hooks`. Recorded activations are [T, ...] over all rows (padding included).
+    Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
+    activations {hook name: array}.
     """
-    x, kv = hidden_states(
+    out = hidden_states(
         params,
         cfg,
         token_ids,
@@ -212,8 +293,9 @@ def forward(
         backend=backend,
         mesh=mesh,
         input_embeds=input_embeds,
+        hooks=hooks,
+        hook_arrays=hook_arrays,
+        hook_request=hook_request,
     )
-    logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [S, vocab]
-    if cfg.final_logit_softcap is not None:
-        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, kv
+    logits = unembed(params, cfg, out[0])  # [S or T, vocab]
+    return (logits, *out[1:])

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from netra_jax.config import EngineConfig, ModelConfig
+from netra_jax.engine.activations import ActivationRecorder
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.embedder import Embedder
 from netra_jax.engine.input_processor import InputProcessor, PromptType
@@ -131,6 +132,7 @@ class LLMEngine:
             tokenizer, self.vocab_size, self.max_model_len, model_cfg.eos_token_ids, sched.max_waiting, config.seed
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
+        self.activations = ActivationRecorder()  # what the runner's hooks record, per request (see set_hooks)
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # scheduler request id -> its sample
         self._in_flight: _Step | None = None
@@ -160,8 +162,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_key: str | None = None,
     ) -> None:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
+        `cache_key`: mixed into its prefix-cache hashes, so it shares cached blocks only with requests of the same
+        key (None: the plain cache; a unique key: no sharing at all).
         `priority`: smaller is served first; anything but 0 needs `--scheduling-policy priority` (ValueError).
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
         if self.embedder is not None:
@@ -170,6 +175,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
         state = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        if cache_key is not None:
+            for sample in state.samples:
+                sample.request.cache_key = cache_key
         added = []
         try:
             for sample in state.samples:
@@ -193,6 +201,7 @@ class LLMEngine:
         for sample in state.samples:
             self.scheduler.abort_request(sample.request.request_id)
             self._sample_of.pop(sample.request.request_id, None)
+            self.activations.discard(sample.request.request_id)
         return True
 
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
@@ -212,6 +221,47 @@ class LLMEngine:
         synchronous callers (LLM.generate) end with no device work outstanding."""
         if self._in_flight is not None and not self._states:
             self.step()
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix (blocks in use keep their contents but stop serving hits). False, and
+        nothing changes, while requests run."""
+        if self.has_unfinished_requests():
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
+    def update_params(self, params) -> None:
+        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `runner.params`), placed
+        as the current ones; the prefix cache, computed with the old weights, is dropped. Compiled steps are reused
+        (the weights are arguments). RuntimeError while requests run; ValueError for a mismatched pytree."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot update the weights while requests are running; finish or abort them first")
+        old = self.runner.params
+        old_leaves, treedef = jax.tree.flatten_with_path(old)
+        new_leaves, new_def = jax.tree.flatten_with_path(params)
+        if new_def != treedef:
+            raise ValueError(f"new params do not have the structure of the model's pytree: {new_def} vs {treedef}")
+        placed = []
+        for (path, a), (_, b) in zip(old_leaves, new_leaves, strict=True):
+            if np.shape(b) != a.shape or np.dtype(getattr(b, "dtype", None)) != a.dtype:
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"params{name}: expected {a.dtype}{list(a.shape)}, got {getattr(b, 'dtype', type(b).__name__)}"
+                    f"{list(np.shape(b))}"
+                )
+            placed.append(jax.device_put(b, a.sharding))
+        self.runner.params = jax.tree.unflatten(treedef, placed)
+        self.pool.reset_prefix_cache()
+
+    def set_hooks(self, hooks, request_index: dict[str, int] | None = None) -> None:
+        """Run `hooks` (a `netra_jax.models.hooks.Hooks`, or None) in every step from now on; request_index maps
+        request ids to `HookContext.request`. Recorded activations collect per request (`activations.pop`).
+        ValueError with speculative decoding (proposals that are rejected would be recorded too)."""
+        if hooks is not None and self.proposer is not None:
+            raise ValueError("hooks are not supported together with speculative decoding")
+        self.runner.set_hooks(hooks, request_index)
+        if hooks is None:
+            self.activations.clear()
 
     def spec_stats(self) -> dict | None:
         """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
@@ -375,6 +425,8 @@ class LLMEngine:
             else:
                 sampled[s.request_id] = [int(ids[r])]
         self._record_prompt_logprobs(step)
+        if step.run.records:
+            self.activations.collect(sched, step.run.batch, step.run.records)
         self.scheduler.update_from_output(sched, sampled)
         changed: dict[str, RequestState] = {}
         for i, s in enumerate(sched.scheduled):  # first every sample's tokens, then one output per request

@@ -4,6 +4,7 @@ timing metrics (arrival, first token, finish -> TTFT, TPOT, E2E)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -68,6 +69,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
+    # with hooks that record (LLM.generate(..., hooks=...)): {hook name: [positions, ...]}, row p the activation at
+    # the token in position p of prompt + output (the last output token never ran through the model)
+    activations: dict[str, Any] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -26,6 +26,7 @@ from netra_jax.engine.step_layout import (
     prompt_logprob_positions,
     unpack,
 )
+from netra_jax.models.hooks import Hooks, HookSpec
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
@@ -33,20 +34,48 @@ from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 log = logging.getLogger(__name__)
 
 
-def _step(params, kv, packed, prev_ids=None, *, cfg: ModelConfig, shape: BatchShape, backend: str, mesh=None):
+def _step(
+    params,
+    kv,
+    packed,
+    prev_ids=None,
+    hook_arrays=None,
+    hook_request=None,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    backend: str,
+    mesh=None,
+    hooks: HookSpec | None = None,
+):
     """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
-    into placeholder slots (None: every token is known). Returns (logits [R, vocab] float32 of the sampled rows, kv,
-    prompt logprobs of the P prompt rows or None)."""
+    into placeholder slots (None: every token is known). hooks: a hook spec with its arrays and each token's
+    request index [T] (see `netra_jax.models.hooks`). Returns (logits [R, vocab] float32 of the sampled rows, kv,
+    prompt logprobs of the P prompt rows or None, recorded activations {name: [T, ...]} or None)."""
     x = unpack(packed, shape)
     tokens = x.tokens  # [T]
     if prev_ids is not None:
         tokens = jnp.where(x.prev_rows >= 0, prev_ids[jnp.maximum(x.prev_rows, 0)], tokens)
     rows = x.logits_idx if not shape.prompt_rows else jnp.concatenate([x.logits_idx, x.prompt_idx])  # [S (+ P)]
-    logits, kv = forward(params, cfg, tokens, x.positions, kv, x.md, rows, backend=backend, mesh=mesh)
+    out = forward(
+        params,
+        cfg,
+        tokens,
+        x.positions,
+        kv,
+        x.md,
+        rows,
+        backend=backend,
+        mesh=mesh,
+        hooks=hooks,
+        hook_arrays=hook_arrays,
+        hook_request=hook_request,
+    )
+    logits, kv, records = out if hooks is not None else (*out, None)
     if not shape.prompt_rows:
-        return logits, kv, None
+        return logits, kv, None, records
     r = shape.num_rows
-    return logits[:r], kv, _prompt_logprobs(logits[r:], x.prompt_target)
+    return logits[:r], kv, _prompt_logprobs(logits[r:], x.prompt_target), records
 
 
 def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
@@ -60,9 +89,20 @@ def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
     return (target - lse)[:, 0], rank, top_ids.astype(jnp.int32), top_vals - lse
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend", "mesh"))
-def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend: str, mesh=None):
-    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T], T a multiple of page."""
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend", "mesh", "hooks"))
+def _all_logits(
+    params,
+    token_ids,
+    hook_arrays=None,
+    *,
+    cfg: ModelConfig,
+    page_size: int,
+    backend: str,
+    mesh=None,
+    hooks: HookSpec | None = None,
+):
+    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T], T a multiple of page.
+    Returns (logits [T, vocab] float32, the hooks' recorded activations {name: [T, ...]} or None)."""
     T = token_ids.shape[0]
     pages = T // page_size
     kv_sharding = None if mesh is None else parallel.kv_sharding(mesh)
@@ -74,8 +114,11 @@ def _all_logits(params, token_ids, *, cfg: ModelConfig, page_size: int, backend:
         block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
         work=AttentionWork(*(jnp.asarray(a) for a in build_work([T], T, 1))),
     )
-    logits, _ = forward(params, cfg, token_ids, jnp.arange(T, dtype=jnp.int32), kv, md, backend=backend, mesh=mesh)
-    return logits  # [T, vocab] float32
+    positions = jnp.arange(T, dtype=jnp.int32)
+    out = forward(
+        params, cfg, token_ids, positions, kv, md, backend=backend, mesh=mesh, hooks=hooks, hook_arrays=hook_arrays
+    )
+    return out[0], (out[2] if hooks is not None else None)
 
 
 def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:
@@ -109,6 +152,7 @@ class StepResult:
     logits: jax.Array  # [R, vocab] float32, the sampled rows
     prompt_logprobs: tuple[jax.Array, ...] | None  # see _prompt_logprobs; None unless the shape has prompt rows
     batch: PackedBatch
+    records: dict[str, jax.Array] | None = None  # activations the hooks recorded, [T, ...] per hook name
 
 
 class ModelRunner:
@@ -171,16 +215,46 @@ class ModelRunner:
         out = {}
         if self.mesh is not None:
             rep = parallel.replicated(self.mesh)
-            out = {"out_shardings": (rep, kv_sharding, rep)}
+            out = {"out_shardings": (rep, kv_sharding, rep, rep)}
         self._jit = jax.jit(
             functools.partial(_step, mesh=self.mesh),
-            static_argnames=("cfg", "shape", "backend"),
+            static_argnames=("cfg", "shape", "backend", "hooks"),
             donate_argnums=(1,),
             **out,
         )
         self._widen = jax.jit(functools.partial(_widen_ids, size=self.max_seqs_bucket))
         self._no_ids = self._place_ids(jnp.zeros(self.max_seqs_bucket, jnp.int32))
         self.num_steps = 0
+        self.hooks: Hooks | None = None  # interventions run by every step (see `set_hooks`)
+        self._hook_arrays = None
+        self._hook_index: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ interventions
+    def set_hooks(self, hooks: Hooks | None, request_index: dict[str, int] | None = None) -> None:
+        """Run `hooks` in every step from now on (None: none). request_index maps a scheduler request id to the
+        index its tokens show in `HookContext.request` (others: 0). Steps with hooks compile once per hook spec, on
+        first use."""
+        if hooks is not None:
+            hooks.check(self.cfg.num_layers, self.cfg.num_heads)
+            self._hook_arrays = self._place(hooks.arrays)
+        else:
+            self._hook_arrays = None
+        self.hooks = hooks
+        self._hook_index = dict(request_index or {})
+
+    def _place(self, tree):
+        """Arrays placed as the parameters are (replicated over the mesh under tensor parallelism)."""
+        if self.mesh is not None:
+            return jax.device_put(tree, parallel.replicated(self.mesh))
+        return jax.device_put(tree, jax.devices()[0])
+
+    def _hook_request(self, out: SchedulerOutput, pb: PackedBatch) -> np.ndarray:
+        """[T] int32 each token's request index for the hooks (-1: padding)."""
+        req = np.full(pb.shape.num_tokens, -1, np.int32)
+        qsl = pb.shape.layout.view(pb.host, "query_start_loc")
+        for s, sr in enumerate(out.scheduled):
+            req[qsl[s] : qsl[s + 1]] = self._hook_index.get(sr.request_id, 0)
+        return req
 
     # ------------------------------------------------------------------ shapes
     def shape_for(self, num_tokens: int, prompt_logprobs: bool = False) -> BatchShape:
@@ -215,21 +289,27 @@ class ModelRunner:
         wants_plp = any(prompt_logprob_positions(s) for s in out.scheduled)
         shape = self.shape_for(out.num_batched_tokens, wants_plp)
         pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
-        logits, plp = self._dispatch(pb.host, shape, prev_ids)
+        hook_request = None if self.hooks is None else self._hook_request(out, pb)
+        logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hook_request)
         self.num_steps += 1
-        return StepResult(logits, plp, pb)
+        return StepResult(logits, plp, pb, records)
 
-    def _dispatch(self, host: np.ndarray, shape: BatchShape, prev_ids: jax.Array | None):
+    def _dispatch(
+        self, host: np.ndarray, shape: BatchShape, prev_ids: jax.Array | None, hook_request: np.ndarray | None = None
+    ):
         if self.overlap:
             prev_ids = self._no_ids if prev_ids is None else prev_ids
         elif prev_ids is not None:
             raise ValueError("prev_ids given to a runner built without overlap")
-        logits, self.kv, plp = self._jit(
-            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
+        hooked = {}
+        if self.hooks is not None:
+            hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self.hooks.spec}
+        logits, self.kv, plp, records = self._jit(
+            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
         )  # host: numpy, moved by the call (one host->device copy)
         if self.mesh is not None:  # the sampler and its inputs live on device 0
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
-        return logits, plp
+        return logits, plp, records
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
         """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
@@ -241,22 +321,31 @@ class ModelRunner:
             return jax.device_put(ids, parallel.replicated(self.mesh))
         return jax.device_put(ids, jax.devices()[0])
 
-    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+    def prompt_logits(self, ids: list[int], hooks: Hooks | None = None):
         """Per-position logits of one prompt: float32 [len(ids), vocab]. Uses a scratch cache (the serving pages are
-        untouched); one compiled variant per power-of-two length, compiled on first use (the `LLM.logits` hook;
-        requests' prompt logprobs come from the ordinary step)."""
+        untouched); one compiled variant per power-of-two length (and hook spec), compiled on first use (the
+        `LLM.logits` hook; requests' prompt logprobs come from the ordinary step). With `hooks`, returns (logits,
+        the recorded activations {name: [len(ids), ...] numpy}); `HookContext.request` is 0."""
         T = max(self.page_size, 1 << (len(ids) - 1).bit_length())
         padded = np.zeros(T, np.int32)
         padded[: len(ids)] = ids
-        out = _all_logits(
+        hooked = {}
+        if hooks is not None:
+            hooks.check(self.cfg.num_layers, self.cfg.num_heads)
+            hooked = {"hook_arrays": self._place(hooks.arrays), "hooks": hooks.spec}
+        logits, records = _all_logits(
             self.params,
             jnp.asarray(padded),
             cfg=self.cfg,
             page_size=self.page_size,
             backend=self.backend,
             mesh=self.mesh,
+            **hooked,
         )
-        return np.asarray(out[: len(ids)])
+        logits = np.asarray(logits[: len(ids)])
+        if hooks is None:
+            return logits
+        return logits, {name: np.asarray(a[: len(ids)]) for name, a in records.items()}
 
     def lower_step(self, shape: BatchShape) -> jax.stages.Lowered:
         """Trace and lower one step variant with the arguments `run` passes it (compiling the result is what the
@@ -275,7 +364,7 @@ class ModelRunner:
     def warmup_shape(self, shape: BatchShape) -> None:
         """Compile (and run once on an all-padding batch, which writes nothing) one step variant, and the widening
         of its sampled ids when steps overlap."""
-        logits, plp = self._dispatch(empty_batch(shape, self.pad_slot), shape, None)
+        logits, plp, _ = self._dispatch(empty_batch(shape, self.pad_slot), shape, None)
         if self.overlap:
             ids = jax.device_put(np.zeros(shape.num_rows, np.int32), jax.devices()[0])  # as the sampler returns
             jax.block_until_ready(self.widen(ids))
