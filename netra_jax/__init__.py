@@ -6,6 +6,7 @@ from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.scoring import ContinuationScore
 from netra_jax.spec import SpeculativeConfig
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "ContinuationScore",
     "EngineConfig",
     "CacheConfig",
     "SchedulerConfig",

@@ -32,6 +32,7 @@ from netra_jax.pooling import (
     pooling_spec,
 )
 from netra_jax.sampling_params import SamplingParams
+from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
 from netra_jax.spec import SpeculativeConfig, speculative_config_from
 from netra_jax.tokenizer import Tokenizer
 
@@ -95,6 +96,11 @@ def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
     load_config(path)
     check_same_tokenizer(tokenizer, Tokenizer.load(path))
     return load_model(path, config.dtype)
+
+
+def _is_single(x) -> bool:
+    """One prompt or continuation (text, or token ids) rather than a list of them."""
+    return isinstance(x, str) or (isinstance(x, Sequence) and bool(x) and isinstance(x[0], int))
 
 
 class LLM:
@@ -189,6 +195,73 @@ class LLM:
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
         return self.engine.runner.prompt_logits(ids)
+
+    def score_continuations(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        continuations: Sequence[str | Sequence[int]],
+        *,
+        add_special_tokens: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[ContinuationScore]:
+        """Log-likelihood of each continuation given its prompt (lm-evaluation-harness's `loglikelihood`), all pairs
+        batched through the engine's ordinary steps: each pair is one request over prompt + continuation whose
+        prefill computes the logprobs of the continuation tokens only, and ends after one greedy token. Pairs that
+        share a prompt (several answers to one question) get its full KV blocks from the prefix cache.
+
+        Tokenization: a text pair as lm-eval tokenizes it (`scoring.encode_pair`: the continuation in the prompt's
+        context, the prompt's trailing whitespace moved to the continuation); token ids as given. A text
+        continuation needs a text prompt.
+
+        Args:
+            prompts: One prompt (text or token ids) per pair.
+            continuations: One continuation (text or token ids) per pair, scored after its prompt.
+            add_special_tokens: Let the tokenizer add its special tokens (e.g. a BOS) to text prompts; lm-eval's
+                default is not to.
+            use_tqdm: Show a progress bar.
+
+        Returns:
+            One ContinuationScore per pair, in order: per-token logprobs and ranks of the continuation, their sum
+            and whether every continuation token is the most likely one.
+
+        Raises:
+            ValueError: Mismatched lengths, an empty prompt or continuation, a pair longer than the context (prompt
+                + continuation must leave one token of `max_model_len`), or token ids outside the vocabulary.
+                Nothing is queued then.
+        """
+        eng = self.engine
+        if eng.embedder is not None:
+            raise ValueError("scoring needs task 'generate' (a model loaded with task 'embed' has no lm_head)")
+        prompts = [prompts] if _is_single(prompts) else list(prompts)
+        continuations = [continuations] if _is_single(continuations) else list(continuations)
+        if len(prompts) != len(continuations):
+            raise ValueError(f"{len(prompts)} prompts for {len(continuations)} continuations")
+        pairs = []
+        for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
+            try:
+                ctx, cont = pair_token_ids(eng.tokenizer, p, c, add_special_tokens)
+                eng.inputs.check_ids(ctx + cont)
+            except ValueError as e:
+                raise ValueError(f"pair {i}: {e}") from None
+            if len(ctx) + len(cont) >= eng.max_model_len:
+                raise ValueError(
+                    f"pair {i}: prompt ({len(ctx)} tokens) + continuation ({len(cont)} tokens) does not fit the "
+                    f"model's context of {eng.max_model_len} tokens (at most {eng.max_model_len - 1} can be scored)"
+                )
+            pairs.append((ctx, cont))
+        params = scoring_params()
+        ids = []
+        try:
+            for ctx, cont in pairs:
+                rid = str(next(self._ids))
+                eng.add_request(rid, {"prompt_token_ids": ctx + cont}, params, prompt_logprobs_from=len(ctx))
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        outs = self._run(ids, use_tqdm)
+        return [continuation_score(o, len(ctx)) for o, (ctx, _) in zip(outs, pairs, strict=True)]
 
     # ------------------------------------------------------------------ embeddings
     def embed(

@@ -163,18 +163,21 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_key: str | None = None,
+        prompt_logprobs_from: int = 1,
     ) -> None:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
         `cache_key`: mixed into its prefix-cache hashes, so it shares cached blocks only with requests of the same
         key (None: the plain cache; a unique key: no sharing at all).
         `priority`: smaller is served first; anything but 0 needs `--scheduling-policy priority` (ValueError).
+        `prompt_logprobs_from` (with `params.prompt_logprobs`): the first prompt token whose logprob is computed;
+        the tokens before it are context only, so prefix-cache hits may cover them (scoring continuations).
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
         if self.embedder is not None:
             raise ValueError("this engine serves embeddings (task 'embed'); text generation needs task 'generate'")
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
-        state = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        state = self.inputs.process(request_id, prompt, params, arrival_time, priority, prompt_logprobs_from)
         if cache_key is not None:
             for sample in state.samples:
                 sample.request.cache_key = cache_key

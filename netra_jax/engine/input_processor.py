@@ -46,7 +46,10 @@ class InputProcessor:
         params: SamplingParams | None,
         arrival_time: float | None = None,
         priority: int = 0,
+        prompt_logprobs_from: int = 1,
     ) -> RequestState:
+        """The request's state with its samples. `prompt_logprobs_from`: the first prompt token whose logprob is
+        computed (with prompt logprobs; the tokens before it are context, whose blocks prefix-cache hits may give)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -57,7 +60,7 @@ class InputProcessor:
         check_context_length(len(ids), params.max_tokens, self.max_model_len)
         grammar = self.structured.matcher(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time or time.time()
-        state = RequestState(request_id, text, ids, params, arrival=arrival)
+        state = RequestState(request_id, text, ids, params, arrival=arrival, prompt_logprobs_from=prompt_logprobs_from)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(ids)  # filled by the prefill steps
         want_logprobs = params.logprobs is not None
@@ -66,7 +69,15 @@ class InputProcessor:
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             # only the first sample computes the prompt's logprob rows; its siblings share its cached blocks
             sp = params.clone(seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            req = Request(rid, ids, sp, eos_token_ids=self.eos_token_ids, arrival_time=arrival, priority=priority)
+            req = Request(
+                rid,
+                ids,
+                sp,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                priority=priority,
+                prompt_logprobs_from=prompt_logprobs_from,
+            )
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             sample = SampleState(
                 req,

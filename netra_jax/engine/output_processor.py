@@ -124,7 +124,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
         )
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_ids, outs, finished, _complete(state.prompt_logprobs), metrics
+            state.request_id, state.prompt, state.prompt_ids, outs, finished, _complete(state), metrics
         )
 
     def _completion(self, sample: SampleState) -> CompletionOutput:
@@ -147,9 +147,10 @@ class OutputProcessor:
         )
 
 
-def _complete(prompt_logprobs: list | None) -> list | None:
-    """A copy of the prompt logprobs once every row is in, else None: with n > 1 a sibling may stream tokens while
-    the sample that computes the prompt's rows is still in its chunked prefill."""
-    if prompt_logprobs is None or any(e is None for e in prompt_logprobs[1:]):
+def _complete(state: RequestState) -> list | None:
+    """A copy of the prompt logprobs once every wanted row is in, else None: with n > 1 a sibling may stream tokens
+    while the sample that computes the prompt's rows is still in its chunked prefill."""
+    lps = state.prompt_logprobs
+    if lps is None or any(e is None for e in lps[state.prompt_logprobs_from :]):
         return None
-    return list(prompt_logprobs)
+    return list(lps)

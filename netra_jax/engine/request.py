@@ -94,6 +94,7 @@ class Request:
         arrival_time: float | None = None,
         cache_key: str | bytes | None = None,
         priority: int = 0,
+        prompt_logprobs_from: int = 1,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -106,6 +107,11 @@ class Request:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if not isinstance(prompt_logprobs_from, int) or not 1 <= prompt_logprobs_from < max(2, len(prompt)):
+            raise ValueError(
+                f"request {request_id!r}: prompt_logprobs_from must be a prompt token index in [1, {len(prompt) - 1}]"
+                f" (the first token has no logprob), got {prompt_logprobs_from!r}"
+            )
         if eos_token_ids is None:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
@@ -116,6 +122,9 @@ class Request:
         self.eos_token_ids: frozenset[int] = frozenset(_token_list(eos_token_ids, "eos_token_ids"))
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
         self.cache_key = cache_key  # mixed into the root of the block hash chain (e.g. adapter or model id)
+        # first prompt token whose logprob is wanted (with prompt logprobs): the tokens before it are context only,
+        # so prefix-cache hits may cover them
+        self.prompt_logprobs_from = prompt_logprobs_from
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt)
 

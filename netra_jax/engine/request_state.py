@@ -30,7 +30,8 @@ class SampleState:
 @dataclass
 class RequestState:
     """A user request: its prompt, parameters and samples. prompt_logprobs: vLLM's list (None for the first
-    token, then one dict per prompt token), filled as the prefill steps compute its rows."""
+    token, then one dict per prompt token), filled as the prefill steps compute its rows; only from token
+    `prompt_logprobs_from` on when that is above 1 (the entries before it stay None)."""
 
     request_id: str
     prompt: str | None
@@ -39,3 +40,4 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     arrival: float = 0.0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_from: int = 1

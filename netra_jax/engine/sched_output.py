@@ -11,11 +11,11 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs one step computes a
 
 
 def prompt_logprob_rows(req: Request, start: int, n: int) -> range:
-    """Positions of [start, start + n) whose logits give a prompt logprob (each predicts the next prompt token);
-    empty unless the request asks for prompt logprobs."""
+    """Positions of [start, start + n) whose logits give a prompt logprob (each predicts the next prompt token, from
+    the one before prompt token `req.prompt_logprobs_from` on); empty unless the request asks for prompt logprobs."""
     if req.sampling_params.prompt_logprobs is None:
         return range(0)
-    return range(start, min(start + n, req.num_prompt_tokens - 1))
+    return range(max(start, req.prompt_logprobs_from - 1), min(start + n, req.num_prompt_tokens - 1))
 
 
 @dataclass

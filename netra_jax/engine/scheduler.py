@@ -184,10 +184,12 @@ class Scheduler:
                 deferred.append(self._waiting.pop())
                 continue
             hits: list[int] = []
-            if caching and req.sampling_params.prompt_logprobs is None:  # (prompt logprobs need every row computed)
+            limit = self._hit_limit(req) if caching else 0
+            if limit:
                 hits = pool.get_computed_blocks(req.all_token_ids, req.cache_key, req.block_hashes, record=False)
+                hits = hits[:limit]
                 k = len(hits)
-                if k < (req.num_tokens - 1) // bs:  # the next block missed; defer if a running request computes it
+                if k < limit:  # the next block missed; defer if a running request computes it
                     if pending is None:
                         pending = self._pending_hashes()
                     if req.block_hashes[k] in pending:
@@ -223,6 +225,15 @@ class Scheduler:
             if pending is not None:
                 self._add_pending(pending, req)
         self._waiting.prepend(deferred)
+
+    def _hit_limit(self, req: Request) -> int:
+        """Full blocks a prefix hit may give `req`: all but the one holding its last token (whose logits are needed),
+        and with prompt logprobs none from the one holding the position before `prompt_logprobs_from` on (each
+        wanted row must be computed)."""
+        limit = (req.num_tokens - 1) // self.block_size
+        if req.sampling_params.prompt_logprobs is not None:
+            limit = min(limit, (req.prompt_logprobs_from - 1) // self.block_size)
+        return limit
 
     def _fit_last_chunk(self, out: SchedulerOutput, n: int, budget: int) -> int:
         """An admitted request's chunk of n tokens, cut to end the step on a token bucket (buckets.fit_chunk) when
