@@ -3,6 +3,7 @@ gpt-oss) over a flat ragged token batch and the paged KV cache; no state outside
 comes from `ModelConfig`'s flags, never from the family name.
 
 Parameter pytree (weights stored [in, out] so activations multiply on the left; norms in float32):
+
     embed [vocab, hidden], lm_head [hidden, vocab] (absent when loaded for embedding only), final_norm [hidden],
     layers: list of dicts with
         attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,

@@ -4,6 +4,7 @@ slice from a HF checkpoint's memory maps). Each parameter's PartitionSpec lives 
 (`models.weight_map`).
 
 Layout (weights are stored [in, out], see `models.transformer`):
+
     wq/wk/wv [hidden, heads*head_dim] and their biases: column split by heads; wo [q_heads*head_dim, hidden]: row
     split (XLA all-reduces its partial sums); w_gate_up [hidden, 2, intermediate]: split on intermediate; w_down
     [intermediate, hidden]: row split (all-reduce); experts split on their intermediate axis the same way
