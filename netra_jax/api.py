@@ -19,7 +19,9 @@ from netra_jax import assets, parallel
 from netra_jax.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model
+from netra_jax.models.hooks import Hooks
 from netra_jax.models.quant import quantize_params
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
@@ -184,7 +186,31 @@ class LLM:
 
     @property
     def model_config(self):
+        """The model's shape and variant flags (`netra_jax.config.ModelConfig`), as the pure forward takes it."""
         return self.engine.model_config
+
+    @property
+    def params(self):
+        """The live parameter pytree the engine runs (layout: `netra_jax.models.transformer`). Read it freely;
+        change the weights through `update_params`, which keeps what was derived from them consistent."""
+        return self.engine.runner.params
+
+    def update_params(self, params) -> ParamsUpdate:
+        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `LLM.params`; e.g.
+        a modified copy). The prefix cache, computed with the old weights, is dropped, so no later request reuses
+        stale KV; compiled programs are reused. Used as a context manager (`with llm.update_params(new): ...`),
+        the previous weights come back on exit.
+
+        Returns:
+            A ParamsUpdate (its `restore()` puts the previous weights back).
+
+        Raises:
+            ValueError: The pytree's structure, a shape or a dtype differs.
+            RuntimeError: Requests are running.
+        """
+        previous = self.engine.runner.params
+        self.engine.update_params(params)
+        return ParamsUpdate(self.engine, previous)
 
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -195,6 +221,24 @@ class LLM:
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
         return self.engine.runner.prompt_logits(ids)
+
+    def run_with_hooks(self, prompt: PromptType, hooks: Hooks) -> HookedOutput:
+        """One forward over a whole prompt with `hooks` (see `netra_jax.models.hooks`): per-position logits after
+        the edits, and the recorded activations. On a scratch cache (the engine's pages and prefix cache are
+        untouched); compiled once per hook spec and power-of-two length. `HookContext.request` is 0.
+
+        Returns:
+            A HookedOutput with the token ids, logits [T, vocab] and activations {name: [T, ...]}.
+        """
+        if self.engine.embedder is not None:
+            raise ValueError("run_with_hooks needs task 'generate' (a model loaded with task 'embed' has no lm_head)")
+        if not isinstance(hooks, Hooks):
+            raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
+        ids = self.engine.inputs.prompt_ids(prompt)[1]
+        if len(ids) > self.engine.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
+        logits, activations = self.engine.runner.prompt_logits(ids, hooks)
+        return HookedOutput(ids, logits, activations)
 
     def score_continuations(
         self,
@@ -295,9 +339,11 @@ class LLM:
         ]
 
     # ------------------------------------------------------------------ generation
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0, hooked: bool = False) -> str:
         rid = str(next(self._ids))
-        self.engine.add_request(rid, prompt, params, priority=priority)
+        # a hooked request's KV depends on its hooks: its prefix-cache key is its own, so it shares no block
+        key = f"hooked:{id(self)}:{rid}" if hooked else None
+        self.engine.add_request(rid, prompt, params, priority=priority, cache_key=key)
         return rid
 
     def _normalize(self, prompts, params) -> tuple[list[PromptType], list[SamplingParams]]:
@@ -319,23 +365,66 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        hooks: Hooks | None = None,
     ) -> list[RequestOutput]:
-        """Generate for all prompts at once through the batching engine; outputs in prompt order. `priority`: one
-        per prompt, smaller served first (needs scheduling_policy="priority" unless all are 0), as in vLLM."""
+        """Generate for all prompts at once through the batching engine; outputs in prompt order.
+
+        Args:
+            prompts: One prompt or a list: text, token ids, or a dict with "prompt" / "prompt_token_ids".
+            sampling_params: One for all prompts or one per prompt.
+            use_tqdm: Show a progress bar.
+            priority: One per prompt, smaller served first (needs scheduling_policy="priority" unless all are 0),
+                as in vLLM.
+            hooks: Interventions run in every step of this call (`netra_jax.Hooks`; `HookContext.request` is the
+                prompt's index in `prompts`). Recorded activations come back per request in
+                `RequestOutput.activations`: {name: [positions, ...]}, row p for the token at position p of prompt
+                + output (the last output token never runs through the model), padding removed. Hooked requests
+                share no prefix-cache block with any other request; n must be 1; not with speculative decoding;
+                nothing else may run in the engine meanwhile.
+
+        Returns:
+            One RequestOutput per prompt, in order.
+        """
         prompts, plist = self._normalize(prompts, sampling_params)
         if priority is None:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        if hooks is not None:
+            self._check_hooked(hooks, plist)
         ids = []
         try:
             for p, sp, prio in zip(prompts, plist, priority, strict=True):
-                ids.append(self._add(p, sp, prio))
+                ids.append(self._add(p, sp, prio, hooked=hooks is not None))
+            if hooks is None:
+                return self._run(ids, use_tqdm)
+            self.engine.set_hooks(hooks, {rid: i for i, rid in enumerate(ids)})
+            outputs = self._run(ids, use_tqdm)
+            if hooks.record:
+                for out in outputs:
+                    n = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+                    out.activations = self.engine.activations.pop(out.request_id, n)
+            return outputs
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        finally:
+            if hooks is not None:
+                self.engine.set_hooks(None)
+
+    def _check_hooked(self, hooks: Hooks, plist: list[SamplingParams]) -> None:
+        """ValueError / RuntimeError for a hooked call the engine cannot run as asked."""
+        if not isinstance(hooks, Hooks):
+            raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
+        cfg = self.engine.model_config
+        hooks.check(cfg.num_layers, cfg.num_heads)
+        if any(sp.n != 1 for sp in plist):
+            raise ValueError("hooks need n=1 (one sample per prompt)")
+        if self.engine.proposer is not None:
+            raise ValueError("hooks are not supported together with speculative decoding")
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("hooks apply to every running request: finish or abort the running ones first")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
