@@ -1,5 +1,14 @@
 """The one attention entry point over the paged KV cache, and the KV write. A flat ragged token batch (many
-sequences' new tokens concatenated) attends to each sequence's pages through its block table; plain jnp here."""
+sequences' new tokens concatenated) attends to each sequence's pages through its block table; plain jnp here.
+
+Differentiation: `attention` is reverse-mode differentiable on every backend, with respect to q, the K/V pages and
+the sinks. Its forward is the selected backend's call unchanged (a jit without differentiation compiles exactly the
+backend); its backward is the VJP of `paged_attention_dense`, a fixed-shape jnp reference of the same attention (the
+reference's dynamic-length loops and the Pallas kernels have no backward of their own). The backward's memory is
+dense: per call, each token's whole block table of keys and values gathered in float32, [T, max_pages * page_size,
+kv_heads, head_dim] each, and its scores and probabilities [T, q_heads, max_pages * page_size] float32, so it suits
+training-style use (short sequences, small block tables), not serving-size batches. Forward-mode (jvp) is not
+provided."""
 
 from __future__ import annotations
 
@@ -397,6 +406,79 @@ BACKENDS = {
 }
 
 
+def paged_attention_dense(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Ragged paged attention with fixed shapes and no loops: the differentiable reference `attention`'s backward
+    is the VJP of. Same arguments, masks (causal, sliding window, soft-cap, sinks) and result as
+    `paged_attention_reference`; `md.work` is ignored.
+
+    Every token gathers its sequence's whole block table: keys and values [T, max_pages * page_size, kv_heads,
+    head_dim] float32, scores [T, q_heads, max_pages * page_size] float32, so memory grows with T times the block
+    table's width (see the module docstring). Differentiable (reverse and forward mode) in q, k_pages, v_pages and
+    sinks; softmax in float32.
+    """
+    T, H, D = q.shape
+    _, P, KH, _ = k_pages.shape
+    G = H // KH
+    sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
+    lay = with_token_layout(md, T).layout
+    K = lay.rows.shape[1] * P  # keys of a whole block table
+
+    def gather(pages):  # [T, K, KH, D] float32: each token's sequence's keys (or values) in position order
+        return jnp.take(pages, lay.rows, axis=0, mode="clip").reshape(T, K, KH, D).astype(jnp.float32)
+
+    qg = q.astype(jnp.float32).reshape(T, KH, G, D) * scale
+    s = jnp.einsum("tkgd,tckd->tkgc", qg, gather(k_pages), precision=jax.lax.Precision.HIGHEST)  # [T, KH, G, K]
+    qpos = jnp.where(lay.valid, lay.q_pos, -1)[:, None, None, None]  # padding tokens see no key
+    s, mask = _masked_scores(s, jnp.arange(K, dtype=jnp.int32), qpos, sliding_window, soft_cap)
+    m = s.max(-1)  # [T, KH, G]
+    if sinks is not None:
+        sk = jnp.broadcast_to(sinks.reshape(KH, G), m.shape)  # [T, KH, G]
+        m = jnp.maximum(m, sk)
+    m = jax.lax.stop_gradient(m)  # the softmax does not depend on it
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)  # [T, KH, G, K]
+    l = p.sum(-1) if sinks is None else p.sum(-1) + jnp.exp(sk - m)
+    o = jnp.einsum("tkgc,tckd->tkgd", p, gather(v_pages), precision=jax.lax.Precision.HIGHEST)  # [T, KH, G, D]
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    return o.reshape(T, H, D).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
+    """`backend`'s attention, differentiated as `paged_attention_dense`. backend: the BACKENDS key (static)."""
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    return BACKENDS[backend](q, k_pages, v_pages, md, **kw)
+
+
+def _with_dense_vjp_fwd(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
+    out = _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)
+    return out, (q, k_pages, v_pages, md, sinks)
+
+
+def _with_dense_vjp_bwd(backend, scale, sliding_window, soft_cap, res, g):
+    q, k_pages, v_pages, md, sinks = res
+
+    def dense(q, k_pages, v_pages, sinks):
+        kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+        return paged_attention_dense(q, k_pages, v_pages, md, **kw)
+
+    _, vjp = jax.vjp(dense, q, k_pages, v_pages, sinks)
+    dq, dk, dv, dsinks = vjp(g)
+    return dq, dk, dv, None, dsinks  # the integer metadata has no cotangent
+
+
+_with_dense_vjp.defvjp(_with_dense_vjp_fwd, _with_dense_vjp_bwd)
+
+
 def attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -409,9 +491,12 @@ def attention(
     sinks: jax.Array | None = None,
     backend: str = "reference",
 ) -> jax.Array:
-    """Ragged paged attention through the selected backend (see `BACKENDS`). Shapes as in the reference."""
-    try:
-        fn = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}") from None
-    return fn(q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    """Ragged paged attention through the selected backend (see `BACKENDS`). Shapes as in the reference.
+
+    Reverse-mode differentiable on every backend with respect to q, k_pages, v_pages and sinks (zero for the
+    metadata): the forward is the backend's, the backward `paged_attention_dense`'s (see the module docstring for
+    its memory cost).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)
