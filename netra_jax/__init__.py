@@ -1,17 +1,23 @@
 """netra_jax: a JAX/XLA-compiled LLM inference runtime with a paged KV cache, continuous batching, Pallas attention
 kernels and vLLM-compatible Python and OpenAI-compatible HTTP APIs."""
 
+from netra_jax import paged
 from netra_jax.api import LLM, build_engine
-from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
-from netra_jax.sampling_params import SamplingParams
+from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.scoring import ContinuationScore
 from netra_jax.spec import SpeculativeConfig
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
     "PoolingParams",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
@@ -22,8 +28,10 @@ __all__ = [
     "EngineConfig",
     "CacheConfig",
     "SchedulerConfig",
+    "PoolerConfig",
     "SpeculativeConfig",
     "ModelConfig",
     "build_engine",
+    "paged",
 ]
 __version__ = "0.1.0"

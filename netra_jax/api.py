@@ -62,20 +62,25 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """Load the model and tokenizer, allocate the KV pages and (unless config.warmup is False) compile every bucket."""
+    """Load the model and tokenizer, allocate the KV pages and (unless config.warmup is False) compile every bucket.
+    The options were checked when `config` was built; what depends on the machine or the files (the attention
+    backend on this platform, the devices for tensor parallelism, the model's and tokenizer's headers) is checked
+    here, before any weight is read."""
     enable_compilation_cache(config.compilation_cache_dir)
     path = resolve_model_path(config.model)
     t0 = time.perf_counter()
+    config.resolved_backend()  # a GPU kernel asked for off GPU fails now, not at the first step
     tp = config.tensor_parallel_size
-    if config.quantization and tp > 1:
-        raise ValueError("quantization is not supported together with tensor parallelism yet")
     mesh = parallel.make_mesh(tp) if tp > 1 else None
-    header_cfg = load_config(path)  # the path, format and architecture are checked from headers alone,
-    tokenizer = Tokenizer.load(path)  # and the tokenizer next: an unusable model fails before any weight is read
+    remote = config.trust_remote_code
+    header_cfg = load_config(path, trust_remote_code=remote)  # path, format and architecture from headers alone,
+    tokenizer = _load_tokenizer(config, path, header_cfg.vocab_size)  # then the tokenizer: all before the weights
     pooling = None
     if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
         pooling = pooling_spec(path, header_cfg.hidden_size, config.pooler_config)
-    cfg, params = load_model(path, config.dtype, mesh=mesh, load_format=config.load_format, task=config.task)
+    cfg, params = load_model(
+        path, config.dtype, mesh=mesh, load_format=config.load_format, task=config.task, trust_remote_code=remote
+    )
     if config.quantization:
         params = quantize_params(params, config.quantization)
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
@@ -84,6 +89,20 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.warmup:
         engine.warmup()
     return engine
+
+
+def _load_tokenizer(config: EngineConfig, model_path: str, vocab_size: int) -> Tokenizer:
+    """The model's own tokenizer, or `config.tokenizer` (a directory, tokenizer.json or .gguf) when given; a
+    tokenizer with more tokens than the model's vocabulary is refused."""
+    if not config.tokenizer:
+        return Tokenizer.load(model_path)
+    tokenizer = Tokenizer.load(config.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+            f"{vocab_size}"
+        )
+    return tokenizer
 
 
 def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
@@ -95,9 +114,9 @@ def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
     from netra_jax.spec.draft import check_same_tokenizer
 
     path = resolve_model_path(spec.model)
-    load_config(path)
+    load_config(path, trust_remote_code=config.trust_remote_code)
     check_same_tokenizer(tokenizer, Tokenizer.load(path))
-    return load_model(path, config.dtype)
+    return load_model(path, config.dtype, trust_remote_code=config.trust_remote_code)
 
 
 def _is_single(x) -> bool:
@@ -108,23 +127,63 @@ def _is_single(x) -> bool:
 class LLM:
     """Offline inference, vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-    model: a Hugging Face directory or a .gguf file (None = the embedded default, SmolLM2-135M-Instruct).
-    dtype: "auto" | "float32" | "bfloat16". Engine knobs mirror vLLM's: max_model_len, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory (bytes; per device under tensor parallelism), num_kv_pages, page_size,
-    enable_prefix_caching, tensor_parallel_size (split weights and KV heads over that many devices),
-    async_scheduling (schedule step N+1 while step N runs on the device), scheduling_policy ("fcfs" | "priority":
-    serve by each request's priority, see `generate`),
-    quantization ("int8": weight-only int8 with per-channel scales), load_format ("dummy": random weights from
-    config.json, for benchmarks), task ("embed": an embedding model, used through `embed`, not `generate`),
-    pooler_config (task "embed": a PoolerConfig, or a dict with pooling_type LAST | MEAN | CLS and normalize, over
-    the checkpoint's own pooling), speculative_config (vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m} or {"model": draft_path, "num_speculative_tokens": k}; greedy
-    and seeded outputs are identical to decoding without it, see `netra_jax.spec`)."""
+    Construction loads the model and returns; each compiled program (the step of a token bucket, a sampler
+    variant) is compiled on the first call that needs it, so a small model answers its first prompt within seconds
+    and the first call of each new bucket pays its compile. `warmup=True` compiles every program a request can reach
+    before returning instead, as `netra-jax serve` does before it reports ready. Every option is checked before any
+    weight is read (ValueError).
+
+    Args:
+        model: A Hugging Face directory or a .gguf file (None: the embedded default, SmolLM2-135M-Instruct).
+        tokenizer: A tokenizer other than the model's own: a directory, a tokenizer.json or a .gguf file.
+        trust_remote_code: Accepted for vLLM compatibility; remote code is never run. A checkpoint whose
+            config.json has an `auto_map` is refused unless this is True and its architecture is one netra_jax
+            implements natively (then the native implementation is used); one whose architecture is not native is
+            always refused, with a message that says so.
+        dtype: "auto" | "float32" | "bfloat16".
+        max_model_len: The longest sequence (prompt + output); None: the model's context.
+        max_num_seqs: Sequences running in one step.
+        max_num_batched_tokens: Tokens in one step (longer prompts are prefilled in chunks).
+        kv_cache_memory: The KV cache's size in bytes (per device under tensor parallelism); None: from
+            gpu_memory_utilization on accelerators, 1 GiB on CPU.
+        num_kv_pages: An explicit KV page count (overrides kv_cache_memory).
+        page_size: Tokens per KV page.
+        gpu_memory_utilization: The fraction of accelerator memory for weights and KV cache, in (0, 1].
+        enable_prefix_caching: Share the KV pages of common prompt prefixes between requests.
+        attention_backend: "auto" | "reference" | "triton" | "mosaic" (GPU kernels) | "triton_interpret" |
+            "mosaic_interpret".
+        tensor_parallel_size: Devices the weights and KV heads are split over.
+        quantization: None, or "int8": weight-only int8 with per-channel scales.
+        seed: Seeds the requests that give no seed.
+        warmup: Compile every reachable program before returning (minutes on CPU for a large token budget); False:
+            compile each on first use.
+        enforce_eager: vLLM's switch for skipping ahead-of-time compilation (CUDA graphs there): here, nothing is
+            compiled before the first call, which is already the default; True together with warmup=True is a
+            ValueError. Every step still runs as one compiled XLA program.
+        compilation_cache_dir: The persistent XLA compilation cache; None: <cache dir>/xla, "": off.
+        task: "generate", or "embed": an embedding model, used through `embed`.
+        pooler_config: Task "embed": a PoolerConfig, or a dict with pooling_type LAST | MEAN | CLS and normalize,
+            over the checkpoint's own pooling.
+        load_format: "auto", or "dummy": random weights from config.json (benchmarks).
+        async_scheduling: Schedule step N+1 while step N runs on the device.
+        scheduling_policy: "fcfs" | "priority" (serve by each request's priority, see `generate`).
+        speculative_config: vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+            "prompt_lookup_min": m} or {"model": draft_path, "num_speculative_tokens": k}; greedy and seeded outputs
+            are identical to decoding without it (see `netra_jax.spec`).
+        max_logprobs: The most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default 20, also the
+            most the compiled sampler computes); a request asking for more is a ValueError.
+
+    Raises:
+        FileNotFoundError: The model or tokenizer path does not exist.
+        ValueError: An invalid option, or a model that cannot be served (ConfigError, CheckpointError).
+    """
 
     def __init__(
         self,
         model: str | os.PathLike | None = None,
         *,
+        tokenizer: str | os.PathLike | None = None,
+        trust_remote_code: bool = False,
         dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
@@ -138,7 +197,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         seed: int = 0,
-        warmup: bool = True,
+        warmup: bool = False,
+        enforce_eager: bool = False,
         compilation_cache_dir: str | None = None,
         task: str = "generate",
         pooler_config: PoolerConfig | dict | None = None,
@@ -146,11 +206,22 @@ class LLM:
         async_scheduling: bool = True,
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None,
+        max_logprobs: int = 20,
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise FileNotFoundError(f"tokenizer path {tokenizer} does not exist")
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        if enforce_eager and warmup is True:
+            raise ValueError(
+                "enforce_eager=True compiles nothing ahead of time; it cannot be combined with warmup=True"
+            )
         self.config = EngineConfig(
             model=str(model) if model else "",
+            tokenizer=str(tokenizer) if tokenizer is not None else None,
+            trust_remote_code=trust_remote_code,
             dtype=dtype,
             max_model_len=max_model_len,
             cache=CacheConfig(
@@ -176,6 +247,7 @@ class LLM:
             pooler_config=pooler_config_from(pooler_config),
             async_scheduling=async_scheduling,
             speculative=speculative_config_from(speculative_config),
+            max_logprobs=max_logprobs,
         )
         self.engine = build_engine(self.config)
         self._ids = itertools.count()
@@ -211,6 +283,20 @@ class LLM:
         previous = self.engine.runner.params
         self.engine.update_params(params)
         return ParamsUpdate(self.engine, previous)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's LLM.reset_prefix_cache), e.g. between benchmark runs or after
+        the weights changed. Only while no request runs (nor a step is in flight): then every cached KV page goes
+        back to the free list and True is returned; otherwise nothing changes and False is returned.
+
+        Returns:
+            Whether the prefix cache was reset.
+        """
+        eng = self.engine
+        if eng.has_unfinished_requests():
+            return False
+        eng.pool.reset_prefix_cache()
+        return True
 
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

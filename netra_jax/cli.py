@@ -21,6 +21,15 @@ log = logging.getLogger(__name__)
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    p.add_argument(
+        "--tokenizer", default=None, help="a tokenizer directory, tokenizer.json or .gguf other than the model's"
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="load a checkpoint whose config.json has an auto_map with the native implementation of its "
+        "architecture (remote code is never run; a checkpoint whose architecture is not native is refused)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -73,6 +82,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM's flag: compile nothing ahead of time (as --no-warmup; each program compiles on first use)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs / prompt_logprobs a request may ask for (at most 20)",
+    )
+    p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -99,8 +119,17 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         speculative = speculative_config_from(a.speculative_config)
     except ValueError as e:
         raise CLIError(f"--speculative-config: {e}") from None
+    try:
+        return _engine_config(a, pooler, speculative)
+    except ValueError as e:
+        raise CLIError(one_line(e)) from None
+
+
+def _engine_config(a: argparse.Namespace, pooler, speculative) -> EngineConfig:
     return EngineConfig(
         model=a.model or "",
+        tokenizer=a.tokenizer,
+        trust_remote_code=a.trust_remote_code,
         dtype=a.dtype,
         max_model_len=a.max_model_len,
         cache=CacheConfig(
@@ -122,12 +151,13 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         quantization=a.quantization,
         seed=a.seed,
         served_model_name=a.served_model_name,
-        warmup=not a.no_warmup,
+        warmup=not (a.no_warmup or a.enforce_eager),
         load_format=a.load_format,
         task=a.task,
         pooler_config=pooler,
         async_scheduling=a.async_scheduling,
         speculative=speculative,
+        max_logprobs=a.max_logprobs,
     )
 
 
@@ -174,8 +204,8 @@ def check_model(config: EngineConfig) -> None:
     path = resolve_model_path(config.model)
     try:
         if config.load_format != "dummy":
-            load_config(path)
-        Tokenizer.load(path)
+            load_config(path, trust_remote_code=config.trust_remote_code)
+        Tokenizer.load(config.tokenizer or path)
     except _LOAD_ERRORS as e:
         raise _cannot_load(path, e) from e
 

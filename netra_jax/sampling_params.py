@@ -145,7 +145,12 @@ class SamplingParams:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {max_logprobs!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= max_logprobs):
+            if v is not None and _is_int(v) and v > max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most the engine's max_logprobs of {max_logprobs} (LLM(max_logprobs=...), "
+                    f"--max-logprobs), got {v}"
+                )
+            if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be an integer in [0, {max_logprobs}] or None, got {v!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

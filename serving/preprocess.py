@@ -239,7 +239,7 @@ def sampling_params(
     except ValueError as e:
         raise bad(str(e), "priority") from None
     try:
-        sp.validate(engine.vocab_size)
+        sp.validate(engine.vocab_size, engine.config.max_logprobs)
     except ValueError as e:
         msg, param = str(e), _param_of(str(e), req)
         word = msg.split(" ", 1)[0]

@@ -52,7 +52,7 @@ def prompt(case: dict):
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(EMBED, task="embed", max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=8)
+    return LLM(EMBED, task="embed", max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=8, warmup=True)
 
 
 # ---------------------------------------------------------------------------------------------- against references

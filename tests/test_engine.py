@@ -27,7 +27,7 @@ def _prompts(n: int, vocab: int, seed: int = 0, model: str = "tiny-llama") -> li
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(MODEL, dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, page_size=16)
+    return LLM(MODEL, dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, page_size=16, warmup=True)
 
 
 @pytest.fixture(scope="module")

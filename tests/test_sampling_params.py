@@ -117,8 +117,10 @@ def test_invalid_params_raise_clear_error(kwargs, match):
 
 def test_max_logprobs_is_configurable():
     SamplingParams(logprobs=50).validate(VOCAB, max_logprobs=64)
-    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 5\]"):
+    with pytest.raises(ValueError, match="logprobs must be at most the engine's max_logprobs of 5"):
         SamplingParams(logprobs=6).validate(VOCAB, max_logprobs=5)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 5\]"):
+        SamplingParams(prompt_logprobs=-1).validate(VOCAB, max_logprobs=5)
 
 
 def test_bad_vocab_size_rejected():

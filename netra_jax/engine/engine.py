@@ -129,7 +129,13 @@ class LLMEngine:
             self.pooling = pooling or pooling_spec(None, model_cfg.hidden_size, config.pooler_config)
             self.embedder = Embedder(self.runner, self.pooling.pooling_type, sched.max_num_batched_tokens)
         self.inputs = InputProcessor(
-            tokenizer, self.vocab_size, self.max_model_len, model_cfg.eos_token_ids, sched.max_waiting, config.seed
+            tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            model_cfg.eos_token_ids,
+            sched.max_waiting,
+            config.seed,
+            config.max_logprobs,
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
         self.activations = ActivationRecorder()  # what the runner's hooks record, per request (see set_hooks)

@@ -30,8 +30,10 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         max_waiting: int | None = None,
         seed: int = 0,
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs  # the most logprobs / prompt_logprobs a request may ask for
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(tokenizer.eos_token_ids or eos_token_ids)
@@ -53,7 +55,7 @@ class InputProcessor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.max_logprobs)
         if self.max_waiting is not None and params.n > self.max_waiting:  # else "queue full" forever
             raise ValueError(f"n={params.n} samples can never fit the waiting queue (max_waiting {self.max_waiting})")
         text, ids = self.prompt_ids(prompt)

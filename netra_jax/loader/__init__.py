@@ -66,14 +66,16 @@ def _resolve_dtype(dtype: str, source_dtype: str | None, is_gguf: bool) -> str:
     return {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(source_dtype or "", "float32")
 
 
-def _open_source(path: str | Path) -> tuple[ModelConfig, GGUFFile | dict[str, Any], list[Path]]:
+def _open_source(
+    path: str | Path, trust_remote_code: bool = False
+) -> tuple[ModelConfig, GGUFFile | dict[str, Any], list[Path]]:
     """(config, source, source files): the source is a GGUFFile (header parsed, tensors not read) or the HF
     config dict. Raises FileNotFoundError, CheckpointError or ConfigError."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if p.is_dir():
-        cfg = ModelConfig.from_hf_dir(p)
+        cfg = ModelConfig.from_hf_dir(p, trust_remote_code=trust_remote_code)
         d = json.loads((p / "config.json").read_text())
         files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
         if (p / "model.safetensors.index.json").is_file():
@@ -87,9 +89,10 @@ def _open_source(path: str | Path) -> tuple[ModelConfig, GGUFFile | dict[str, An
     return config_from_gguf_metadata(gf.metadata, shapes, rope_freqs), gf, [p]
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """ModelConfig of a HF directory or GGUF file, without reading any weights."""
-    return _open_source(path)[0]
+def load_config(path: str | Path, *, trust_remote_code: bool = False) -> ModelConfig:
+    """ModelConfig of a HF directory or GGUF file, without reading any weights (trust_remote_code: see
+    `ModelConfig.from_hf_dict`)."""
+    return _open_source(path, trust_remote_code)[0]
 
 
 def load_model(
@@ -99,6 +102,7 @@ def load_model(
     mesh: jax.sharding.Mesh | None = None,
     load_format: str = "auto",
     task: str = "generate",
+    trust_remote_code: bool = False,
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
@@ -109,7 +113,8 @@ def load_model(
     load_format: "auto" reads the weights; "dummy" reads only config.json of a HF directory and draws random
     parameters of the same layout on the device (`loader.dummy`, for benchmarks).
     task: "generate", or "embed" to leave the lm_head out (embedding checkpoints often have none; the pooled hidden
-    states never need it; not with a mesh yet)."""
+    states never need it; not with a mesh yet). trust_remote_code: load a checkpoint whose config.json has an
+    auto_map with the native implementation of its architecture (see `ModelConfig.from_hf_dict`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if task not in TASKS:
@@ -118,7 +123,7 @@ def load_model(
     if without and mesh is not None:
         raise ValueError("task 'embed' does not support tensor parallelism yet (load it on one device)")
     t0 = time.perf_counter()
-    cfg, source, files = _open_source(path)
+    cfg, source, files = _open_source(path, trust_remote_code)
     is_gguf = isinstance(source, GGUFFile)
     src_dtype = None if is_gguf else (source.get("torch_dtype") or source.get("dtype") or stored_float_dtype(path))
     dt = _resolve_dtype(dtype, src_dtype, is_gguf)
