@@ -16,6 +16,11 @@ Parameter pytree (weights stored [in, out] so activations multiply on the left; 
             experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
             optional experts_gate_up_bias [experts, 2, moe_intermediate], experts_down_bias [experts, hidden].
 Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
+
+Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode differentiable (`jax.grad`,
+`jax.vjp`) in the parameters and in `input_embeds`, on every attention backend: attention's backward is a dense jnp
+reference (`netra_jax.ops.attention.paged_attention_dense`, memory T x block-table keys per layer), the experts'
+grouped matmul's is `jax.lax.ragged_dot`'s. Forward mode (`jax.jvp`) is not provided.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, app
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.quant import matmul
 from netra_jax.models.rope import rope
-from netra_jax.ops.attention import AttentionMetadata, attention, with_token_layout, write_kv
+from netra_jax.ops.attention import (
+    AttentionMetadata,
+    AttentionWork,
+    attention,
+    build_work,
+    with_token_layout,
+    write_kv,
+)
 from netra_jax.parallel import head_parallel
 
 
@@ -300,3 +312,51 @@ def forward(
     )
     logits = unembed(params, cfg, out[0])  # [S or T, vocab]
     return (logits, *out[1:])
+
+
+_SCRATCH_PAGE = 16  # page size of `forward_dense`'s scratch cache (every backend takes it)
+
+
+def _scratch_sequence(cfg: ModelConfig, num_tokens: int, dtype) -> tuple[KVCache, AttentionMetadata]:
+    """A zeroed paged cache for one sequence of num_tokens new tokens (positions 0.., on pages 0, 1, ...) and its
+    metadata, with the reference's work lists (query blocks for the run)."""
+    pages = -(-num_tokens // _SCRATCH_PAGE)
+    md = AttentionMetadata(
+        slot_mapping=jnp.arange(num_tokens, dtype=jnp.int32),
+        query_start_loc=jnp.array([0, num_tokens], jnp.int32),
+        seq_lens=jnp.array([num_tokens], jnp.int32),
+        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+        work=AttentionWork(*(jnp.asarray(a) for a in build_work([num_tokens], num_tokens, 1))),
+    )
+    return init_kv_cache(cfg, pages, _SCRATCH_PAGE, dtype), md
+
+
+def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str = "reference") -> jax.Array:
+    """Logits at every position of one sequence, without a cache argument: `forward` on a scratch paged cache
+    that holds just this sequence (positions 0..T-1). For training-style use.
+
+    Jittable (with cfg and backend static), reverse-mode differentiable in params and in x when x holds embeddings
+    (attention's backward is dense, see `netra_jax.ops.attention`), and vmap-able over a leading batch axis of x
+    (sequences of one length; the cache and metadata are shared constants, so the loops' trip counts stay unbatched).
+
+    Args:
+        params: the parameter pytree (see the module docstring).
+        cfg: the model's config.
+        x: token ids [T] (integer) or embeddings [T, hidden] (float, the embedding layer's output as
+            `embed_tokens` gives it, like Hugging Face's `inputs_embeds`).
+        backend: the attention backend (see `netra_jax.ops.attention.BACKENDS`).
+
+    Returns:
+        logits [T, vocab] float32.
+    """
+    ids = jnp.issubdtype(x.dtype, jnp.integer)
+    if (x.ndim, ids) not in ((1, True), (2, False)) or x.shape[0] == 0:
+        raise ValueError(
+            f"x must be token ids [T] (integer) or embeddings [T, hidden] (float), T > 0; got {x.dtype} {x.shape}"
+        )
+    T = x.shape[0]
+    kv, md = _scratch_sequence(cfg, T, params["embed"].dtype)
+    positions = jnp.arange(T, dtype=jnp.int32)
+    token_ids, embeds = (x, None) if ids else (None, x)
+    logits, _ = forward(params, cfg, token_ids, positions, kv, md, backend=backend, input_embeds=embeds)
+    return logits
