@@ -6,6 +6,8 @@ from netra_jax.api import LLM, build_engine
 from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
+from netra_jax.interventions import HookedOutput, ParamsUpdate
+from netra_jax.models.hooks import HookContext, Hooks
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.scoring import ContinuationScore
@@ -25,6 +27,10 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "ContinuationScore",
+    "Hooks",
+    "HookContext",
+    "HookedOutput",
+    "ParamsUpdate",
     "EngineConfig",
     "CacheConfig",
     "SchedulerConfig",
