@@ -142,6 +142,16 @@ def test_update_params_drops_stale_prefix_cache(llm):
         assert out.outputs[0].token_ids == expect.outputs[0].token_ids
     finally:
         update.restore()
+    llm.generate([ids], _greedy(), use_tqdm=False)  # cached again under the original weights
+    # weights assigned directly, bypassing update_params: the engine notices and drops the prefix cache too
+    original = llm.engine.runner.params
+    llm.engine.runner.params = jax.device_put(_ablated(llm, layer, head), jax.devices()[0])
+    try:
+        out = llm.generate([ids], _greedy(), use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert out.outputs[0].token_ids == expect.outputs[0].token_ids
+    finally:
+        llm.engine.runner.params = original
     _check_idle(llm)
 
 

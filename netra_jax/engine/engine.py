@@ -139,6 +139,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
         self.activations = ActivationRecorder()  # what the runner's hooks record, per request (see set_hooks)
+        self._live_params = self.runner.params  # the weights the prefix cache was computed with
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # scheduler request id -> its sample
         self._in_flight: _Step | None = None
@@ -259,8 +260,15 @@ class LLMEngine:
                     f"{list(np.shape(b))}"
                 )
             placed.append(jax.device_put(b, a.sharding))
-        self.runner.params = jax.tree.unflatten(treedef, placed)
+        self.runner.params = self._live_params = jax.tree.unflatten(treedef, placed)
         self.pool.reset_prefix_cache()
+
+    def _params_replaced(self) -> None:
+        """The runner's weights were assigned directly, not through update_params: no cached prefix may be reused
+        (its KV came from the old weights)."""
+        log.warning("the model's weights were replaced without update_params; dropping the prefix cache")
+        self.pool.reset_prefix_cache()
+        self._live_params = self.runner.params
 
     def set_hooks(self, hooks, request_index: dict[str, int] | None = None) -> None:
         """Run `hooks` (a `netra_jax.models.hooks.Hooks`, or None) in every step from now on; request_index maps
@@ -282,6 +290,8 @@ class LLMEngine:
         Overlapped, these are the tokens of the step dispatched by the previous call. If it raises, the steps whose
         results were not applied are unscheduled (`Scheduler.cancel`), so their requests run again on the next call
         instead of waiting forever for tokens that will never come."""
+        if self.runner.params is not self._live_params:
+            self._params_replaced()
         prev, self._in_flight = self._in_flight, None
         scheduled = [] if prev is None else [prev.sched]
         try:
