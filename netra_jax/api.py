@@ -286,17 +286,14 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's LLM.reset_prefix_cache), e.g. between benchmark runs or after
-        the weights changed. Only while no request runs (nor a step is in flight): then every cached KV page goes
-        back to the free list and True is returned; otherwise nothing changes and False is returned.
+        the weights changed outside `update_params` (which drops it itself). Only while no request runs (nor a step
+        is in flight): then every cached KV page goes back to the free list and True is returned; otherwise nothing
+        changes and False is returned.
 
         Returns:
             Whether the prefix cache was reset.
         """
-        eng = self.engine
-        if eng.has_unfinished_requests():
-            return False
-        eng.pool.reset_prefix_cache()
-        return True
+        return self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
