@@ -38,9 +38,7 @@ from netra_jax.models.quant import matmul
 from netra_jax.models.rope import rope
 from netra_jax.ops.attention import (
     AttentionMetadata,
-    AttentionWork,
     attention,
-    build_work,
     with_token_layout,
     write_kv,
 )
@@ -319,16 +317,12 @@ _SCRATCH_PAGE = 16  # page size of `forward_dense`'s scratch cache (every backen
 
 def _scratch_sequence(cfg: ModelConfig, num_tokens: int, dtype) -> tuple[KVCache, AttentionMetadata]:
     """A zeroed paged cache for one sequence of num_tokens new tokens (positions 0.., on pages 0, 1, ...) and its
-    metadata, with the reference's work lists (query blocks for the run)."""
+    metadata (`netra_jax.paged.build_batch`, constants under a trace), with the reference's work lists."""
+    from netra_jax import paged  # the public builders import this module: imported when first called
+
     pages = -(-num_tokens // _SCRATCH_PAGE)
-    md = AttentionMetadata(
-        slot_mapping=jnp.arange(num_tokens, dtype=jnp.int32),
-        query_start_loc=jnp.array([0, num_tokens], jnp.int32),
-        seq_lens=jnp.array([num_tokens], jnp.int32),
-        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
-        work=AttentionWork(*(jnp.asarray(a) for a in build_work([num_tokens], num_tokens, 1))),
-    )
-    return init_kv_cache(cfg, pages, _SCRATCH_PAGE, dtype), md
+    batch = paged.build_batch([num_tokens], [num_tokens], [range(pages)], page_size=_SCRATCH_PAGE, num_pages=pages)
+    return init_kv_cache(cfg, pages, _SCRATCH_PAGE, dtype), batch.metadata
 
 
 def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str = "reference") -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from netra_jax import parallel
+from netra_jax import paged, parallel
 from netra_jax.config import CacheConfig, ModelConfig
 from netra_jax.engine.buckets import token_buckets
 from netra_jax.engine.scheduler import SchedulerOutput
@@ -28,7 +28,6 @@ from netra_jax.engine.step_layout import (
 )
 from netra_jax.models.hooks import Hooks, HookSpec
 from netra_jax.models.transformer import forward, init_kv_cache
-from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -89,34 +88,36 @@ def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
     return (target - lse)[:, 0], rank, top_ids.astype(jnp.int32), top_vals - lse
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "backend", "mesh", "hooks"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "page_size", "backend", "mesh", "hooks"))
 def _all_logits(
     params,
     token_ids,
+    batch: paged.PagedBatch,
     hook_arrays=None,
     *,
     cfg: ModelConfig,
+    num_pages: int,
     page_size: int,
     backend: str,
     mesh=None,
     hooks: HookSpec | None = None,
 ):
-    """Logits at every position of one prompt, on a scratch paged cache. token_ids: [T], T a multiple of page.
-    Returns (logits [T, vocab] float32, the hooks' recorded activations {name: [T, ...]} or None)."""
-    T = token_ids.shape[0]
-    pages = T // page_size
+    """Logits at every position of one prompt, on a scratch paged cache of `num_pages` pages. token_ids: [T];
+    batch: its positions and metadata (`paged.build_batch`). Returns (logits [T, vocab] float32, the hooks'
+    recorded activations {name: [T, ...]} or None)."""
     kv_sharding = None if mesh is None else parallel.kv_sharding(mesh)
-    kv = init_kv_cache(cfg, pages, page_size, params["embed"].dtype, sharding=kv_sharding)
-    md = AttentionMetadata(
-        slot_mapping=jnp.arange(T, dtype=jnp.int32),
-        query_start_loc=jnp.array([0, T], jnp.int32),
-        seq_lens=jnp.array([T], jnp.int32),
-        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
-        work=AttentionWork(*(jnp.asarray(a) for a in build_work([T], T, 1))),
-    )
-    positions = jnp.arange(T, dtype=jnp.int32)
+    kv = paged.init_kv_cache(cfg, num_pages, page_size, params["embed"].dtype, sharding=kv_sharding)
     out = forward(
-        params, cfg, token_ids, positions, kv, md, backend=backend, mesh=mesh, hooks=hooks, hook_arrays=hook_arrays
+        params,
+        cfg,
+        token_ids,
+        batch.positions,
+        kv,
+        batch.metadata,
+        backend=backend,
+        mesh=mesh,
+        hooks=hooks,
+        hook_arrays=hook_arrays,
     )
     return out[0], (out[2] if hooks is not None else None)
 
@@ -210,7 +211,7 @@ class ModelRunner:
         self.max_spec_seqs = max_num_seqs if max_spec_seqs is None else max_spec_seqs
         kv_sharding = None if self.mesh is None else parallel.kv_sharding(self.mesh)
         self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
-        self.pad_slot = num_pages * page_size  # out of range: dropped by the KV write
+        self.pad_slot = paged.padding_slot(num_pages, page_size)  # out of range: dropped by the KV write
         # sharded: KV out sharding = in sharding (donation reuses each device's pages), logits all-gathered
         out = {}
         if self.mesh is not None:
@@ -326,17 +327,20 @@ class ModelRunner:
         untouched); one compiled variant per power-of-two length (and hook spec), compiled on first use (the
         `LLM.logits` hook; requests' prompt logprobs come from the ordinary step). With `hooks`, returns (logits,
         the recorded activations {name: [len(ids), ...] numpy}); `HookContext.request` is 0."""
-        T = max(self.page_size, 1 << (len(ids) - 1).bit_length())
-        padded = np.zeros(T, np.int32)
-        padded[: len(ids)] = ids
+        n = len(ids)
+        T = max(self.page_size, 1 << (n - 1).bit_length())
+        pages = -(-T // self.page_size)
+        batch = paged.build_batch([n], [n], [range(pages)], page_size=self.page_size, num_pages=pages, num_tokens=T)
         hooked = {}
         if hooks is not None:
             hooks.check(self.cfg.num_layers, self.cfg.num_heads)
             hooked = {"hook_arrays": self._place(hooks.arrays), "hooks": hooks.spec}
         logits, records = _all_logits(
             self.params,
-            jnp.asarray(padded),
+            paged.flat_tokens([ids], T),
+            batch,
             cfg=self.cfg,
+            num_pages=pages,
             page_size=self.page_size,
             backend=self.backend,
             mesh=self.mesh,

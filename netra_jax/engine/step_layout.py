@@ -11,6 +11,7 @@ import numpy as np
 
 from netra_jax.engine.scheduler import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, num_items
+from netra_jax.paged import token_slots
 
 __all__ = [
     "PROMPT_LOGPROB_ROWS",
@@ -206,11 +207,9 @@ def pack_batch(
             if prev_rows is None or n - len(known) != 1:
                 raise ValueError(f"request {sr.request_id!r} is scheduled on unknown tokens")
             prev[t + n - 1] = prev_rows[sr.request_id]
-        p = np.arange(start, start + n, dtype=np.int32)
-        pos[t : t + n] = p
-        blocks = np.asarray(sr.block_ids, np.int32)
-        slot[t : t + n] = blocks[p // page_size] * page_size + p % page_size
-        bt[s, : len(blocks)] = blocks
+        pos[t : t + n] = np.arange(start, start + n, dtype=np.int32)
+        slot[t : t + n] = token_slots(sr.block_ids, start, start + n, page_size)
+        bt[s, : len(sr.block_ids)] = sr.block_ids
         seq_lens[s] = start + n
         prompt = sr.request.prompt_token_ids
         for q in prompt_logprob_positions(sr):
