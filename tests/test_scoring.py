@@ -18,12 +18,14 @@ LM_EVAL = REPO / "tests" / "fixtures" / "lm_eval"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(FIXTURES / "tiny-llama", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, page_size=16)
+    return LLM(
+        FIXTURES / "tiny-llama", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, page_size=16, warmup=True
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return LLM(FIXTURES / "tiny-qwen3", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, warmup=False)
+    return LLM(FIXTURES / "tiny-qwen3", dtype="float32", max_num_seqs=16, max_num_batched_tokens=512, warmup=False)
 
 
 def _check_idle(llm):
@@ -131,6 +133,23 @@ def test_batch_equals_one_at_a_time_and_hits_prefix_cache(llm):
         np.testing.assert_allclose(alone.token_logprobs, s.token_logprobs, atol=1e-5)
         assert alone.ranks == s.ranks and alone.is_greedy == s.is_greedy
     _check_idle(llm)
+
+
+def test_context_takes_no_prompt_logprob_rows(qwen3):
+    """A step computes at most PROMPT_LOGPROB_ROWS (256) prompt-logprob rows, and the context before a continuation
+    needs none: 400 context + 20 continuation tokens are one step; 100 + 300 are two (the first ends at the 256th
+    row). Both score as the per-prompt logits hook (its own forward, outside the engine's steps) says."""
+    rng = random.Random(9)
+    vocab = qwen3.model_config.vocab_size
+    for n_ctx, n_cont, n_steps in ((400, 20, 1), (100, 300, 2)):
+        ctx = [rng.randrange(3, vocab) for _ in range(n_ctx)]
+        cont = [rng.randrange(3, vocab) for _ in range(n_cont)]
+        steps = qwen3.engine.runner.num_steps
+        s = qwen3.score_continuations([ctx], [cont])[0]
+        assert qwen3.engine.runner.num_steps - steps == n_steps
+        lp = _log_softmax(qwen3.logits(ctx + cont))
+        np.testing.assert_allclose(s.token_logprobs, [lp[n_ctx - 1 + i, t] for i, t in enumerate(cont)], atol=1e-4)
+    _check_idle(qwen3)
 
 
 def test_no_compilation_per_length_after_warmup(llm):

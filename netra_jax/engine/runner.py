@@ -200,10 +200,12 @@ class ModelRunner:
         # the most tokens one step can hold: the token budget, every sequence's whole context, every KV slot
         self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len, num_pages * page_size)
         top = next(b for b in self.buckets if b >= self.max_step_tokens)  # the largest bucket a step can need
-        # steps computing prompt logprobs (prefill chunks of the requests asking for them: rare) pad to one of two
-        # buckets, so warm-up compiles two more variants instead of doubling them all
-        smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
-        self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
+        # steps computing prompt logprobs (prefill chunks of the requests asking for them, scored continuations) pad
+        # to a sparse subset of the buckets: the powers of 4 from 64 (64, 256, 1024, ...) below the largest, and the
+        # largest, so warm-up compiles a few more variants instead of doubling them all, and a step of over 64 tokens
+        # pads to less than 4x its size (a few scored pairs do not pay for the largest bucket)
+        powers_of_4 = {1 << k for k in range(6, top.bit_length(), 2)}
+        self.prompt_logprob_buckets = tuple(b for b in self.buckets if b in powers_of_4 and b < top) + (top,)
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap

@@ -169,8 +169,9 @@ class Scheduler:
             return 0
         end += len(req.spec_token_ids)
         n = min(end - start, budget)
-        if len(prompt_logprob_rows(req, start, n)) > self._prompt_rows_left:
-            n = self._prompt_rows_left
+        rows = prompt_logprob_rows(req, start, n)
+        if len(rows) > self._prompt_rows_left:  # up to the last row that fits (context before the rows is free)
+            n = rows.start - start + self._prompt_rows_left
         return n
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
