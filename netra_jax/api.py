@@ -74,6 +74,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     mesh = parallel.make_mesh(tp) if tp > 1 else None
     remote = config.trust_remote_code
     header_cfg = load_config(path, trust_remote_code=remote)  # path, format and architecture from headers alone,
+    config.check_model(header_cfg)
     tokenizer = _load_tokenizer(config, path, header_cfg.vocab_size)  # then the tokenizer: all before the weights
     pooling = None
     if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too

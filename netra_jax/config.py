@@ -592,6 +592,14 @@ class EngineConfig:
                 f"computes), got {self.max_logprobs!r}"
             )
 
+    def check_model(self, model: ModelConfig) -> None:
+        """ConfigError unless these options suit `model` (read from its headers: no weight is needed)."""
+        if self.max_model_len and self.max_model_len > model.max_context:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is longer than the model's context of {model.max_context}"
+                " tokens (max_position_embeddings, or YaRN's original context times its factor)"
+            )
+
     def resolved_backend(self, platform: str | None = None) -> str:
         """The attention backend the steps run on `platform` (jax.default_backend() when None); ConfigError for a
         GPU kernel asked for off GPU."""

@@ -39,6 +39,7 @@ def llm() -> LLM:
         ({"quantization": "awq"}, "quantization must be None or one of int8"),
         ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
         ({"max_model_len": -5}, "max_model_len must be a positive integer"),
+        ({"max_model_len": 513}, "max_model_len=513 is longer than the model's context of 512"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
         ({"max_logprobs": 21}, r"max_logprobs must be an integer in \[0, 20\]"),
         ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization is not supported together"),

@@ -81,11 +81,7 @@ class LLMEngine:
         self.model_config = model_cfg
         self.tokenizer = tokenizer
         self.vocab_size = model_cfg.vocab_size
-        if config.max_model_len and config.max_model_len > model_cfg.max_context:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} is longer than the model's context of {model_cfg.max_context}"
-                " tokens (max_position_embeddings, or YaRN's original context times its factor)"
-            )
+        config.check_model(model_cfg)
         self.max_model_len = config.max_model_len or model_cfg.max_context
         spec = self.spec_config = config.speculative if config.task == "generate" else None
         self.overlap = config.async_scheduling and spec is None
