@@ -1,5 +1,6 @@
-"""The Python API: `LLM` (vLLM-compatible generate / chat / stream, plus the per-position `logits` research hook)
-and `build_engine`, which loads a checkpoint, sizes the KV cache, compiles the step buckets and returns an engine."""
+"""The Python API: `LLM` (vLLM-compatible generate / chat / stream, lm-eval style `score_continuations`, plus the
+per-position `logits` research hook) and `build_engine`, which loads a checkpoint, sizes the KV cache, compiles the
+step buckets and returns an engine."""
 
 from __future__ import annotations
 
@@ -298,7 +299,9 @@ class LLM:
 
     # ------------------------------------------------------------------ research hooks
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Per-position logits of a prompt: float32 [len(token_ids), vocab] (row i predicts token i + 1)."""
+        """Per-position logits of a prompt: float32 [len(token_ids), vocab] (row i predicts token i + 1). One forward
+        per call on a scratch cache, compiled once per power-of-two length; to score many continuations,
+        `score_continuations` batches them through the engine's compiled steps instead."""
         if self.engine.embedder is not None:
             raise ValueError("logits need task 'generate' (a model loaded with task 'embed' has no lm_head)")
         ids = self.engine.inputs.check_ids(token_ids)
