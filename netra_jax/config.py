@@ -557,6 +557,7 @@ class EngineConfig:
         from netra_jax.models.quant import METHODS
         from netra_jax.ops.attention import BACKENDS
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
+        from netra_jax.spec.config import SpeculativeConfig
 
         for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer"):
             v = getattr(self, name)
@@ -574,7 +575,8 @@ class EngineConfig:
         check_choice("quantization", self.quantization, METHODS, optional=True)
         if self.quantization and self.tensor_parallel_size > 1:
             raise ConfigError("quantization is not supported together with tensor parallelism yet")
-        check_int("seed", self.seed, -(2**63))
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         for name in ("warmup", "async_scheduling", "trust_remote_code"):
             check_bool(name, getattr(self, name))
         check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -584,7 +586,7 @@ class EngineConfig:
                 raise ConfigError(f"pooler_config must be a PoolerConfig, got {type(self.pooler_config).__name__}")
             if self.task != "embed":
                 raise ConfigError("pooler_config applies to task 'embed' only")
-        if self.speculative is not None and type(self.speculative).__name__ != "SpeculativeConfig":
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
         if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ConfigError(
