@@ -330,8 +330,10 @@ def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str 
     that holds just this sequence (positions 0..T-1). For training-style use.
 
     Jittable (with cfg and backend static), reverse-mode differentiable in params and in x when x holds embeddings
-    (attention's backward is dense, see `netra_jax.ops.attention`), and vmap-able over a leading batch axis of x
-    (sequences of one length; the cache and metadata are shared constants, so the loops' trip counts stay unbatched).
+    (attention's backward is dense, see `netra_jax.ops.attention`), and, for models without mixture-of-experts
+    layers, vmap-able over a leading batch axis of x, gradients included (sequences of one length; the cache and
+    metadata are shared constants, so the loops' trip counts stay unbatched). MoE layers do not vmap (jax has no
+    batching rule for their `jax.lax.ragged_dot`): map over a batch with `jax.lax.map` instead.
 
     Args:
         params: the parameter pytree (see the module docstring).

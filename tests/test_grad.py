@@ -232,12 +232,19 @@ def test_forward_dense_matches_transformers_and_forward(name):
 
 
 def test_forward_dense_vmaps_over_a_batch():
+    """Logits and gradients of a batch under vmap equal those of its sequences one by one (a dense model: MoE
+    layers do not vmap, see `forward_dense`)."""
     cfg, params = load("tiny-gemma3")
     ids = prompt("tiny-gemma3")
     batch = jnp.stack([ids, ids[::-1]])  # [2, T]
     got = jax.jit(jax.vmap(lambda x: forward_dense(params, cfg, x)))(batch)
     for row, x in zip(got, batch, strict=True):
         np.testing.assert_allclose(np.asarray(row), np.asarray(forward_dense(params, cfg, x)), atol=1e-5)
+    batched = jax.jit(jax.grad(lambda p: jax.vmap(lambda x: next_token_loss(p, x, x, cfg=cfg))(batch).sum()))
+    one = jax.grad(lambda p, x: next_token_loss(p, x, x, cfg=cfg))
+    want = jax.tree.map(jnp.add, one(params, batch[0]), one(params, batch[1]))
+    for a, b in zip(jax.tree.leaves(batched(params)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * float(jnp.abs(b).max()) + 1e-9)
 
 
 def test_forward_dense_refuses_bad_input():
