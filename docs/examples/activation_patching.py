@@ -32,7 +32,8 @@ clean_run = llm.run_with_hooks(clean, Hooks(record=names))
 target = int(clean_run.logits[-1].argmax())  # the clean prompt's prediction
 corrupt_lp = logprobs(llm.logits(corrupt)[-1])[target]
 clean_lp = logprobs(clean_run.logits[-1])[target]
-for layer, name in enumerate(names):
+for layer in range(0, cfg.num_layers, max(1, cfg.num_layers // 6)):  # every few layers: a forward per cell
+    name = names[layer]
     row = []
     for position in range(T):
         data = {"resid": clean_run.activations[name][position], "position": np.int32(position)}
