@@ -204,7 +204,7 @@ def check_model(config: EngineConfig) -> None:
     path = resolve_model_path(config.model)
     try:
         if config.load_format != "dummy":
-            load_config(path, trust_remote_code=config.trust_remote_code)
+            config.check_model(load_config(path, trust_remote_code=config.trust_remote_code))
         Tokenizer.load(config.tokenizer or path)
     except _LOAD_ERRORS as e:
         raise _cannot_load(path, e) from e
