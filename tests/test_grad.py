@@ -78,28 +78,33 @@ ATTENTION_CASES = {
     "window_softcap": dict(sliding_window=9, soft_cap=2.0),
     "sinks_window_softcap": dict(sliding_window=9, soft_cap=2.0, sinks=True),
 }
+# a ragged batch (with padding sequences), and one sequence alone (the dense reference gathers its keys once)
+BATCHES = {"batch": (MIXED, 2), "one_sequence": ([(20, 30)], 0)}
 
 
-def _attention_case(kw, dtype=jnp.float32, D=32):
-    q, k, v, md = make_case(MIXED, P=16, KH=2, G=2, D=D, dtype=dtype, pad_tokens=3, pad_seqs=2)
+def _attention_case(kw, batch="batch", dtype=jnp.float32, D=32):
+    seqs, pad_seqs = BATCHES[batch]
+    q, k, v, md = make_case(seqs, P=16, KH=2, G=2, D=D, dtype=dtype, pad_tokens=3, pad_seqs=pad_seqs)
     sinks = jnp.asarray(SINKS[:4]) if kw.get("sinks") else None
     return (q, k, v, sinks), md, {**kw, "sinks": sinks, "scale": D**-0.5}
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("kw", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
-def test_dense_attention_matches_paged_reference(kw):
-    (q, k, v, _), md, kw = _attention_case(kw)
+def test_dense_attention_matches_paged_reference(kw, batch):
+    (q, k, v, _), md, kw = _attention_case(kw, batch)
     want = paged_attention_reference(q, k, v, md, **kw)
     got = paged_attention_dense(q, k, v, md, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
     assert not np.asarray(got)[int(md.query_start_loc[-1]) :].any(), "padding tokens must give zeros"
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("kw", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
-def test_attention_grad_matches_finite_differences(kw):
+def test_attention_grad_matches_finite_differences(kw, batch):
     """The backward (the dense reference's VJP) against central differences of the paged reference's forward, in
     q, k_pages, v_pages (and sinks); a nonlinear readout so that the cotangent depends on the output."""
-    args, md, kw = _attention_case(kw)
+    args, md, kw = _attention_case(kw, batch)
     w = jax.random.normal(jax.random.key(1), args[0].shape)
 
     @jax.jit
@@ -122,7 +127,7 @@ def test_attention_grad_matches_finite_differences(kw):
 def test_attention_grad_through_interpreted_kernels(backend):
     """Reverse mode through a Pallas kernel (its forward, the dense backward) equals it through the reference.
     bfloat16 and head_dim 64: shapes the Mosaic kernel takes."""
-    (q, k, v, sinks), md, kw = _attention_case(ATTENTION_CASES["sinks_window_softcap"], jnp.bfloat16, D=64)
+    (q, k, v, sinks), md, kw = _attention_case(ATTENTION_CASES["sinks_window_softcap"], dtype=jnp.bfloat16, D=64)
     w = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
 
     def grads(backend):
