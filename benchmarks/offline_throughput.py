@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import offline_report  # noqa: E402
 import roofline as rl  # noqa: E402
+from hf_baseline import find_hf_python, load_model  # noqa: E402
+from hf_baseline import start_worker as _start_worker  # noqa: E402
 
 SUBJECTS = [
     "photosynthesis",
@@ -80,24 +82,6 @@ def questions(n: int) -> list[str]:
     if n > len(out):
         out += [f"Tell me fact number {i} about {SUBJECTS[i % len(SUBJECTS)]}." for i in range(n - len(out))]
     return out[:n]
-
-
-def find_hf_python(explicit: str | None) -> str | None:
-    cands = [explicit, os.environ.get("NETRA_HF_PYTHON"), str(HERE / ".hfvenv" / "bin" / "python")]
-    cache = os.environ.get("NETRA_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "netra_jax"
-    )
-    cands.append(os.path.join(cache, "hfvenv", "bin", "python"))
-    for c in cands:
-        if c and os.access(c, os.X_OK):
-            return c
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-
-        return sys.executable
-    except ImportError:
-        return None
 
 
 def summarize(runs: list[dict], batch: int, max_tokens: int) -> dict:
@@ -193,14 +177,11 @@ def hf_worker(inp: str) -> None:
     line per command on stdin ("batch" / "batch1" time one greedy generate; "quit" returns info and output ids)."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     job = json.loads(Path(inp).read_text())
     torch.set_num_threads(job.get("threads") or os.cpu_count())
-    path = Path(job["model"])
     t0 = time.perf_counter()
-    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    model = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+    model = load_model(job["model"])
     info = {
         "load_s": time.perf_counter() - t0,
         "torch": torch.__version__,
@@ -251,15 +232,7 @@ def hf_worker(inp: str) -> None:
 
 def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen:
     """`python script --hf-worker arg` offline, talking JSON lines over stdin/stdout; its CPU time counts as ours."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
-    proc = subprocess.Popen(
-        [python, script, "--hf-worker", arg],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=env,
-    )
+    proc = _start_worker(python, script, arg, stderr)
     rl.Phase.children.append(proc.pid)
     return proc
 
