@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast docs lint format run serve chat bench bench-serve bench-offline bench-spec clean
+.PHONY: setup test test-fast docs lint format run serve chat bench bench-serve bench-offline bench-spec bench-score clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,14 @@ bench-offline: setup
 BENCH_SPEC_ARGS ?=
 bench-spec: setup
 	$(PY) benchmarks/spec_decode.py $(BENCH_SPEC_ARGS)
+
+# Scoring (LLM.score_continuations, 64 five-shot multiple-choice pairs, float32) against transformers' batched forward
+# on the same weights and token ids when its interpreter is found (benchmarks/hf_baseline.py), sums checked to 1e-3
+# (exit status 1 otherwise). Writes benchmarks/results/<date>-score_bench.json and .md. About 6 minutes on a 2-core
+# CPU; BENCH_SCORE_ARGS="--no-hf --repeats 1" for a smoke run.
+BENCH_SCORE_ARGS ?=
+bench-score: setup
+	$(PY) benchmarks/score_bench.py $(BENCH_SCORE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache site

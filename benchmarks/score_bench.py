@@ -272,6 +272,11 @@ def markdown(result: dict) -> str:
             f" is_greedy equal on {a['is_greedy_equal']} of {a['pairs']} pairs, best choice equal on"
             f" {a['best_choice_equal']} of {a['documents']} documents."
         )
+    timed = [
+        v["others_cores"] for k, v in result["phases"].items() if k[-1].isdigit() and v["others_cores"] is not None
+    ]
+    if timed:
+        lines.append(f"Other processes used at most {max(timed):.2f} cores during the timed runs.")
     if h.get("info"):
         i = h["info"]
         lines.append(
