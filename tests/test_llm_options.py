@@ -110,7 +110,8 @@ def test_lazy_by_default_and_compiles_only_the_buckets_reached(llm):
 
 
 def test_max_logprobs():
-    llm = LLM(MODEL, max_logprobs=2, **SMALL)
+    llm = LLM(MODEL, max_logprobs=2, enforce_eager=True, **SMALL)
+    assert llm.engine.warmup_report is None  # enforce_eager: nothing compiled ahead of time
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2), use_tqdm=False)
     assert len(out[0].outputs[0].logprobs[0]) >= 2
     for field in ("logprobs", "prompt_logprobs"):
