@@ -174,9 +174,10 @@ def test_steering_vector_at_layer_k(llm):
     # through the engine's steps: generation follows the steered logits' argmax at the prompt's end
     out = llm.generate([ids], _greedy(1), use_tqdm=False, hooks=Hooks(edit={name: steer}, data={name: vec}))[0]
     assert out.outputs[0].token_ids == [int(np.argmax(expect[-1]))]
-    # new data, same functions: no new compile
+    # new data, same functions: no new compile, in the per-prompt forward or in the engine's steps
     with compiled_jits() as names:
         llm.run_with_hooks(ids, Hooks(edit={name: steer}, data={name: 2 * vec}, record=[name]))
+        llm.generate([ids], _greedy(1), use_tqdm=False, hooks=Hooks(edit={name: steer}, data={name: 2 * vec}))
     assert names == []
     _check_idle(llm)
 
