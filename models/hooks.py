@@ -90,10 +90,6 @@ class HookSpec:
     def for_layer(self, i: int) -> LayerHooks | None:
         return next((lh for lh in self.layers if lh.layer == i), None)
 
-    @property
-    def records(self) -> tuple[str, ...]:
-        return tuple(hook_name(lh.layer, p) for lh in self.layers for p in lh.records)
-
 
 @dataclass(frozen=True)
 class Hooks:
