@@ -108,6 +108,7 @@ class LLMEngine:
             overlap=self.overlap,
             num_spec_tokens=spec.num_speculative_tokens if spec else 0,
             max_spec_seqs=spec.disable_by_batch_size if spec else None,
+            fine_prompt_logprob_buckets=not config.warmup,  # free unless compiled ahead of time
         )
         self.proposer = self.spec_stats_ = None
         if spec is not None:

@@ -164,7 +164,10 @@ class ModelRunner:
     overlap: steps take the previous step's sampled ids on device (see `run`); every step is compiled that way.
     num_spec_tokens k > 0 (speculative decoding): every variant returns min(T, S + min(S, max_spec_seqs) * k) logit
     rows, enough for up to max_spec_seqs sequences to verify k proposed tokens each, so no proposal length or
-    acceptance pattern needs its own compile."""
+    acceptance pattern needs its own compile.
+    fine_prompt_logprob_buckets: steps with prompt logprobs pad to the powers of 4 from 64 and the largest bucket
+    instead of two buckets (for engines compiling on first use, where a variant costs nothing until a step needs it;
+    see `prompt_logprob_buckets`)."""
 
     def __init__(
         self,
@@ -182,6 +185,7 @@ class ModelRunner:
         overlap: bool = False,
         num_spec_tokens: int = 0,
         max_spec_seqs: int | None = None,
+        fine_prompt_logprob_buckets: bool = False,
     ):
         if overlap and num_spec_tokens:
             raise ValueError(
@@ -201,11 +205,16 @@ class ModelRunner:
         self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len, num_pages * page_size)
         top = next(b for b in self.buckets if b >= self.max_step_tokens)  # the largest bucket a step can need
         # steps computing prompt logprobs (prefill chunks of the requests asking for them, scored continuations) pad
-        # to a sparse subset of the buckets: the powers of 4 from 64 (64, 256, 1024, ...) below the largest, and the
-        # largest, so warm-up compiles a few more variants instead of doubling them all, and a step of over 64 tokens
-        # pads to less than 4x its size (a few scored pairs do not pay for the largest bucket)
-        powers_of_4 = {1 << k for k in range(6, top.bit_length(), 2)}
-        self.prompt_logprob_buckets = tuple(b for b in self.buckets if b in powers_of_4 and b < top) + (top,)
+        # to a subset of the buckets, so warm-up compiles a few more variants instead of doubling them all: two
+        # (PROMPT_LOGPROB_ROWS's and the largest; each variant adds seconds to a server's time to ready), or, compiled
+        # on first use, the powers of 4 from 64 below the largest and the largest, so a step of over 64 tokens pads
+        # to less than 4x its size (64 scored SmolLM2 pairs: 1.7 s instead of 3.1 s)
+        if fine_prompt_logprob_buckets:
+            powers_of_4 = {1 << k for k in range(6, top.bit_length(), 2)}
+            self.prompt_logprob_buckets = tuple(b for b in self.buckets if b in powers_of_4 and b < top) + (top,)
+        else:
+            smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
+            self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap
