@@ -108,7 +108,6 @@ class LLMEngine:
             overlap=self.overlap,
             num_spec_tokens=spec.num_speculative_tokens if spec else 0,
             max_spec_seqs=spec.disable_by_batch_size if spec else None,
-            fine_prompt_logprob_buckets=not config.warmup,  # free unless compiled ahead of time
         )
         self.proposer = self.spec_stats_ = None
         if spec is not None:
@@ -154,6 +153,7 @@ class LLMEngine:
         """Compile every program a request can need (the reachable step buckets, sampler variants, proposer; task
         "embed": the embedding buckets) in `workers` threads, reporting each to `progress` (see
         `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled."""
+        self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
         self.warmup_report = warm_up(self, progress, workers)
         self.ready = True
         return self.warmup_report.seconds

@@ -165,9 +165,7 @@ class ModelRunner:
     num_spec_tokens k > 0 (speculative decoding): every variant returns min(T, S + min(S, max_spec_seqs) * k) logit
     rows, enough for up to max_spec_seqs sequences to verify k proposed tokens each, so no proposal length or
     acceptance pattern needs its own compile.
-    fine_prompt_logprob_buckets: steps with prompt logprobs pad to the powers of 4 from 64 and the largest bucket
-    instead of two buckets (for engines compiling on first use, where a variant costs nothing until a step needs it;
-    see `prompt_logprob_buckets`)."""
+    Steps with prompt logprobs pad to `prompt_logprob_buckets` (see `set_prompt_logprob_buckets`)."""
 
     def __init__(
         self,
@@ -185,7 +183,6 @@ class ModelRunner:
         overlap: bool = False,
         num_spec_tokens: int = 0,
         max_spec_seqs: int | None = None,
-        fine_prompt_logprob_buckets: bool = False,
     ):
         if overlap and num_spec_tokens:
             raise ValueError(
@@ -203,18 +200,7 @@ class ModelRunner:
         self.buckets = token_buckets(max_num_batched_tokens)
         # the most tokens one step can hold: the token budget, every sequence's whole context, every KV slot
         self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len, num_pages * page_size)
-        top = next(b for b in self.buckets if b >= self.max_step_tokens)  # the largest bucket a step can need
-        # steps computing prompt logprobs (prefill chunks of the requests asking for them, scored continuations) pad
-        # to a subset of the buckets, so warm-up compiles a few more variants instead of doubling them all: two
-        # (PROMPT_LOGPROB_ROWS's and the largest; each variant adds seconds to a server's time to ready), or, compiled
-        # on first use, the powers of 4 from 64 below the largest and the largest, so a step of over 64 tokens pads
-        # to less than 4x its size (64 scored SmolLM2 pairs: 1.7 s instead of 3.1 s)
-        if fine_prompt_logprob_buckets:
-            powers_of_4 = {1 << k for k in range(6, top.bit_length(), 2)}
-            self.prompt_logprob_buckets = tuple(b for b in self.buckets if b in powers_of_4 and b < top) + (top,)
-        else:
-            smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
-            self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
+        self.set_prompt_logprob_buckets(fine=True)  # compiled on first use; a full warm-up asks for fewer
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
         self.overlap = overlap
@@ -269,6 +255,21 @@ class ModelRunner:
         return req
 
     # ------------------------------------------------------------------ shapes
+    def set_prompt_logprob_buckets(self, fine: bool) -> None:
+        """Steps computing prompt logprobs (prefill chunks of the requests asking for them, scored continuations) pad
+        to a subset of the buckets, so they add a few variants instead of doubling them all. fine: the powers of 4
+        from 64 below the largest bucket, and the largest, so a step of over 64 tokens pads to less than 4x its size
+        (64 scored SmolLM2 pairs: 1.7 s instead of 3.1 s), for programs compiled on first use, where a variant costs
+        nothing until a step needs it. Not fine: two (PROMPT_LOGPROB_ROWS's and the largest), for a warm-up that
+        compiles every variant ahead of time (each adds seconds to a server's time to ready)."""
+        top = next(b for b in self.buckets if b >= self.max_step_tokens)  # the largest bucket a step can need
+        if fine:
+            powers_of_4 = {1 << k for k in range(6, top.bit_length(), 2)}
+            self.prompt_logprob_buckets = tuple(b for b in self.buckets if b in powers_of_4 and b < top) + (top,)
+        else:
+            smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
+            self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
+
     def shape_for(self, num_tokens: int, prompt_logprobs: bool = False) -> BatchShape:
         """The bucket of a step of `num_tokens` tokens; `prompt_logprobs`: the variant that also computes the
         logprobs of up to PROMPT_LOGPROB_ROWS prompt positions (one of `prompt_logprob_buckets`)."""
