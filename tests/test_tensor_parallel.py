@@ -30,6 +30,7 @@ MATRIX = {
     "tiny-gpt-oss": (1, 2),
 }
 GREEDY_TOKENS = 24
+HOOKED_RECORDS = ["layers.0.attn_heads", "layers.1.resid_post"]
 CASE = 0  # the 29-token prompt: two KV pages, and longer than tiny-gemma3's 16-token sliding window
 
 
@@ -125,6 +126,21 @@ def test_greedy_generation_matches(tp_results):
         want = reference(name)["cases"][CASE]["greedy_ids"][:GREEDY_TOKENS]
         for tp in tps:
             assert tp_results[name][str(tp)]["greedy"] == want, (name, tp)
+
+
+def test_hooks_match_single_device(tp_results):
+    """Hooks under tensor parallelism: the head mask reaches the head-split attention output and the recorded
+    activations come back whole, as on one device."""
+    base = tp_results["tiny-llama"]["1"]["hooked"]
+    plain = np.asarray(tp_results["tiny-llama"]["1"]["logits"], np.float32)
+    assert np.abs(np.asarray(base["logits"]) - plain).max() > 1e-2  # the masked head matters
+    for tp in MATRIX["tiny-llama"][1:]:
+        got = tp_results["tiny-llama"][str(tp)]["hooked"]
+        np.testing.assert_allclose(got["logits"], base["logits"], atol=1e-5)
+        assert got["greedy"] == base["greedy"]
+        for name in HOOKED_RECORDS:
+            np.testing.assert_allclose(got["activations"][name], base["activations"][name], atol=1e-5)
+            np.testing.assert_allclose(got["generated"][name], base["generated"][name], atol=1e-5)
 
 
 def test_parameters_and_kv_are_sharded(tp_results):
@@ -239,6 +255,8 @@ def _worker(out_path: str) -> None:
             r: dict = {"logits": llm.logits(case["prompt_ids"]).tolist()}
             out = llm.generate({"prompt_token_ids": case["prompt_ids"]}, greedy, use_tqdm=False)[0]
             r["greedy"] = out.outputs[0].token_ids
+            if name == "tiny-llama":  # hooks: a head mask on the head-split attention output, recordings
+                r["hooked"] = _hooked(llm, case["prompt_ids"], greedy)
             runner = llm.engine.runner
             if tp > 1:
                 lp, p = runner.params["layers"][0], runner.params
@@ -279,6 +297,23 @@ def _worker(out_path: str) -> None:
     results["triton_interpret"] = llm.logits(reference("tiny-llama")["cases"][CASE]["prompt_ids"]).tolist()
     results["gguf"] = _gguf_check(Path(out_path).parent)
     Path(out_path).write_text(json.dumps(results))
+
+
+def _hooked(llm, prompt_ids: list[int], greedy) -> dict:
+    """A head-masked, recording forward and generation, for comparison across tensor-parallel sizes."""
+    from netra_jax import Hooks
+
+    mask = np.ones(llm.model_config.num_heads, np.float32)
+    mask[1] = 0.0
+    hooks = Hooks(head_mask={1: mask}, record=HOOKED_RECORDS)
+    run = llm.run_with_hooks(prompt_ids, hooks)
+    out = llm.generate({"prompt_token_ids": prompt_ids}, greedy, hooks=hooks, use_tqdm=False)[0]
+    return {
+        "logits": run.logits.tolist(),
+        "activations": {k: v.tolist() for k, v in run.activations.items()},
+        "greedy": out.outputs[0].token_ids,
+        "generated": {k: v.tolist() for k, v in out.activations.items()},
+    }
 
 
 def _refuse(*a, **k):
