@@ -193,20 +193,18 @@ def test_activation_patching_between_two_prompts(llm):
     corrupt_run = llm.run_with_hooks(corrupted, Hooks(record=[name]))
     assert np.abs(clean_run.logits - corrupt_run.logits).max() > 1e-3
 
-    def patch(x, ctx):  # x: [T, hidden]; ctx.data: {"rows": [T, hidden], "at": [T] bool}
-        return jnp.where(ctx.data["at"][:, None], ctx.data["rows"], x)
+    def patch(x, ctx):  # x: [rows, hidden]; ctx.data: the clean stream [T, hidden] by position, "at" [T] bool
+        pos = jnp.clip(ctx.positions, 0, ctx.data["at"].shape[0] - 1)  # [rows]; padding rows are not valid
+        at = ctx.valid & ctx.data["at"][pos]
+        return jnp.where(at[:, None], ctx.data["stream"][pos], x)
 
     T = len(clean)
-    pad = 1 << (T - 1).bit_length()  # run_with_hooks pads to a power of two: the data covers the padded rows
-    rows = np.zeros((pad, cfg.hidden_size), np.float32)
-    rows[:T] = clean_run.activations[name]
-    every = np.zeros(pad, bool)
-    every[:T] = True
-    patched = llm.run_with_hooks(corrupted, Hooks(edit={name: patch}, data={name: {"rows": rows, "at": every}}))
+    stream = clean_run.activations[name]  # [T, hidden]
+    every = np.ones(T, bool)
+    patched = llm.run_with_hooks(corrupted, Hooks(edit={name: patch}, data={name: {"stream": stream, "at": every}}))
     np.testing.assert_allclose(patched.logits, clean_run.logits, atol=1e-5)  # every position patched: clean run
-    last = np.zeros(pad, bool)
-    last[T - 1] = True
-    patched = llm.run_with_hooks(corrupted, Hooks(edit={name: patch}, data={name: {"rows": rows, "at": last}}))
+    last = np.arange(T) == T - 1
+    patched = llm.run_with_hooks(corrupted, Hooks(edit={name: patch}, data={name: {"stream": stream, "at": last}}))
     stream = corrupt_run.activations[name].copy()
     stream[T - 1] = clean_run.activations[name][T - 1]
     cut, params = _from_layer(llm, k)

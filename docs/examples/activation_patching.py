@@ -43,12 +43,11 @@ for layer in range(0, cfg.num_layers, max(1, cfg.num_layers // 6)):  # every few
 
 
 # patching every position of the first layer's input restores the clean run exactly
-def patch_all(x, ctx):
-    return ctx.data.astype(x.dtype)
+def patch_all(x, ctx):  # ctx.data: the clean stream [T, hidden], indexed by each row's position
+    pos = jnp.clip(ctx.positions, 0, ctx.data.shape[0] - 1)  # [rows] (the forward may pad the prompt's rows)
+    return jnp.where(ctx.valid[:, None], ctx.data[pos].astype(x.dtype), x)
 
 
-pad = 1 << (T - 1).bit_length()  # the hooked forward runs the prompt padded to a power of two
-stream = np.zeros((pad, cfg.hidden_size), np.float32)
-stream[:T] = clean_run.activations[names[0]]
+stream = clean_run.activations[names[0]]  # [T, hidden]
 restored = llm.run_with_hooks(corrupt, Hooks(edit={names[0]: patch_all}, data={names[0]: stream})).logits
 assert np.allclose(restored, clean_run.logits, atol=1e-4)
