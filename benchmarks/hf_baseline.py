@@ -7,14 +7,16 @@ The worker side (`load_model`) imports only torch and transformers, so it runs i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-__all__ = ["find_hf_python", "load_model", "start_worker"]
+__all__ = ["BaselineWorker", "find_hf_python", "load_model", "start_worker"]
 
 
 def find_hf_python(explicit: str | None) -> str | None:
@@ -50,6 +52,43 @@ def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen
         text=True,
         env=env,
     )
+
+
+class BaselineWorker:
+    """A benchmark file's worker (`start_worker`) as a long-lived subprocess, so its runs interleave with ours under
+    the same load: the job goes to it as a JSON file, each command gets one JSON line back, and its stderr is kept
+    for the error message."""
+
+    def __init__(self, python: str, script: str, job: dict):
+        self.dir = tempfile.TemporaryDirectory()
+        inp = os.path.join(self.dir.name, "job.json")
+        Path(inp).write_text(json.dumps(job))
+        self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
+        self.python = python
+        self.proc = start_worker(python, script, inp, self.err)
+
+    def ask(self, cmd: str | None) -> dict:
+        """Send {"cmd": cmd} (None: send nothing) and read the worker's next line."""
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.err.seek(0)
+            raise RuntimeError(f"the baseline worker ({self.python}) failed: {self.err.read()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> dict:
+        """Send "quit" and return the worker's last line with the interpreter; the worker is waited for."""
+        try:
+            return dict(self.ask("quit"), python=self.python)
+        finally:
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.err.close()
+            self.dir.cleanup()
 
 
 def load_model(path: str | Path, **kwargs):

@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import offline_report  # noqa: E402
 import roofline as rl  # noqa: E402
-from hf_baseline import find_hf_python, load_model  # noqa: E402
+from hf_baseline import (  # noqa: E402
+    BaselineWorker,  # noqa: E402
+    find_hf_python,
+    load_model,
+)
 from hf_baseline import start_worker as _start_worker  # noqa: E402
 
 SUBJECTS = [
@@ -237,54 +240,27 @@ def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen
     return proc
 
 
-class HFClient:
-    """The baseline worker as a long-lived subprocess, so its runs interleave with ours under the same load."""
+class HFClient(BaselineWorker):
+    """The generate baseline's worker: `wait_ready` once its model has loaded, then `run("batch")` or
+    `run("batch1")`."""
 
     def __init__(self, args, hf_python: str, prompt_ids, eos_ids: list[int]):
-        self.dir = tempfile.TemporaryDirectory()
-        inp = os.path.join(self.dir.name, "job.json")
-        Path(inp).write_text(
-            json.dumps(
-                {
-                    "model": str(args.model),
-                    "prompt_ids": prompt_ids,
-                    "max_tokens": args.max_tokens,
-                    "batch1_tokens": args.batch1_tokens,
-                    "pad_id": eos_ids[0],
-                    "eos_ids": eos_ids,
-                }
-            )
-        )
-        self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
-        self.python = hf_python
-        self.proc = start_worker(hf_python, __file__, inp, self.err)
-
-    def _ask(self, cmd: str | None) -> dict:
-        if cmd is not None:
-            self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.err.seek(0)
-            raise RuntimeError(f"the baseline worker ({self.python}) failed: {self.err.read()[-3000:]}")
-        return json.loads(line)
+        job = {
+            "model": str(args.model),
+            "prompt_ids": prompt_ids,
+            "max_tokens": args.max_tokens,
+            "batch1_tokens": args.batch1_tokens,
+            "pad_id": eos_ids[0],
+            "eos_ids": eos_ids,
+        }
+        super().__init__(hf_python, __file__, job)
+        rl.Phase.children.append(self.proc.pid)
 
     def wait_ready(self) -> None:
-        self._ask(None)
+        self.ask(None)
 
     def run(self, name: str) -> dict:
-        return self._ask(name)
-
-    def close(self) -> dict:
-        try:
-            return dict(self._ask("quit"), python=self.python)
-        finally:
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.err.close()
-            self.dir.cleanup()
+        return self.ask(name)
 
 
 def agreement(ours: list[list[int]], hf: list[list[int]], eos_ids: list[int]) -> dict:

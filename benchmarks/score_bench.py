@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import roofline as rl  # noqa: E402
-from hf_baseline import find_hf_python, load_model, start_worker  # noqa: E402
+from hf_baseline import BaselineWorker, find_hf_python, load_model  # noqa: E402
 
 MC = REPO / "tests" / "fixtures" / "lm_eval" / "mc.jsonl"
 TOLERANCE = 1e-3  # |ours - transformers| per pair's log-likelihood
@@ -185,40 +184,6 @@ def hf_worker(inp: str) -> None:
         print(json.dumps(score()), flush=True)
 
 
-class HFClient:
-    """The baseline worker as a long-lived subprocess, so its runs interleave with ours under the same load."""
-
-    def __init__(self, hf_python: str, model: str, pairs, pad_id: int):
-        self.dir = tempfile.TemporaryDirectory()
-        inp = os.path.join(self.dir.name, "job.json")
-        Path(inp).write_text(json.dumps({"model": model, "pairs": pairs, "pad_id": pad_id}))
-        self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
-        self.python = hf_python
-        self.proc = start_worker(hf_python, __file__, inp, self.err)
-        rl.Phase.children.append(self.proc.pid)
-
-    def ask(self, cmd: str | None) -> dict:
-        if cmd is not None:
-            self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.err.seek(0)
-            raise RuntimeError(f"the baseline worker ({self.python}) failed: {self.err.read()[-3000:]}")
-        return json.loads(line)
-
-    def close(self) -> dict:
-        try:
-            return dict(self.ask("quit"), python=self.python)
-        finally:
-            try:
-                self.proc.wait(timeout=60)
-            except Exception:
-                self.proc.kill()
-            self.err.close()
-            self.dir.cleanup()
-
-
 # ---------------------------------------------------------------------------------------------------- report
 def median_run(runs: list[dict]) -> dict:
     keys = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
@@ -348,7 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
     hf_python = None if args.no_hf else find_hf_python(args.hf_python)
     tok = ours.llm.get_tokenizer()
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_ids or [0])[0]
-    client = HFClient(hf_python, args.model, pairs, pad) if hf_python else None
+    client = None
+    if hf_python:  # a long-lived worker, so its runs interleave with ours under the same load
+        client = BaselineWorker(hf_python, __file__, {"model": args.model, "pairs": pairs, "pad_id": pad})
+        rl.Phase.children.append(client.proc.pid)
     hf: dict | None = None if args.no_hf else {"error": "no interpreter with torch + transformers found"}
     runs: dict[str, list[dict]] = {"ours": [], "hf": [], "ours_no_prefix_cache": []}
     try:
