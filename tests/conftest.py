@@ -44,6 +44,24 @@ def compiled_jits() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def recorded_shapes(runner) -> Iterator[list]:
+    """The step shapes `runner.shape_for` gives inside the block, in order (every step the engine runs asks it)."""
+    used: list = []
+    shape_for = runner.shape_for
+
+    def recording(num_tokens, prompt_logprobs=False):
+        shape = shape_for(num_tokens, prompt_logprobs)
+        used.append(shape)
+        return shape
+
+    runner.shape_for = recording
+    try:
+        yield used
+    finally:
+        del runner.shape_for
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache():
     from netra_jax.api import enable_compilation_cache

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, compiled_jits, reference
+from conftest import FIXTURES, compiled_jits, recorded_shapes, reference
 
 import netra_jax
 from netra_jax import LLM, SamplingParams
@@ -83,26 +83,15 @@ def test_lazy_by_default_and_compiles_only_the_buckets_reached(llm):
     eng = llm.engine
     assert not eng.config.warmup and eng.warmup_report is None
     runner = eng.runner
-    used = []
-    shape_for = runner.shape_for
-
-    def recording(num_tokens, prompt_logprobs=False):
-        shape = shape_for(num_tokens, prompt_logprobs)
-        used.append(shape)
-        return shape
-
-    runner.shape_for = recording
-    try:
-        vocab = llm.model_config.vocab_size
-        rng = np.random.default_rng(0)
+    vocab = llm.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    with recorded_shapes(runner) as used:
         with compiled_jits() as first:
             for n in (3, 5, 9, 14, 20, 27, 33, 41):  # one at a time: each prefill is a step of n tokens
                 llm.generate([rng.integers(3, vocab, n).tolist()], GREEDY, use_tqdm=False)
         with compiled_jits() as second:
             for n in (4, 6, 11, 13, 22, 30, 36, 39):  # the same buckets, other lengths
                 llm.generate([rng.integers(3, vocab, n).tolist()], GREEDY, use_tqdm=False)
-    finally:
-        del runner.shape_for
     steps = [n for n in first if n == "_step"]
     assert set(used) <= set(runner.all_shapes())
     assert len(steps) == len(set(used)) < 8  # 8 prompt lengths (and their decodes) in fewer buckets

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, recorded_shapes
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.engine.runner import ModelRunner
@@ -112,16 +112,7 @@ def test_only_reachable_buckets_are_compiled(warmed):
 def test_serving_after_warm_up_compiles_nothing(warmed, compiles):
     llm, _, _ = warmed
     runner = llm.engine.runner
-    used = []
-    shape_for = runner.shape_for
-
-    def recording(num_tokens, prompt_logprobs=False):
-        shape = shape_for(num_tokens, prompt_logprobs)
-        used.append(shape)
-        return shape
-
-    runner.shape_for = recording
-    try:
+    with recorded_shapes(runner) as used:
         with compiles as names:
             _workload(llm)
         assert names == [], f"compiled after warm-up: {names}"
@@ -129,8 +120,6 @@ def test_serving_after_warm_up_compiles_nothing(warmed, compiles):
         with compiles as control:
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
         assert control and all("sample_tokens" in n for n in control)
-    finally:
-        del runner.shape_for
     assert set(used) <= set(runner.all_shapes())
     assert max(s.num_tokens for s in used) == 64  # the largest compiled bucket is reachable, and reached
     assert any(s.prompt_rows for s in used)
