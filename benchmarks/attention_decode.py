@@ -30,7 +30,7 @@ import numpy as np
 
 from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
-from netra_jax.config import CacheConfig
+from netra_jax.engine_config import CacheConfig
 from netra_jax.ops import attention as attn
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, paged_attention_reference
 

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from netra_jax.api import build_engine
     from netra_jax.bench.machine import machine_info
-    from netra_jax.config import EngineConfig
+    from netra_jax.engine_config import EngineConfig
 
     load0 = os.getloadavg()
     engine = build_engine(EngineConfig(dtype="float32", warmup=False))  # overlapped steps, as the server runs them

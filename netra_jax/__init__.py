@@ -3,8 +3,9 @@ kernels and vLLM-compatible Python and OpenAI-compatible HTTP APIs."""
 
 from netra_jax import paged
 from netra_jax.api import LLM, build_engine
-from netra_jax.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
+from netra_jax.config import ModelConfig
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.models.hooks import HookContext, Hooks

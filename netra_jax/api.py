@@ -17,9 +17,9 @@ import jax
 import numpy as np
 
 from netra_jax import assets, parallel
-from netra_jax.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model
 from netra_jax.models.hooks import Hooks

@@ -10,8 +10,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from netra_jax.config import TASKS, CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.request_queue import SCHEDULING_POLICIES
+from netra_jax.engine_config import TASKS, CacheConfig, EngineConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine

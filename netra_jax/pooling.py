@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from netra_jax.config import ConfigError, PoolerConfig, json_object
+from netra_jax.config import ConfigError, json_object
+from netra_jax.engine_config import PoolerConfig
 
 __all__ = [
     "NOT_AN_EMBEDDING_ENGINE",

@@ -28,8 +28,8 @@ from netra_jax.serving.context import ServingContext
 from netra_jax.spec import stats_between
 
 if TYPE_CHECKING:
-    from netra_jax.config import EngineConfig
     from netra_jax.engine.engine import LLMEngine
+    from netra_jax.engine_config import EngineConfig
     from netra_jax.serving.chat_output import ChatOutputConfig
 
 
@@ -250,7 +250,7 @@ def run_batch(
     t0 = time.perf_counter()
     if engine is None:
         from netra_jax.api import build_engine
-        from netra_jax.config import EngineConfig
+        from netra_jax.engine_config import EngineConfig
 
         engine = build_engine(engine_config or EngineConfig())
     name = model_name or served_model_name(engine.config)

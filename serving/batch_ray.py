@@ -22,7 +22,7 @@ from netra_jax.serving.batch import (
 )
 
 if TYPE_CHECKING:
-    from netra_jax.config import EngineConfig
+    from netra_jax.engine_config import EngineConfig
     from netra_jax.serving.chat_output import ChatOutputConfig
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.serving.chat_output import ChatOutputConfig
 
 REPLICA_HEADER = "x-netra-replica"  # on every response: the id of the replica that answered

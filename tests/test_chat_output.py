@@ -288,7 +288,7 @@ def test_batch_jobs_read_tool_calls_as_the_server(tmp_path):
     """netra-jax batch with the server's flags: tool calls and thinking come out of the same pipeline (auto with
     the model's text forced by a regex, a named function and "required" under their grammars)."""
     from netra_jax.api import build_engine
-    from netra_jax.config import CacheConfig, EngineConfig
+    from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.batch import run_batch
 
     clock = {

@@ -16,7 +16,7 @@ from test_server import start_server
 
 import netra_jax.cli
 from netra_jax.cli import CLIError, main
-from netra_jax.config import EngineConfig
+from netra_jax.engine_config import EngineConfig
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "spm-gguf" / "reference.json").read_text("utf-8"))
 PROTO = base64.b64decode(REFERENCE["vocabs"]["llama-bpe"]["proto"])

@@ -71,6 +71,6 @@ def test_extensions_load_remapped_subpackages_with_field_comments():
     assert forward.is_function and forward.filepath == ROOT / "models" / "transformer.py"
     assert "flat batch of new tokens" in forward.docstring.value
     assert pkg["serving.app.create_app"].filepath == ROOT / "serving" / "app.py"
-    field = pkg["config.CacheConfig.page_size"]  # documented by the comment ending its line
-    line = (ROOT / "netra_jax" / "config.py").read_text().splitlines()[field.lineno - 1]
+    field = pkg["engine_config.CacheConfig.page_size"]  # documented by the comment ending its line
+    line = (ROOT / "netra_jax" / "engine_config.py").read_text().splitlines()[field.lineno - 1]
     assert field.docstring.value == line.split("#", 1)[1].strip() != ""

@@ -16,9 +16,10 @@ import pytest
 from conftest import FIXTURES
 
 from netra_jax.api import LLM
-from netra_jax.config import ConfigError, ModelConfig, PoolerConfig
+from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.embedder import Embedder
+from netra_jax.engine_config import PoolerConfig
 from netra_jax.loader import load_model
 from netra_jax.models.weight_map import WeightError
 from netra_jax.pooling import (

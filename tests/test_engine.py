@@ -262,7 +262,7 @@ def test_logprobs_and_prompt_logprobs(llm):
 
 def test_more_samples_than_the_queue_cap_is_a_bad_request():
     from netra_jax.api import build_engine
-    from netra_jax.config import EngineConfig, SchedulerConfig
+    from netra_jax.engine_config import EngineConfig, SchedulerConfig
 
     engine = build_engine(
         EngineConfig(model=str(MODEL), dtype="float32", warmup=False, scheduler=SchedulerConfig(max_waiting=2))

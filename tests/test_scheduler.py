@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from netra_jax.config import SchedulerConfig
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.request import Request, RequestStatus
 from netra_jax.engine.scheduler import QueueFullError, Scheduler
+from netra_jax.engine_config import SchedulerConfig
 from netra_jax.sampling_params import SamplingParams
 
 BS = 4

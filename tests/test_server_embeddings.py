@@ -19,8 +19,8 @@ from starlette.testclient import TestClient
 from test_server import openai_client, running_server
 
 from netra_jax.api import build_engine
-from netra_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.engine.async_engine import AsyncEngine
+from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.serving.app import create_app
 from netra_jax.serving.embeddings import encode_embedding
 from netra_jax.serving.protocol_embeddings import EmbeddingRequest

@@ -54,8 +54,8 @@ def server():
 def app_routes():
     """(method, path) of every route the app declares, from an app built in-process around a tiny engine."""
     from netra_jax.api import build_engine
-    from netra_jax.config import CacheConfig, EngineConfig
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.app import create_app
 
     ae = AsyncEngine(
@@ -194,8 +194,8 @@ def test_sigterm_drains_in_flight_then_exits_0(server):
 # ---------------------------------------------------------------------------------------------------- in-process
 def test_ready_and_dead_engine_in_process():
     from netra_jax.api import build_engine
-    from netra_jax.config import CacheConfig, EngineConfig
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.app import create_app
 
     engine = build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=16)))

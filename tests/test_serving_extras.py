@@ -10,7 +10,7 @@ import pytest
 from conftest import FIXTURES
 
 from netra_jax.api import build_engine
-from netra_jax.config import EngineConfig, SchedulerConfig
+from netra_jax.engine_config import EngineConfig, SchedulerConfig
 from netra_jax.serving.chat import chat_response, prepare_chat
 from netra_jax.serving.chat_output import ChatOutputConfig
 from netra_jax.serving.completion import completion_response, prepare_completion

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from netra_jax.config import EngineConfig, ModelConfig
+from netra_jax.config import ModelConfig
 from netra_jax.engine.activations import ActivationRecorder
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.embedder import Embedder
@@ -24,6 +24,7 @@ from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.engine.warmup import WarmupReport, warm_up
+from netra_jax.engine_config import EngineConfig
 from netra_jax.ops import sampling
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from netra_jax import paged, parallel
-from netra_jax.config import CacheConfig, ModelConfig
+from netra_jax.config import ModelConfig
 from netra_jax.engine.buckets import token_buckets
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.engine.step_layout import (
@@ -26,6 +26,7 @@ from netra_jax.engine.step_layout import (
     prompt_logprob_positions,
     unpack,
 )
+from netra_jax.engine_config import CacheConfig
 from netra_jax.models.hooks import Hooks, HookSpec
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import time
 
-from netra_jax.config import SchedulerConfig
 from netra_jax.engine.block_pool import BlockPool, chain_hashes
 from netra_jax.engine.buckets import fit_chunk, token_buckets
 from netra_jax.engine.request import Request, RequestStatus, check_context_length
 from netra_jax.engine.request_queue import check_priority, make_waiting_queue
 from netra_jax.engine.sched_output import PROMPT_LOGPROB_ROWS, ScheduledRequest, SchedulerOutput, prompt_logprob_rows
+from netra_jax.engine_config import SchedulerConfig
 
 __all__ = [
     "PROMPT_LOGPROB_ROWS",

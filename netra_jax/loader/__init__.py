@@ -25,7 +25,8 @@ import ml_dtypes
 import numpy as np
 
 from netra_jax import parallel
-from netra_jax.config import TASKS, ConfigError, ModelConfig
+from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.engine_config import TASKS
 from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, mxfp4
 from netra_jax.loader.gguf_config import config_from_gguf_metadata

@@ -22,8 +22,8 @@ KEY = "k-123"
 @pytest.fixture(scope="module")
 def engine():
     from netra_jax.api import build_engine
-    from netra_jax.config import CacheConfig, EngineConfig
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine_config import CacheConfig, EngineConfig
 
     ae = AsyncEngine(
         build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=8)))

@@ -1,0 +1,204 @@
+"""The engine's options, as frozen dataclasses checked when built (so a bad option fails before any weight is read,
+on every way in): the KV cache, the scheduler, embedding pooling and the engine itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from netra_jax.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from netra_jax.spec.config import SpeculativeConfig
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int(name: str, v: object, lo: int = 1, *, optional: bool = False) -> None:
+    """ConfigError unless `v` is an integer >= `lo` (or None when `optional`)."""
+    if optional and v is None:
+        return
+    if not _is_int(v) or v < lo:
+        rule = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ConfigError(f"{name} must be {rule}{' or None' if optional else ''}, got {v!r}")
+
+
+def check_choice(name: str, v: object, choices: tuple | list | dict, *, optional: bool = False) -> None:
+    """ConfigError unless `v` is one of `choices` (or None when `optional`), naming them."""
+    if optional and v is None:
+        return
+    if not isinstance(v, str) or v not in choices:
+        names = ", ".join(choices)
+        raise ConfigError(f"{name} must be {'None or ' if optional else ''}one of {names}, got {v!r}")
+
+
+def check_bool(name: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be True or False, got {v!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # explicit page count; else derived from the memory budget
+    kv_cache_bytes: int | None = None  # byte budget for the KV array (CPU default: 1 GiB)
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory for weights + KV
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("page_size", self.page_size)
+        check_int("num_kv_pages", self.num_pages, 2, optional=True)
+        check_int("kv_cache_memory", self.kv_cache_bytes, optional=True)
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill above it)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_waiting: int | None = None  # queue cap; None = unbounded
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting order (priority, arrival), lowest priority preempted
+    # cut the last prompt chunk admitted to a step so the step ends on a token bucket, when that moves fewer tokens
+    # to the next step than it saves in padding (engine/buckets.py fit_chunk). None: on for the CPU backend, where a
+    # step costs in proportion to its padded size (`for_platform`)
+    align_chunks_to_buckets: bool | None = None
+
+    def __post_init__(self) -> None:
+        from netra_jax.engine.request_queue import SCHEDULING_POLICIES
+
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_model_len", self.max_model_len, optional=True)
+        check_int("max_waiting", self.max_waiting, optional=True)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.align_chunks_to_buckets is not None:
+            check_bool("align_chunks_to_buckets", self.align_chunks_to_buckets)
+
+    def for_platform(self, platform: str) -> SchedulerConfig:
+        """This config with the settings left to the platform (jax.default_backend(): "cpu", "gpu", ...) filled in."""
+        if self.align_chunks_to_buckets is None:
+            return dataclasses.replace(self, align_chunks_to_buckets=platform == "cpu")
+        return self
+
+
+TASKS = ("generate", "embed")  # what a served model does: generate text | return pooled embeddings
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How task "embed" turns a sequence's final-normed hidden states into one vector (vLLM's --pooler-config).
+    A field left None comes from the checkpoint's sentence-transformers modules (modules.json), else from vLLM's
+    embedding default: LAST token, L2-normalized."""
+
+    pooling_type: str | None = None  # one of POOLING_TYPES
+    normalize: bool | None = None  # L2-normalize the pooled vector
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""  # HF directory or .gguf file; "" = the embedded default model
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    kv_dtype: str = "auto"  # auto = the parameters' dtype
+    max_model_len: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"  # auto | reference | triton | ...
+    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
+    quantization: str | None = None  # None | "int8" (weight-only, per-channel scales; models/quant.py)
+    seed: int = 0  # seeds requests that give none
+    served_model_name: str | None = None
+    compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
+    # compile every reachable program before serving (engine/warmup.py; the server's readiness guarantee). False:
+    # each program compiles on its first use (LLM's default: construction returns in seconds)
+    warmup: bool = True
+    async_scheduling: bool = True  # overlap: schedule step N+1 while step N runs (engine/engine.py)
+    load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
+    task: str = "generate"  # one of TASKS; "embed": no lm_head, pooled embeddings (netra_jax/engine/embedder.py)
+    pooler_config: PoolerConfig | None = None  # task "embed": overrides of the checkpoint's pooling
+    speculative: SpeculativeConfig | None = None  # speculative decoding (netra_jax/spec); None: off
+    tokenizer: str | None = None  # a tokenizer directory, tokenizer.json or .gguf other than the model's; None: its own
+    # load a checkpoint whose config.json has an auto_map, with the native implementation of its architecture
+    # (remote code is never run: a checkpoint whose architecture is not native is refused whatever this says)
+    trust_remote_code: bool = False
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default 20)
+
+    def __post_init__(self) -> None:
+        """Check every option now, so a bad one fails with a clear message before any weight is read."""
+        from netra_jax.loader import DTYPES, LOAD_FORMATS
+        from netra_jax.models.quant import METHODS
+        from netra_jax.ops.attention import BACKENDS
+        from netra_jax.ops.sampling_batch import MAX_LOGPROBS
+        from netra_jax.spec.config import SpeculativeConfig
+
+        for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name} must be a string{'' if name == 'model' else ' or None'}, got {v!r}")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_dtype", self.kv_dtype, DTYPES)
+        check_int("max_model_len", self.max_model_len, optional=True)
+        if not isinstance(self.cache, CacheConfig):
+            raise ConfigError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        check_choice("attention_backend", self.attention_backend, BACKENDS)
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_choice("quantization", self.quantization, METHODS, optional=True)
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ConfigError("quantization is not supported together with tensor parallelism yet")
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("warmup", "async_scheduling", "trust_remote_code"):
+            check_bool(name, getattr(self, name))
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_choice("task", self.task, TASKS)
+        if self.pooler_config is not None:
+            if not isinstance(self.pooler_config, PoolerConfig):
+                raise ConfigError(f"pooler_config must be a PoolerConfig, got {type(self.pooler_config).__name__}")
+            if self.task != "embed":
+                raise ConfigError("pooler_config applies to task 'embed' only")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+        if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(
+                f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top logprobs the compiled sampler "
+                f"computes), got {self.max_logprobs!r}"
+            )
+
+    def check_model(self, model: ModelConfig) -> None:
+        """ConfigError unless these options suit `model` (read from its headers: no weight is needed)."""
+        if self.max_model_len and self.max_model_len > model.max_context:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is longer than the model's context of {model.max_context}"
+                " tokens (max_position_embeddings, or YaRN's original context times its factor)"
+            )
+
+    def resolved_backend(self, platform: str | None = None) -> str:
+        """The attention backend the steps run on `platform` (jax.default_backend() when None); ConfigError for a
+        GPU kernel asked for off GPU."""
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        if self.attention_backend in ("triton", "mosaic") and platform != "gpu":
+            raise ConfigError(
+                f"attention_backend {self.attention_backend!r} needs a GPU (this platform is {platform}); "
+                f"use 'auto' or 'reference', or '{self.attention_backend}_interpret' to run the kernel interpreted"
+            )
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
+        # Hopper for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
+        return "auto" if platform == "gpu" else "reference"
