@@ -225,6 +225,7 @@ class ModelRunner:
         self._no_ids = self._place_ids(jnp.zeros(self.max_seqs_bucket, jnp.int32))
         self.num_steps = 0
         self.hooks: Hooks | None = None  # interventions run by every step (see `set_hooks`)
+        self._hook_spec: HookSpec | None = None  # the hooks' static part, derived once per set_hooks
         self._hook_arrays = None
         self._hook_index: dict[str, int] = {}
 
@@ -235,9 +236,9 @@ class ModelRunner:
         first use."""
         if hooks is not None:
             hooks.check(self.cfg.num_layers, self.cfg.num_heads)
-            self._hook_arrays = self._place(hooks.arrays)
+            self._hook_spec, self._hook_arrays = hooks.spec, self._place(hooks.arrays)
         else:
-            self._hook_arrays = None
+            self._hook_spec = self._hook_arrays = None
         self.hooks = hooks
         self._hook_index = dict(request_index or {})
 
@@ -317,7 +318,7 @@ class ModelRunner:
             raise ValueError("prev_ids given to a runner built without overlap")
         hooked = {}
         if self.hooks is not None:
-            hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self.hooks.spec}
+            hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self._hook_spec}
         logits, self.kv, plp, records = self._jit(
             self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
         )  # host: numpy, moved by the call (one host->device copy)
