@@ -68,27 +68,32 @@ def time_run(runner, out) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def identity_attention_runner(engine):
-    """A second runner over the same parameters whose attention returns its queries (traced after the patch; the
-    patch is undone before returning, and the engine's own runner was traced before it)."""
-    import netra_jax.models.transformer as transformer
+def second_runner(engine, **overrides):
+    """Another runner over the engine's parameters and options, with `overrides` of ModelRunner's arguments."""
     from netra_jax.engine.runner import ModelRunner
 
-    real = transformer.attention
-    transformer.attention = lambda q, *args, **kwargs: q
     r = engine.runner
     sched = engine.scheduler.config
-    stub = ModelRunner(
-        engine.model_config,
-        r.params,
+    kw = dict(
         num_pages=r.num_pages,
         page_size=r.page_size,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=engine.max_model_len,
         overlap=r.overlap,
+        matmul_backend=r.matmul_backend,
     )
-    return stub, lambda: setattr(transformer, "attention", real)
+    return ModelRunner(engine.model_config, r.params, **{**kw, **overrides})
+
+
+def identity_attention_runner(engine):
+    """A second runner over the same parameters whose attention returns its queries (traced after the patch; the
+    patch is undone before returning, and the engine's own runner was traced before it)."""
+    import netra_jax.models.transformer as transformer
+
+    real = transformer.attention
+    transformer.attention = lambda q, *args, **kwargs: q
+    return second_runner(engine), lambda: setattr(transformer, "attention", real)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("cases", nargs="*", type=json.loads, help="[decodes, context, [chunk, ...]] (default: a grid)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-attention", action="store_true", help="also time each case with attention stubbed out")
+    ap.add_argument(
+        "--xla-matmul",
+        action="store_true",
+        help="also time each case with XLA's dot for every matmul (the engine's default on CPU is the few-row kernel)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -121,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             restore()
         runners["no_attention"] = stub
+    if a.xla_matmul:
+        runners["xla_matmul"] = second_runner(engine, matmul_backend="xla")
+        for out in steps:
+            time_run(runners["xla_matmul"], out)
     times = {(i, k): [] for i in range(len(steps)) for k in runners}
     for rep in range(a.repeats):  # interleaved, the runners in alternating order
         for i, out in enumerate(steps):
@@ -139,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{k}_cpu_ms"] = 1e3 * min(c for _, c in times[(i, k)])
         rows.append(row)
         extra = f"  no-attention CPU {row['no_attention_cpu_ms']:7.1f}" if a.no_attention else ""
+        if a.xla_matmul:
+            extra += f"  XLA-matmul wall {row['xla_matmul_wall_ms']:7.1f}"
         print(
             f"{json.dumps(case):32s} tokens {row['tokens']:5d} bucket {row['bucket']:5d}  "
             f"wall {row['full_wall_ms']:7.1f}  CPU {row['full_cpu_ms']:7.1f} ms  "
@@ -149,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "step_cost",
         "date": datetime.date.today().isoformat(),
         "model": "SmolLM2-135M-Instruct (default), float32",
+        "matmul_backend": engine.runner.matmul_backend,
         "machine": machine_info(),
         "load_average_before_after": [load0, os.getloadavg()],
         "repeats": a.repeats,

@@ -7,6 +7,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from netra_jax.ops import cpu_matmul
+
 # Expert weights (experts_gate_up [E, hidden, 2, I], experts_down [E, I, hidden]) and the router stay in float:
 # `quantize_weight` takes scales over axis 0, which for them is the expert axis, not the input axis; int8 experts need
 # per-expert scales [E, *out] applied after the grouped matmul (models/moe.py), which it does not do.
@@ -44,8 +46,26 @@ def quantize_params(params: dict, method: str = "int8") -> dict:
     return out
 
 
-def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None) -> jax.Array:
-    """x @ w for a float or quantized weight; `spec` is an einsum spec for weights with several output axes."""
+MATMULS = ("xla", "cpu_rows")  # how float matmuls run: XLA's dot, or the CPU few-row kernel where it takes them
+
+
+def _rows_form(spec: str | None, x: jax.Array, w: jax.Array) -> bool:
+    """Whether x @ w (with `spec`) contracts x's last axis with w's first and keeps the rest in order: a plain
+    [M, K] @ [K, N] once w's output axes are flattened."""
+    if x.ndim != 2:
+        return False
+    if spec is None:
+        return w.ndim == 2
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    return len(ws) == w.ndim and xs[1] == ws[0] and out == xs[0] + ws[1:]
+
+
+def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:
+    """x @ w for a float or quantized weight; `spec` is an einsum spec for weights with several output axes.
+    backend: one of MATMULS; "cpu_rows" runs float32 matmuls of few rows on `netra_jax.ops.cpu_matmul`'s kernel."""
+    if backend not in MATMULS:
+        raise ValueError(f"unknown matmul backend {backend!r}; available: {', '.join(MATMULS)}")
     if isinstance(w, QuantizedWeight):
         wq = w.q.astype(x.dtype)
         y = (
@@ -55,6 +75,10 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
         )
         return y * w.scale.astype(y.dtype)
     w = w.astype(x.dtype)
+    if backend == "cpu_rows" and _rows_form(spec, x, w):
+        y = cpu_matmul.rows_matmul(x, w.reshape(w.shape[0], -1))  # [M, prod(out)]
+        y = y.reshape(x.shape[0], *w.shape[1:])
+        return y if preferred_element_type is None else y.astype(preferred_element_type)
     if spec:
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)

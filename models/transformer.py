@@ -79,16 +79,16 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
-    y = matmul(x, w)  # float or int8-quantized weight
+def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax.Array:
+    y = matmul(x, w, backend=mb)  # float or int8-quantized weight; mb: the matmul backend
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
-    gu = matmul(x, lp["w_gate_up"], "th,hki->tki")  # [T, 2, intermediate]
+def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str) -> jax.Array:
+    gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
     gate, up = gu[:, 0], gu[:, 1]
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return _linear(act * up, lp["w_down"])
+    return _linear(act * up, lp["w_down"], mb=mb)
 
 
 def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, backend: str):
@@ -107,13 +107,13 @@ def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, b
     return o, kp, vp
 
 
-def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh):
+def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh, mb: str):
     """Attention of layer i before its output projection: x [T, hidden] -> (each head's output [T, q_heads,
     head_dim], K pages, V pages)."""
     T = x.shape[0]
-    q = _linear(x, lp["wq"], lp.get("bq")).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = _linear(x, lp["wk"], lp.get("bk")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(x, lp["wv"], lp.get("bv")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q = _linear(x, lp["wq"], lp.get("bq"), mb).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = _linear(x, lp["wk"], lp.get("bk"), mb).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(x, lp["wv"], lp.get("bv"), mb).reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -125,7 +125,7 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
     return fn(q, k, v, kp, vp, md, lp.get("sinks"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh", "hooks"))
+@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh", "hooks", "matmul_backend"))
 def _layer(
     x,
     lp,
@@ -141,6 +141,7 @@ def _layer(
     backend: str,
     mesh,
     hooks: LayerHooks | None = None,
+    matmul_backend: str = "xla",
 ):
     """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages, recorded activations). A
     nested jit, so a model's alike layers are traced and lowered once per step variant instead of once each
@@ -154,14 +155,15 @@ def _layer(
     T = x.shape[0]
     x = point("resid_pre", x)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh)  # [T, q_heads, head_dim]
+    mb = matmul_backend
+    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb)  # [T, q_heads, head_dim]
     o = point("attn_heads", o)
-    h = _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"))
+    h = _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), mb)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     x = point("resid_mid", x + point("attn_out", h))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg)
+    h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
     x = point("resid_post", x + point("mlp_out", h))
@@ -204,6 +206,7 @@ def hidden_states(
     hooks: Hooks | HookSpec | None = None,
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
+    matmul_backend: str = "xla",
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """The decoder stack up to the final norm (no lm_head): what `forward` turns into logits and embedding models
     pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
@@ -239,6 +242,7 @@ def hidden_states(
             backend=backend,
             mesh=mesh,
             hooks=lh,
+            matmul_backend=matmul_backend,
         )
         new_k.append(kp)
         new_v.append(vp)
@@ -249,11 +253,11 @@ def hidden_states(
     return out if hooks is None else (*out, records)
 
 
-def unembed(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def unembed(params: dict, cfg: ModelConfig, x: jax.Array, *, matmul_backend: str = "xla") -> jax.Array:
     """Logits of hidden states: the final norm's output x [N, hidden] -> [N, vocab] float32 (lm_head, then the final
     soft-cap). With `final_norm` applied first, the logit lens of any residual stream: unembed(params, cfg,
     rms_norm(resid, params["final_norm"], cfg.rms_norm_eps))."""
-    logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32)  # [N, vocab]
+    logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32, backend=matmul_backend)  # [N, vocab]
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits
@@ -280,6 +284,7 @@ def forward(
     hooks: Hooks | HookSpec | None = None,
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
+    matmul_backend: str = "xla",
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """Run the model on a flat batch of new tokens, writing their K/V into the pages.
 
@@ -290,6 +295,8 @@ def forward(
     hooks: a `Hooks` set, or its static spec (`Hooks.spec`) with its traced inputs in hook_arrays (`Hooks.arrays`),
     hook_request [T] int32 each token's request index for `HookContext.request` (default 0, -1 for padding): see
     `netra_jax.models.hooks`. Recorded activations are [T, ...] over all rows (padding included).
+    matmul_backend: "xla" (jnp's dot), or "cpu_rows" to run float32 matmuls of decode-sized batches on the CPU kernel
+    of `netra_jax.ops.cpu_matmul` (what the engine runs on CPU; unsharded parameters only, lowers for CPU only).
     Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
     activations {hook name: array}.
     """
@@ -307,8 +314,9 @@ def forward(
         hooks=hooks,
         hook_arrays=hook_arrays,
         hook_request=hook_request,
+        matmul_backend=matmul_backend,
     )
-    logits = unembed(params, cfg, out[0])  # [S or T, vocab]
+    logits = unembed(params, cfg, out[0], matmul_backend=matmul_backend)  # [S or T, vocab]
     return (logits, *out[1:])
 
 

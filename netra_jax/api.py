@@ -155,6 +155,8 @@ class LLM:
         attention_backend: "auto" | "reference" | "triton" | "mosaic" (GPU kernels) | "triton_interpret" |
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
+        matmul_backend: "auto" | "xla" | "cpu_rows": how float32 matmuls of decode-sized steps run; "auto" runs the
+            CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split.
         quantization: None, or "int8": weight-only int8 with per-channel scales.
         seed: Seeds the requests that give no seed.
         warmup: Compile every reachable program before returning (minutes on CPU for a large token budget); False:
@@ -197,6 +199,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        matmul_backend: str = "auto",
         quantization: str | None = None,
         seed: int = 0,
         warmup: bool = False,
@@ -240,6 +243,7 @@ class LLM:
             ),
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
+            matmul_backend=matmul_backend,
             quantization=quantization,
             seed=seed,
             compilation_cache_dir=compilation_cache_dir,

@@ -40,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--matmul-backend",
+        default="auto",
+        choices=("auto", "xla", "cpu_rows"),
+        help="float32 matmuls of decode-sized steps: auto = the CPU few-row kernel on CPU (built on first use)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
     p.add_argument(
@@ -148,6 +154,7 @@ def _engine_config(a: argparse.Namespace, pooler, speculative) -> EngineConfig:
         ),
         attention_backend=a.attention_backend,
         tensor_parallel_size=a.tensor_parallel_size,
+        matmul_backend=a.matmul_backend,
         quantization=a.quantization,
         seed=a.seed,
         served_model_name=a.served_model_name,

@@ -116,6 +116,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | reference | triton | ...
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
+    # how float32 matmuls of decode-sized steps run: auto = the CPU few-row kernel (netra_jax/ops/cpu_matmul.py) on
+    # CPU when it builds and the weights are not split, XLA's dot otherwise | xla | cpu_rows (the kernel, CPU only)
+    matmul_backend: str = "auto"
     quantization: str | None = None  # None | "int8" (weight-only, per-channel scales; models/quant.py)
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
@@ -137,7 +140,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Check every option now, so a bad one fails with a clear message before any weight is read."""
         from netra_jax.loader import DTYPES, LOAD_FORMATS
-        from netra_jax.models.quant import METHODS
+        from netra_jax.models.quant import MATMULS, METHODS
         from netra_jax.ops.attention import BACKENDS
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
         from netra_jax.spec.config import SpeculativeConfig
@@ -155,6 +158,11 @@ class EngineConfig:
             raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         check_choice("attention_backend", self.attention_backend, BACKENDS)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_choice("matmul_backend", self.matmul_backend, ("auto", *MATMULS))
+        if self.matmul_backend == "cpu_rows" and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "matmul_backend 'cpu_rows' takes whole weights; with tensor_parallel_size > 1 use 'auto' or 'xla'"
+            )
         check_choice("quantization", self.quantization, METHODS, optional=True)
         if self.quantization and self.tensor_parallel_size > 1:
             raise ConfigError("quantization is not supported together with tensor parallelism yet")
@@ -202,3 +210,21 @@ class EngineConfig:
         # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
         # Hopper for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
         return "auto" if platform == "gpu" else "reference"
+
+    def resolved_matmul_backend(self, platform: str | None = None) -> str:
+        """The matmul backend the steps run on `platform` (jax.default_backend() when None), building the CPU kernel
+        when it is wanted; ConfigError for "cpu_rows" off CPU or when the kernel cannot be built."""
+        import jax
+
+        from netra_jax.ops import cpu_matmul
+
+        platform = platform or jax.default_backend()
+        if self.matmul_backend == "cpu_rows":
+            if platform != "cpu":
+                raise ConfigError(f"matmul_backend 'cpu_rows' is a CPU kernel (this platform is {platform})")
+            if not cpu_matmul.available():
+                raise ConfigError(f"matmul_backend 'cpu_rows': {cpu_matmul.unavailable_reason()}")
+            return "cpu_rows"
+        if self.matmul_backend == "xla" or platform != "cpu" or self.tensor_parallel_size > 1:
+            return "xla"
+        return "cpu_rows" if cpu_matmul.available() else "xla"

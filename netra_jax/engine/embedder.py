@@ -44,7 +44,17 @@ def pack_prompts(prompts: list[list[int]], shape: BatchShape, page_size: int, pa
 
 
 def _pool_step(
-    params, packed, *, cfg: ModelConfig, shape: BatchShape, pooling: str, num_pages: int, page_size: int, backend, mesh
+    params,
+    packed,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    pooling: str,
+    num_pages: int,
+    page_size: int,
+    backend,
+    mesh,
+    matmul_backend,
 ):
     """Pooled final hidden states of the packed prompts: [S, hidden] float32 (padding rows are garbage)."""
     x = unpack(packed, shape)
@@ -52,7 +62,9 @@ def _pool_step(
     kv = init_kv_cache(cfg, num_pages, page_size, params["embed"].dtype, sharding=kv_sharding)  # scratch
     qsl = x.md.query_start_loc  # [S + 1]
     rows = {"LAST": x.logits_idx, "CLS": qsl[:-1], "MEAN": None}[pooling]  # [S] or every token
-    h, _ = hidden_states(params, cfg, x.tokens, x.positions, kv, x.md, rows, backend=backend, mesh=mesh)
+    h, _ = hidden_states(
+        params, cfg, x.tokens, x.positions, kv, x.md, rows, backend=backend, mesh=mesh, matmul_backend=matmul_backend
+    )
     h = h.astype(jnp.float32)  # [S or T, hidden]
     if pooling != "MEAN":
         return h
@@ -76,7 +88,7 @@ class Embedder:
         most = max(max_tokens, runner.max_pages * runner.page_size)  # at least one whole context
         self.buckets = tuple(b for b in token_buckets(most) if b >= min(most, self.page_size))
         self._jit = jax.jit(
-            functools.partial(_pool_step, mesh=runner.mesh),
+            functools.partial(_pool_step, mesh=runner.mesh, matmul_backend=runner.matmul_backend),
             static_argnames=("cfg", "shape", "pooling", "num_pages", "page_size", "backend"),
         )
         self.num_calls = 0

@@ -105,6 +105,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             kv_dtype=kv_dtype,
             backend=config.resolved_backend(),
+            matmul_backend=config.resolved_matmul_backend(),
             tensor_parallel_size=config.tensor_parallel_size,
             overlap=self.overlap,
             num_spec_tokens=spec.num_speculative_tokens if spec else 0,

@@ -47,6 +47,7 @@ def _step(
     backend: str,
     mesh=None,
     hooks: HookSpec | None = None,
+    matmul_backend: str = "xla",
 ):
     """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
     into placeholder slots (None: every token is known). hooks: a hook spec with its arrays and each token's
@@ -70,6 +71,7 @@ def _step(
         hooks=hooks,
         hook_arrays=hook_arrays,
         hook_request=hook_request,
+        matmul_backend=matmul_backend,
     )
     logits, kv, records = out if hooks is not None else (*out, None)
     if not shape.prompt_rows:
@@ -89,7 +91,9 @@ def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
     return (target - lse)[:, 0], rank, top_ids.astype(jnp.int32), top_vals - lse
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "page_size", "backend", "mesh", "hooks"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "num_pages", "page_size", "backend", "mesh", "hooks", "matmul_backend")
+)
 def _all_logits(
     params,
     token_ids,
@@ -102,6 +106,7 @@ def _all_logits(
     backend: str,
     mesh=None,
     hooks: HookSpec | None = None,
+    matmul_backend: str = "xla",
 ):
     """Logits at every position of one prompt, on a scratch paged cache of `num_pages` pages. token_ids: [T];
     batch: its positions and metadata (`paged.build_batch`). Returns (logits [T, vocab] float32, the hooks'
@@ -119,6 +124,7 @@ def _all_logits(
         mesh=mesh,
         hooks=hooks,
         hook_arrays=hook_arrays,
+        matmul_backend=matmul_backend,
     )
     return out[0], (out[2] if hooks is not None else None)
 
@@ -184,6 +190,7 @@ class ModelRunner:
         overlap: bool = False,
         num_spec_tokens: int = 0,
         max_spec_seqs: int | None = None,
+        matmul_backend: str = "xla",
     ):
         if overlap and num_spec_tokens:
             raise ValueError(
@@ -204,6 +211,7 @@ class ModelRunner:
         self.set_prompt_logprob_buckets(fine=True)  # compiled on first use; a full warm-up asks for fewer
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
+        self.matmul_backend = matmul_backend  # models.quant.MATMULS: "cpu_rows" for decode-sized matmuls on CPU
         self.overlap = overlap
         self.num_spec_tokens = num_spec_tokens
         self.max_spec_seqs = max_num_seqs if max_spec_seqs is None else max_spec_seqs
@@ -216,7 +224,7 @@ class ModelRunner:
             rep = parallel.replicated(self.mesh)
             out = {"out_shardings": (rep, kv_sharding, rep, rep)}
         self._jit = jax.jit(
-            functools.partial(_step, mesh=self.mesh),
+            functools.partial(_step, mesh=self.mesh, matmul_backend=matmul_backend),
             static_argnames=("cfg", "shape", "backend", "hooks"),
             donate_argnums=(1,),
             **out,
@@ -358,6 +366,7 @@ class ModelRunner:
             page_size=self.page_size,
             backend=self.backend,
             mesh=self.mesh,
+            matmul_backend=self.matmul_backend,
             **hooked,
         )
         logits = np.asarray(logits[: len(ids)])

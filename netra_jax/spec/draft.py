@@ -35,7 +35,9 @@ def check_same_tokenizer(target, draft) -> None:
             )
 
 
-def _decode_ahead(params, kv, tokens, positions, limits, block_tables, *, cfg, k, page_size, pad_slot, backend):
+def _decode_ahead(
+    params, kv, tokens, positions, limits, block_tables, *, cfg, k, page_size, pad_slot, backend, matmul_backend
+):
     """k greedy draft decode steps for S sequences in one call. tokens, positions: [S] int32 (each sequence's last
     known token and its position); limits: [S] int32 proposals wanted (0: a padding row); block_tables: [S, W].
     Step j feeds the previous step's argmax at position + j; steps at or past a row's limit write nothing.
@@ -68,7 +70,9 @@ def _decode_ahead(params, kv, tokens, positions, limits, block_tables, *, cfg, k
             block_tables=block_tables,
             work=work,
         )
-        logits, kv = forward(params, cfg, tok, jnp.where(live, pos, 0), kv, md, backend=backend)  # [S, vocab]
+        logits, kv = forward(
+            params, cfg, tok, jnp.where(live, pos, 0), kv, md, backend=backend, matmul_backend=matmul_backend
+        )  # [S, vocab]
         nxt = jnp.argmax(logits, -1).astype(jnp.int32)  # [S]
         return kv, nxt, out.at[:, j].set(nxt)
 
@@ -107,6 +111,7 @@ class DraftProposer:
             max_model_len=max_model_len,
             kv_dtype=runner.kv.k[0].dtype,
             backend=runner.backend,
+            matmul_backend=runner.matmul_backend,
             num_spec_tokens=runner.num_spec_tokens,
             max_spec_seqs=runner.max_spec_seqs,
         )
@@ -118,6 +123,7 @@ class DraftProposer:
                 page_size=runner.page_size,
                 pad_slot=runner.pad_slot,
                 backend=runner.backend,
+                matmul_backend=runner.matmul_backend,
             ),
             donate_argnums=(1,),
         )

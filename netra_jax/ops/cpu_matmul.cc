@@ -1,0 +1,212 @@
+// Few-row float32 matmul for CPU, an XLA FFI handler: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]).
+// Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_matmul.py builds and loads it).
+//
+// Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is a stream of
+// the weights through the cores. XLA's CPU dot tiles such a matmul for 4 rows at a time and, at 8 rows, reads the
+// weights at half the speed it reads them for one row. Here each weight is read from memory once for all rows:
+//
+// - The columns are split into chunks, one range of whole column panels per core (XLA's intra-op thread pool plus
+//   the calling thread; chunks are claimed from an atomic counter, so a late helper costs nothing).
+// - A panel is NV vectors wide. Its accumulators for MT rows stay in registers while it walks KB rows of w; the
+//   weights of a panel's KB rows are strided in memory, so while one block of KB rows is computed, the next block's
+//   lines (contiguous per row) are prefetched into L2 a few at a time.
+// - More than MT rows: the row tiles run inside the block, on weights already in cache.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+constexpr int MT = 8;   // rows per tile: MT * NV accumulators plus NV weight vectors fit 32 registers
+constexpr int NV = 3;
+#elif defined(__AVX__)
+constexpr int VW = 8;
+constexpr int MT = 4;  // 16 registers: 12 accumulators, 3 weight vectors, a broadcast
+constexpr int NV = 3;
+#else
+constexpr int VW = 4;
+constexpr int MT = 4;
+constexpr int NV = 2;
+#endif
+constexpr int KB = 32;          // rows of w per block (the prefetch distance)
+constexpr int LINE_FLOATS = 16;  // a 64-byte cache line
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+struct Problem {
+  const float* x;  // [M, K]
+  const float* w;  // [K, N]
+  float* y;        // [M, N]
+  int64_t M, K, N;
+};
+
+// Spreads the prefetch of block rows [row0, row0 + rows) x columns [n0, n1) over `steps` calls of `next()`.
+class Prefetcher {
+ public:
+  Prefetcher(const Problem& p, int64_t row0, int64_t rows, int64_t n0, int64_t n1, int64_t steps)
+      : p_(p), row0_(row0), n0_(n0), per_row_((n1 - n0 + LINE_FLOATS - 1) / LINE_FLOATS) {
+    total_ = rows * per_row_;
+    per_step_ = steps > 0 ? (total_ + steps - 1) / steps : total_;
+  }
+
+  void next() {
+    for (int64_t i = 0; i < per_step_ && line_ < total_; ++i, ++line_) {
+      const int64_t r = line_ / per_row_, c = line_ % per_row_;
+      __builtin_prefetch(p_.w + (row0_ + r) * p_.N + n0_ + c * LINE_FLOATS, 0, 2);
+    }
+  }
+
+ private:
+  const Problem& p_;
+  int64_t row0_, n0_, per_row_, total_ = 0, per_step_ = 0, line_ = 0;
+};
+
+// Rows [m0, m0 + mt) of y[:, n : n + nv * VW] over w's rows [k0, k0 + kb): accumulate (or start at k0 == 0).
+template <int TM, int TN>
+void tile(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Prefetcher* pf) {
+  vf acc[TM][TN];
+  for (int m = 0; m < TM; ++m) {
+    for (int j = 0; j < TN; ++j) {
+      acc[m][j] = k0 == 0 ? vf{} : load(p.y + (m0 + m) * p.N + n + j * VW);
+    }
+  }
+  const float* xr = p.x + m0 * p.K + k0;
+  const float* wr = p.w + k0 * p.N + n;
+  for (int64_t k = 0; k < kb; ++k, wr += p.N) {
+    if (pf) pf->next();
+    vf wv[TN];
+    for (int j = 0; j < TN; ++j) wv[j] = load(wr + j * VW);
+    for (int m = 0; m < TM; ++m) {
+      const vf xb = vf{} + xr[m * p.K + k];
+      for (int j = 0; j < TN; ++j) acc[m][j] += xb * wv[j];
+    }
+  }
+  for (int m = 0; m < TM; ++m) {
+    for (int j = 0; j < TN; ++j) store(p.y + (m0 + m) * p.N + n + j * VW, acc[m][j]);
+  }
+}
+
+// One row tile of any height up to MT (the compiler needs it static).
+template <int TN>
+void tile_rows(const Problem& p, int64_t m0, int64_t mt, int64_t n, int64_t k0, int64_t kb, Prefetcher* pf) {
+  switch (mt) {
+#define NETRA_ROWS(R) \
+  case R:             \
+    if constexpr (R <= MT) tile<R, TN>(p, m0, n, k0, kb, pf); \
+    break;
+    NETRA_ROWS(1)
+    NETRA_ROWS(2)
+    NETRA_ROWS(3)
+    NETRA_ROWS(4)
+    NETRA_ROWS(5)
+    NETRA_ROWS(6)
+    NETRA_ROWS(7)
+    NETRA_ROWS(8)
+#undef NETRA_ROWS
+  }
+}
+
+// Columns that fill no whole vector: plain loops (N % VW of them, at the end of the last chunk).
+void tail_columns(const Problem& p, int64_t n0, int64_t k0, int64_t kb) {
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t n = n0; n < p.N; ++n) {
+      float a = k0 == 0 ? 0.0f : p.y[m * p.N + n];
+      for (int64_t k = k0; k < k0 + kb; ++k) a += p.x[m * p.K + k] * p.w[k * p.N + n];
+      p.y[m * p.N + n] = a;
+    }
+  }
+}
+
+// y[:, n0:n1] for all rows: n0 is a multiple of the panel width, n1 too unless it is N.
+void chunk(const Problem& p, int64_t n0, int64_t n1) {
+  constexpr int64_t NB = NV * VW;
+  const int64_t vec_end = n0 + (n1 - n0) / VW * VW;
+  const int64_t panel_end = n0 + (vec_end - n0) / NB * NB;
+  for (int64_t k0 = 0; k0 < p.K; k0 += KB) {
+    const int64_t kb = std::min<int64_t>(KB, p.K - k0);
+    const int64_t next_rows = std::min<int64_t>(KB, p.K - k0 - kb);
+    const int64_t steps = ((panel_end - n0) / NB + (vec_end - panel_end) / VW) * kb;
+    Prefetcher pf(p, k0 + kb, next_rows, n0, n1, steps);
+    for (int64_t n = n0; n < panel_end; n += NB) {
+      for (int64_t m0 = 0; m0 < p.M; m0 += MT) {
+        tile_rows<NV>(p, m0, std::min<int64_t>(MT, p.M - m0), n, k0, kb, m0 == 0 ? &pf : nullptr);
+      }
+    }
+    for (int64_t n = panel_end; n < vec_end; n += VW) {
+      for (int64_t m0 = 0; m0 < p.M; m0 += MT) {
+        tile_rows<1>(p, m0, std::min<int64_t>(MT, p.M - m0), n, k0, kb, m0 == 0 ? &pf : nullptr);
+      }
+    }
+    if (vec_end < n1) tail_columns(p, vec_end, k0, kb);
+  }
+}
+
+// Chunks claimed by the caller and the helpers; whoever runs out of chunks to claim is done with them.
+struct Work {
+  Problem p;
+  int64_t chunks, panels_per_chunk;
+  std::atomic<int64_t> next{0}, finished{0};
+
+  void run() {
+    constexpr int64_t NB = NV * VW;
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      const int64_t n0 = c * panels_per_chunk * NB;
+      const int64_t n1 = c == chunks - 1 ? p.N : n0 + panels_per_chunk * NB;
+      chunk(p, n0, n1);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("netra_small_matmul_f32 takes x [M, K] and w [K, N]");
+  }
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  constexpr int64_t NB = NV * VW;
+  const int64_t panels = std::max<int64_t>(1, p.N / NB);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto work = std::make_shared<Work>();
+  work->p = p;
+  work->chunks = std::min<int64_t>(panels, threads);
+  work->panels_per_chunk = panels / work->chunks;
+  for (int64_t i = 1; i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->finished.load(std::memory_order_acquire) < work->chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulF32, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

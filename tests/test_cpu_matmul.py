@@ -1,0 +1,167 @@
+"""The CPU few-row matmul kernel (netra_jax/ops/cpu_matmul.cc) against float64 numpy over the shapes its tiling
+splits (row tiles, column panels, single vectors, leftover columns, partial K blocks), its fallbacks, derivatives
+and build cache, and the engine running it: the steps that take it call it, the others do not, and greedy tokens
+match transformers' references and XLA's dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, reference
+
+from netra_jax import LLM, SamplingParams
+from netra_jax.config import ConfigError
+from netra_jax.engine_config import EngineConfig
+from netra_jax.models.quant import matmul
+from netra_jax.ops import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler to build the kernel")
+
+# (M, K, N): 1..32 rows (whole and partial row tiles); N = whole panels, panels plus single vectors, plus a few
+# columns, fewer columns than a vector; K = partial and whole blocks of 32 rows, and 1
+SHAPES = [
+    (2, 64, 48),
+    (3, 100, 77),
+    (8, 576, 1536),
+    (9, 33, 200),
+    (13, 1536, 576),
+    (16, 7, 3),
+    (31, 1, 130),
+    (32, 576, 192),
+    (5, 96, 4100),
+]
+
+
+@pytest.mark.parametrize("M, K, N", SHAPES)
+def test_kernel_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + N)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((K, N), dtype=np.float32)
+    assert cpu_matmul.takes(jnp.asarray(x), jnp.asarray(w))
+    y = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.sqrt(K) * np.abs(ref).max() + 1e-30  # float32 error of a K-term sum
+    assert y.shape == (M, N) and y.dtype == np.float32
+    np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
+    assert "netra_small_matmul_f32" in jax.jit(cpu_matmul.rows_matmul).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize(
+    "M, dtype", [(1, jnp.float32), (33, jnp.float32), (8, jnp.bfloat16)], ids=["one-row", "33-rows", "bf16"]
+)
+def test_other_shapes_and_dtypes_run_xla_dot(M, dtype):
+    x = jnp.ones((M, 16), dtype)
+    w = jnp.ones((16, 24), dtype)
+    assert not cpu_matmul.takes(x, w)
+    text = jax.jit(cpu_matmul.rows_matmul).lower(x, w).as_text()
+    assert "netra_small_matmul_f32" not in text
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.rows_matmul(x, w)), np.asarray(jnp.dot(x, w)))
+
+
+def test_matmul_backend_einsum_form_and_quantized():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((6, 40), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((40, 2, 24), dtype=np.float32))
+    got = matmul(x, w, "th,hki->tki", backend="cpu_rows")  # w flattened to [40, 48] for the kernel
+    np.testing.assert_allclose(np.asarray(got), np.einsum("th,hki->tki", x, w), rtol=1e-5, atol=1e-5)
+    assert (
+        "netra_small_matmul_f32"
+        in jax.jit(lambda x, w: matmul(x, w, "th,hki->tki", backend="cpu_rows")).lower(x, w).as_text()
+    )
+    with pytest.raises(ValueError, match="unknown matmul backend 'blas'"):
+        matmul(x, w[:, 0], backend="blas")
+
+
+def test_derivatives_are_jnp_dots():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((8, 40), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((40, 56), dtype=np.float32))
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    got = jax.grad(loss(cpu_matmul.rows_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(jnp.dot), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    _, t = jax.jvp(cpu_matmul.rows_matmul, (x, w), (x, w))
+    np.testing.assert_allclose(np.asarray(t), np.asarray(2 * x @ w), rtol=1e-5, atol=1e-4)
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch):
+    first = cpu_matmul.build()
+    mtime = first.stat().st_mtime_ns
+    real_run = cpu_matmul.subprocess.run
+
+    def version_only(cmd, **kw):  # the compiler may be asked its version (part of the key), never to compile
+        assert cmd[1:] == ["--version"], f"the cached library was rebuilt: {cmd}"
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(cpu_matmul.subprocess, "run", version_only)
+    assert cpu_matmul.build() == first and first.stat().st_mtime_ns == mtime
+
+
+def test_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("NETRA_JAX_CACHE", str(tmp_path))  # nothing cached there: a build is needed
+    monkeypatch.setenv("CXX", str(tmp_path / "broken-cxx"))
+    (tmp_path / "broken-cxx").write_text("#!/bin/sh\necho 'broken-cxx: cannot compile' >&2\nexit 1\n")
+    (tmp_path / "broken-cxx").chmod(0o755)
+    with pytest.raises(RuntimeError, match="broken-cxx: cannot compile"):
+        cpu_matmul.build()
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left behind
+
+
+def test_engine_option_resolution():
+    assert EngineConfig().resolved_matmul_backend("cpu") == "cpu_rows"
+    assert EngineConfig(matmul_backend="xla").resolved_matmul_backend("cpu") == "xla"
+    assert EngineConfig().resolved_matmul_backend("gpu") == "xla"
+    assert EngineConfig(tensor_parallel_size=2).resolved_matmul_backend("cpu") == "xla"
+    with pytest.raises(ConfigError, match="is a CPU kernel"):
+        EngineConfig(matmul_backend="cpu_rows").resolved_matmul_backend("gpu")
+    with pytest.raises(ConfigError, match="takes whole weights"):
+        EngineConfig(matmul_backend="cpu_rows", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="matmul_backend must be one of"):
+        EngineConfig(matmul_backend="mkl")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    kw = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_kv_pages=64)
+    model = FIXTURES / "tiny-llama"
+    return LLM(model, **kw), LLM(model, matmul_backend="xla", **kw)
+
+
+def _kernel_rows(llm, tokens: int) -> list[int]:
+    """The row count M of each kernel call in the step variant of `tokens` tokens."""
+    runner = llm.engine.runner
+    text = runner.lower_step(runner.shape_for(tokens)).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @netra_small_matmul_f32" in ln]
+    return [int(ln.split("(tensor<")[1].split("x")[0]) for ln in calls]
+
+
+def test_engine_steps_call_the_kernel_where_it_takes_them(engines):
+    kernel, xla = engines
+    assert kernel.engine.runner.matmul_backend == "cpu_rows" and xla.engine.runner.matmul_backend == "xla"
+    # 8 decode rows: q, k, v, o, gate-up and down in the layer function (alike layers share one), and the lm_head
+    assert _kernel_rows(kernel, 8) == [8] * 7
+    assert _kernel_rows(kernel, 1) == []  # one row: XLA's dot
+    # a prefill-sized step: XLA's dot in the layers; only its few sampled rows go through the lm_head kernel
+    assert all(m <= cpu_matmul.ROWS_MAX for m in _kernel_rows(kernel, 64)) and len(_kernel_rows(kernel, 64)) <= 1
+    assert _kernel_rows(xla, 8) == []
+
+
+def test_engine_greedy_matches_references_and_xla(engines):
+    kernel, xla = engines
+    cases = reference("tiny-llama")["cases"]
+    rng = np.random.default_rng(3)
+    prompts = [c["prompt_ids"] for c in cases] + [rng.integers(3, 500, n).tolist() for n in (5, 17, 40, 9, 60)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, llm in (("kernel", kernel), ("xla", xla)):
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[name] = [r.outputs[0].token_ids for r in res]
+    assert outs["kernel"] == outs["xla"]
+    for c, got in zip(cases, outs["kernel"], strict=False):
+        assert got[: len(c["greedy_ids"])] == c["greedy_ids"][: len(got)]
