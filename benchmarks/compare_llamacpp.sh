@@ -22,8 +22,11 @@
 #   GGUF          the Q4_1 model file (default: the default model, located or fetched by netra_jax.assets)
 #   THREADS=2 PARALLEL CTX_PER_SLOT   llama-server --threads, --parallel and -c PARALLEL*CTX_PER_SLOT (preset defaults)
 #   SERVER_ARGS   extra `netra-jax serve` flags (it always gets --dtype float32)
-#   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec llamacpp_f32
-#                 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
+#   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec
+#                 netra_jax_f32_xla (XLA's dot for every matmul, --matmul-backend xla: the engine before its CPU
+#                 few-row kernel) llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
+#   TAG           appended to every result's label and to the report's name (a second run on the same day keeps the
+#                 first one's files)
 #   SPEC_K=5 SPEC_NGRAM_MAX=4 SPEC_NGRAM_MIN=2   n-gram speculation of the *_spec runs: netra-jax gets
 #                 --speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": MAX,
 #                 "prompt_lookup_min": MIN}'; llama-server its prompt-lookup equivalent, LLAMA_SPEC_ARGS (default
@@ -77,8 +80,9 @@ NETRA_SPEC_ARGS="--speculative-config '$SPEC_JSON'"
 LLAMA_SPEC_DEFAULT="--spec-type ngram-simple --spec-ngram-simple-size-n $SPEC_NGRAM_MIN"
 LLAMA_SPEC_DEFAULT+=" --spec-ngram-simple-size-m $SPEC_K"
 LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:-$LLAMA_SPEC_DEFAULT}
-PREFIX=""  # result labels: <preset>_<engine> except for the default preset
+PREFIX=""  # result labels: <preset>_<engine>[_<TAG>] except for the default preset
 [ "$PRESET" = random ] || PREFIX="${PRESET}_"
+SUFFIX=${TAG:+_$TAG}
 
 if [ -n "${GGUF:-}" ]; then
   OURS_MODEL=$(printf '%q' "$GGUF")
@@ -132,7 +136,7 @@ FILES=()
 LABELS=()
 for engine in $ENGINES; do
   echo "=== $engine ==="
-  label=$PREFIX$engine
+  label=$PREFIX$engine$SUFFIX
   case $engine in
     netra_jax_f32)
       bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
@@ -140,6 +144,9 @@ for engine in $ENGINES; do
     netra_jax_f32_spec)
       bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $NETRA_SPEC_ARGS $SERVER_ARGS"
       name="netra-jax F32 n-gram" ;;
+    netra_jax_f32_xla)
+      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 --matmul-backend xla $SERVER_ARGS"
+      name="netra-jax F32 XLA dot" ;;
     llamacpp_f32) run_llama "$label" "$F32"; name="llama.cpp F32" ;;
     # shellcheck disable=SC2086  # LLAMA_SPEC_ARGS: several flags
     llamacpp_f32_spec) run_llama "$label" "$F32" $LLAMA_SPEC_ARGS; name="llama.cpp F32 n-gram" ;;
@@ -156,7 +163,7 @@ done
 [ ${#FILES[@]} -gt 0 ] || { echo "error: no results" >&2; exit 1; }
 
 DATE=$(date +%F)
-MD="$RESULT_DIR/$DATE-llamacpp_compare${PREFIX:+_$PRESET}.md"
+MD="$RESULT_DIR/$DATE-llamacpp_compare${PREFIX:+_$PRESET}$SUFFIX.md"
 TABLE=$(mktemp)
 PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS[@]}" --result-dir "$RESULT_DIR" \
   --table "$TABLE" | sed -n 's/^wrote \(.*\.png\)$/\1/p')
