@@ -209,6 +209,10 @@ class EngineConfig:
             return self.attention_backend
         # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
         # Hopper for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
+        if platform == "cpu":  # the reference with its per-token rows on the C++ kernel, when it builds
+            from netra_jax.ops import cpu_kernels
+
+            return "cpu" if cpu_kernels.available() else "reference"
         return "auto" if platform == "gpu" else "reference"
 
     def resolved_matmul_backend(self, platform: str | None = None) -> str:
@@ -216,15 +220,15 @@ class EngineConfig:
         when it is wanted; ConfigError for "cpu_rows" off CPU or when the kernel cannot be built."""
         import jax
 
-        from netra_jax.ops import cpu_matmul
+        from netra_jax.ops import cpu_kernels
 
         platform = platform or jax.default_backend()
         if self.matmul_backend == "cpu_rows":
             if platform != "cpu":
                 raise ConfigError(f"matmul_backend 'cpu_rows' is a CPU kernel (this platform is {platform})")
-            if not cpu_matmul.available():
-                raise ConfigError(f"matmul_backend 'cpu_rows': {cpu_matmul.unavailable_reason()}")
+            if not cpu_kernels.available():
+                raise ConfigError(f"matmul_backend 'cpu_rows': {cpu_kernels.unavailable_reason()}")
             return "cpu_rows"
         if self.matmul_backend == "xla" or platform != "cpu" or self.tensor_parallel_size > 1:
             return "xla"
-        return "cpu_rows" if cpu_matmul.available() else "xla"
+        return "cpu_rows" if cpu_kernels.available() else "xla"

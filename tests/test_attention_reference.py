@@ -1,5 +1,6 @@
 """The jnp reference's two paths: query blocks (prefill runs) and per-token (decode rows) must agree with each other
-and with a dense softmax over every visible key, on mixed ragged batches with windows, soft-caps and padding."""
+and with a dense softmax over every visible key, on mixed ragged batches with windows, soft-caps and padding; so must
+the "cpu" backend, whose per-token rows run the C++ kernel (netra_jax/ops/cpu_attention.cc)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from test_paged_attention_kernel import DECODE, MIXED, make_case
 
-from netra_jax.ops.attention import AttentionWork, build_work, num_items, paged_attention_reference
+from netra_jax.ops import cpu_kernels
+from netra_jax.ops.attention import BACKENDS, AttentionWork, build_work, num_items, paged_attention_reference
 
 LONG = [(0, 100), (200, 70), (5, 1), (0, 33), (64, 1)]
 # per-head sink logits around the scores' range (scaled q.k of unit normals is ~N(0, 1)): some heads dominated by
@@ -69,20 +71,36 @@ def dense(q, k, v, md, *, scale, sliding_window=None, soft_cap=None, sinks=None)
         "sinks_all",
     ],
 )
-def test_block_and_token_paths_match_dense(seqs, kw, shape):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_block_and_token_paths_match_dense(seqs, kw, shape, backend):
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip(f"the C++ kernels are not built: {cpu_kernels.unavailable_reason()}")
+    fn = BACKENDS[backend]
     q, k, v, md = make_case(seqs, dtype=jnp.float32, pad_tokens=3, pad_seqs=2, **shape)
     if "sinks" in kw:
         kw = dict(kw, sinks=jnp.asarray(kw["sinks"]))
     T, S = q.shape[0], md.seq_lens.shape[0]
     want = dense(q, k, v, md, scale=0.125, **kw)
-    per_token = paged_attention_reference(q, k, v, md, scale=0.125, **kw)  # no work lists: every token per token
-    work = AttentionWork(*(jnp.asarray(a) for a in build_work([n for _, n in seqs], T, S)))
-    split = jax.jit(lambda q, k, v, md: paged_attention_reference(q, k, v, md, scale=0.125, **kw))(
-        q, k, v, md.replace(work=work)
-    )
-    np.testing.assert_allclose(np.asarray(per_token), want, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(np.asarray(split), want, atol=2e-5, rtol=2e-5)
-    assert not np.asarray(split)[int(md.query_start_loc[-1]) :].any(), "padding tokens must give zeros"
+    attend = jax.jit(lambda q, k, v, md: fn(q, k, v, md, scale=0.125, **kw))
+    per_token = attend(q, k, v, md)  # no work lists: every token per token
+    lens = [n for _, n in seqs]
+    work = AttentionWork(*(jnp.asarray(a) for a in build_work(lens, T, S)))
+    split = attend(q, k, v, md.replace(work=work))
+    # speculative verification: every token of the second sequence per token, the rest split as usual
+    spec = AttentionWork(*(jnp.asarray(a) for a in build_work(lens, T, S, per_token=[i == 1 for i in range(S)])))
+    verify = attend(q, k, v, md.replace(work=spec))
+    for got in (per_token, split, verify):
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+        assert not np.asarray(got)[int(md.query_start_loc[-1]) :].any(), "padding tokens must give zeros"
+    if backend == "cpu":  # the kernel runs: its custom call is in the program
+        assert "netra_token_attention_f32" in attend.lower(q, k, v, md).as_text()
+
+
+def test_cpu_backend_runs_the_reference_for_other_dtypes():
+    q, k, v, md = make_case(MIXED, dtype=jnp.bfloat16, pad_tokens=3, pad_seqs=2, G=2, D=64, P=16, KH=2)
+    fn = jax.jit(lambda q, k, v, md, b: BACKENDS[b](q, k, v, md, scale=0.125), static_argnums=4)
+    assert "netra_token_attention_f32" not in fn.lower(q, k, v, md, "cpu").as_text()
+    np.testing.assert_array_equal(np.asarray(fn(q, k, v, md, "cpu")), np.asarray(fn(q, k, v, md, "reference")))
 
 
 def test_build_work_splits_runs():

@@ -15,9 +15,9 @@ from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
 from netra_jax.engine_config import EngineConfig
 from netra_jax.models.quant import matmul
-from netra_jax.ops import cpu_matmul
+from netra_jax.ops import cpu_kernels, cpu_matmul
 
-pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
 
 # (M, K, N): 1..32 rows (whole and partial row tiles); N = whole panels, panels plus single vectors, plus a few
 # columns, fewer columns than a vector; K = partial and whole blocks of 32 rows, and 1
@@ -91,16 +91,16 @@ def test_derivatives_are_jnp_dots():
 
 
 def test_build_is_cached_per_source_and_cpu(monkeypatch):
-    first = cpu_matmul.build()
+    first = cpu_kernels.build()
     mtime = first.stat().st_mtime_ns
-    real_run = cpu_matmul.subprocess.run
+    real_run = cpu_kernels.subprocess.run
 
     def version_only(cmd, **kw):  # the compiler may be asked its version (part of the key), never to compile
         assert cmd[1:] == ["--version"], f"the cached library was rebuilt: {cmd}"
         return real_run(cmd, **kw)
 
-    monkeypatch.setattr(cpu_matmul.subprocess, "run", version_only)
-    assert cpu_matmul.build() == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", version_only)
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
 
 
 def test_failed_build_says_why(monkeypatch, tmp_path):
@@ -109,7 +109,7 @@ def test_failed_build_says_why(monkeypatch, tmp_path):
     (tmp_path / "broken-cxx").write_text("#!/bin/sh\necho 'broken-cxx: cannot compile' >&2\nexit 1\n")
     (tmp_path / "broken-cxx").chmod(0o755)
     with pytest.raises(RuntimeError, match="broken-cxx: cannot compile"):
-        cpu_matmul.build()
+        cpu_kernels.build()
     assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left behind
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax.ops import cpu_attention, cpu_kernels
 from netra_jax.ops.attention_args import check_attention_args
 from netra_jax.ops.paged_attention_mosaic import (
     paged_attention_mosaic,
@@ -268,8 +269,8 @@ def _token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_win
         o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tb, H, D)
         return out.at[ti].set(o.astype(out.dtype), mode="drop")
 
-    if idx.shape[0] == tb:  # one block: no loop (an empty block writes nothing)
-        return block(0, out)
+    if idx.shape[0] == tb:  # one block: no loop; skipped when no token takes this path (prompt chunks only)
+        return jax.lax.cond(count > 0, functools.partial(block, 0), lambda out: out, out)
     return jax.lax.fori_loop(0, (count + tb - 1) // tb, block, out)
 
 
@@ -321,8 +322,8 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, *, scale, sliding_window, 
         o = o.reshape(ig, KH, B, G, D).transpose(0, 2, 1, 3, 4).reshape(ig * B, H, D)
         return out.at[ti.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
-    if starts.shape[0] == ig:  # one group: no loop (empty items attend to no chunk)
-        return group(0, out)
+    if starts.shape[0] == ig:  # one group: no loop; skipped when the step has no query block (decodes only)
+        return jax.lax.cond(w.num_items > 0, functools.partial(group, 0), lambda out: out, out)
     return jax.lax.fori_loop(0, (w.num_items + ig - 1) // ig, group, out)
 
 
@@ -350,6 +351,12 @@ def paged_attention_reference(
     which is neither scaled nor soft-capped and carries no value. Returns [T, q_heads, head_dim] in q's dtype; padding
     tokens give zeros. Math in float32.
     """
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    return _paged_attention(q, k_pages, v_pages, md, _token_path, **kw)
+
+
+def _paged_attention(q, k_pages, v_pages, md, token_path, *, scale, sliding_window, soft_cap, sinks):
+    """The reference's split of a step's tokens: `token_path` for the per-token rows, `_block_path` for the rest."""
     T, H, D = q.shape
     KH = k_pages.shape[2]
     lay = with_token_layout(md, T).layout
@@ -359,10 +366,48 @@ def paged_attention_reference(
     out = jnp.zeros((T, H, D), q.dtype)
     if md.work is None:
         idx = jnp.arange(T, dtype=jnp.int32)
-        return _token_path(out, q, k_pages, v_pages, lay, idx, jnp.int32(T), **kw)
+        return token_path(out, q, k_pages, v_pages, lay, idx, jnp.int32(T), **kw)
     w = md.work
-    out = _token_path(out, q, k_pages, v_pages, lay, w.tokens, w.num_tokens, **kw)
+    out = token_path(out, q, k_pages, v_pages, lay, w.tokens, w.num_tokens, **kw)
     return _block_path(out, q, k_pages, v_pages, lay, md, w, **kw)
+
+
+def _kernel_token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_window, soft_cap, sinks):
+    """`_token_path` on the C++ kernel (`netra_jax.ops.cpu_attention`): out [T, H, D] holds zeros and is replaced."""
+    return cpu_attention.token_attention(
+        q,
+        k_pages,
+        v_pages,
+        idx,
+        count,
+        lay.q_pos,
+        lay.valid,
+        lay.rows,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+    ).astype(out.dtype)
+
+
+def paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """`paged_attention_reference` with its per-token rows (decodes, speculative runs) on the C++ kernel of
+    `netra_jax.ops.cpu_attention`, for float32 queries and pages when the kernels are built (else the reference
+    itself). Same arguments and result, up to float rounding; lowers for CPU only."""
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if not (cpu_attention.takes(q, k_pages) and cpu_kernels.available()):
+        return paged_attention_reference(q, k_pages, v_pages, md, **kw)
+    return _paged_attention(q, k_pages, v_pages, md, _kernel_token_path, **kw)
 
 
 def auto_backend(
@@ -370,8 +415,11 @@ def auto_backend(
 ) -> str:
     """The backend "auto" runs: the Mosaic GPU kernel on Hopper (sm90: its wgmma exists there only, not on
     Blackwell) for the dtypes and shapes it takes (bf16/fp16 queries and cache, head_dim a multiple of 64, see
-    `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and shapes, the jnp reference off GPU.
+    `paged_attention_mosaic.supports`), the Triton kernel on other GPUs and shapes; on CPU the "cpu" backend (the
+    reference with its per-token rows on the C++ kernel) when the kernels build, else the jnp reference.
     compute_capability: the device's, e.g. "9.0"."""
+    if platform == "cpu":
+        return "cpu" if cpu_kernels.available() else "reference"
     if platform != "gpu":
         return "reference"
     hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
@@ -398,6 +446,7 @@ def _auto(q, k_pages, v_pages, md, **kw):
 
 BACKENDS = {
     "reference": paged_attention_reference,
+    "cpu": paged_attention_cpu,
     "triton": paged_attention_triton,
     "triton_interpret": paged_attention_triton_interpret,
     "mosaic": paged_attention_mosaic,

@@ -1,5 +1,5 @@
 // Few-row float32 matmul for CPU, an XLA FFI handler: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]).
-// Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_matmul.py builds and loads it).
+// Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_kernels.py builds and loads it).
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is a stream of
 // the weights through the cores. XLA's CPU dot tiles such a matmul for 4 rows at a time and, at 8 rows, reads the

@@ -1,0 +1,113 @@
+"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`): compiled on first use into one shared library for this
+machine's CPU and registered as XLA FFI targets; `available()` says whether they are ready.
+
+Build: the host's C++ compiler (`$CXX`, else g++, c++ or clang++) with `-O3 -march=native` against jax's FFI
+headers, once per source, compiler and CPU, into `<netra_jax cache>/kernels/`. Without a compiler, or when the build
+fails, `available()` is False with the reason logged once, and the engine runs its jnp / XLA paths instead."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from netra_jax.assets import cache_dir
+
+__all__ = ["SOURCES", "TARGETS", "available", "build", "unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc")
+# FFI target name -> the handler symbol the library exports
+TARGETS = {
+    "netra_small_matmul_f32": "NetraSmallMatmulF32",
+    "netra_token_attention_f32": "NetraTokenAttentionF32",
+}
+# reassociated float sums let the compiler vectorize the attention's dot products (the matmul's vectors are explicit)
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-w",
+)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by machines must not hand
+    one CPU's build to another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build() -> Path:
+    """The kernels' shared library, compiled now unless a build for these sources, compiler and CPU is cached.
+    Raises RuntimeError (with the compiler's output) when it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    parts = [*(s.read_text() for s in SOURCES), cxx, version, " ".join(_FLAGS), _cpu_signature(), jax.__version__]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    out_dir = cache_dir() / "kernels"
+    out = out_dir / f"netra_cpu_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)  # atomic: processes building at once each leave a whole library
+    return out
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build, load and register the kernels once per process; None when ready, else why they are not."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        log.warning("the C++ CPU kernels are unavailable, the jnp / XLA paths run instead: %s", e)
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered (building them on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
