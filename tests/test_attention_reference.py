@@ -11,7 +11,7 @@ import pytest
 from test_paged_attention_kernel import DECODE, MIXED, make_case
 
 from netra_jax.ops import cpu_kernels
-from netra_jax.ops.attention import BACKENDS, AttentionWork, build_work, num_items, paged_attention_reference
+from netra_jax.ops.attention import BACKENDS, AttentionWork, build_work, num_items
 
 LONG = [(0, 100), (200, 70), (5, 1), (0, 33), (64, 1)]
 # per-head sink logits around the scores' range (scaled q.k of unit normals is ~N(0, 1)): some heads dominated by
