@@ -23,8 +23,8 @@
 #   THREADS=2 PARALLEL CTX_PER_SLOT   llama-server --threads, --parallel and -c PARALLEL*CTX_PER_SLOT (preset defaults)
 #   SERVER_ARGS   extra `netra-jax serve` flags (it always gets --dtype float32)
 #   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec
-#                 netra_jax_f32_xla (XLA's dot for every matmul, --matmul-backend xla: the engine before its CPU
-#                 few-row kernel) llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
+#                 netra_jax_f32_xla (no C++ CPU kernel: --matmul-backend xla --attention-backend reference, XLA's
+#                 dot and the jnp attention) llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
 #   TAG           appended to every result's label and to the report's name (a second run on the same day keeps the
 #                 first one's files)
 #   SPEC_K=5 SPEC_NGRAM_MAX=4 SPEC_NGRAM_MIN=2   n-gram speculation of the *_spec runs: netra-jax gets
@@ -145,8 +145,9 @@ for engine in $ENGINES; do
       bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $NETRA_SPEC_ARGS $SERVER_ARGS"
       name="netra-jax F32 n-gram" ;;
     netra_jax_f32_xla)
-      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 --matmul-backend xla $SERVER_ARGS"
-      name="netra-jax F32 XLA dot" ;;
+      bench "$label" --launch \
+        --server-args="$OURS_MODEL --dtype float32 --matmul-backend xla --attention-backend reference $SERVER_ARGS"
+      name="netra-jax F32 XLA only" ;;
     llamacpp_f32) run_llama "$label" "$F32"; name="llama.cpp F32" ;;
     # shellcheck disable=SC2086  # LLAMA_SPEC_ARGS: several flags
     llamacpp_f32_spec) run_llama "$label" "$F32" $LLAMA_SPEC_ARGS; name="llama.cpp F32 n-gram" ;;
