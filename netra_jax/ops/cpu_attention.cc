@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -152,13 +153,7 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   work->items = p.count * p.KH;
   if (work->items == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), (work->items + 3) / 4) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->finished.load(std::memory_order_acquire) < work->items) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  netra::run_on_pool(pool, work, helpers, work->items);
   return ffi::Error::Success();
 }
 

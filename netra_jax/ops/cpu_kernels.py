@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`): compiled on first use into one shared library for this
-machine's CPU and registered as XLA FFI targets; `available()` says whether they are ready.
+"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, sharing `cpu_pool.h`): compiled on first use into one
+shared library for this machine's CPU and registered as XLA FFI targets; `available()` says whether they are ready.
 
 Build: the host's C++ compiler (`$CXX`, else g++, c++ or clang++) with `-O3 -march=native` against jax's FFI
 headers, once per source, compiler and CPU, into `<netra_jax cache>/kernels/`. Without a compiler, or when the build
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc")
+HEADERS = (HERE / "cpu_pool.h",)
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
@@ -73,7 +74,14 @@ def build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    parts = [*(s.read_text() for s in SOURCES), cxx, version, " ".join(_FLAGS), _cpu_signature(), jax.__version__]
+    parts = [
+        *(s.read_text() for s in (*SOURCES, *HEADERS)),
+        cxx,
+        version,
+        " ".join(_FLAGS),
+        _cpu_signature(),
+        jax.__version__,
+    ]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     out_dir = cache_dir() / "kernels"
     out = out_dir / f"netra_cpu_kernels-{key}.so"

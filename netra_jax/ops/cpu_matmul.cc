@@ -17,6 +17,7 @@
 #include <cstring>
 #include <memory>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -192,13 +193,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->p = p;
   work->chunks = std::min<int64_t>(panels, threads);
   work->panels_per_chunk = panels / work->chunks;
-  for (int64_t i = 1; i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->finished.load(std::memory_order_acquire) < work->chunks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  netra::run_on_pool(pool, work, work->chunks - 1, work->chunks);
   return ffi::Error::Success();
 }
 
