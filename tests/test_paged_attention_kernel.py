@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from netra_jax.ops import cpu_kernels
 from netra_jax.ops.attention import BACKENDS, AttentionMetadata, attention, paged_attention_reference, write_kv
 from netra_jax.ops.paged_attention_triton import KernelConfig, choose_config, paged_attention_triton
 
@@ -167,9 +168,11 @@ def test_backend_registry():
     q, k, v, md = make_case([(3, 2)], P=16, KH=1, G=2, D=16, dtype=jnp.float32)
     assert {"reference", "triton", "triton_interpret", "auto"} <= set(BACKENDS)
     assert BACKENDS["triton"] is paged_attention_triton
-    a = attention(q, k, v, md, scale=0.25, backend="auto")  # the reference on this CPU-only machine
+    a = attention(q, k, v, md, scale=0.25, backend="auto")  # on CPU: "cpu" (the reference with its C++ token rows)
+    on_cpu = "cpu" if cpu_kernels.available() else "reference"
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(attention(q, k, v, md, scale=0.25, backend=on_cpu)))
     b = attention(q, k, v, md, scale=0.25, backend="reference")
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="power of two"):
         paged_attention_triton(q, k, v, md, scale=0.25, config=KernelConfig(block_m=24, tile=16), interpret=True)
 

@@ -14,6 +14,7 @@ import pytest
 from test_attention_reference import SINKS, dense
 from test_paged_attention_kernel import FIXTURES, H200, _sds, make_case
 
+from netra_jax.ops import cpu_kernels
 from netra_jax.ops import paged_attention_mosaic as mosaic
 from netra_jax.ops.attention import BACKENDS, AttentionMetadata, auto_backend, paged_attention_reference
 from netra_jax.ops.paged_attention_mosaic import (
@@ -133,7 +134,7 @@ def test_backend_registry_and_auto_choice():
     assert auto_backend("gpu", "9.0", **dict(bf16, dtype=jnp.float32, kv_dtype=jnp.float32)) == "triton"
     assert auto_backend("gpu", "9.0", **dict(bf16, kv_dtype=jnp.float32)) == "triton"  # a float32 cache
     assert auto_backend("gpu", "9.0", **dict(bf16, head_dim=80)) == "triton"  # SmolLM2-style heads
-    assert auto_backend("cpu", None, **bf16) == "reference"
+    assert auto_backend("cpu", None, **bf16) == ("cpu" if cpu_kernels.available() else "reference")
 
 
 # ------------------------------------------------------------------ abstract H200 lowering
