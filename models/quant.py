@@ -76,9 +76,9 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
         return y * w.scale.astype(y.dtype)
     w = w.astype(x.dtype)
     if backend == "cpu_rows" and _rows_form(spec, x, w):
-        y = cpu_matmul.rows_matmul(x, w.reshape(w.shape[0], -1))  # [M, prod(out)]
-        y = y.reshape(x.shape[0], *w.shape[1:])
-        return y if preferred_element_type is None else y.astype(preferred_element_type)
+        w2 = w.reshape(w.shape[0], -1)  # [K, prod(out)]
+        if cpu_matmul.takes(x, w2):  # float32 (so preferred_element_type changes nothing), decode-sized
+            return cpu_matmul.rows_matmul(x, w2).reshape(x.shape[0], *w.shape[1:])
     if spec:
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)

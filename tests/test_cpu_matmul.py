@@ -165,3 +165,13 @@ def test_engine_greedy_matches_references_and_xla(engines):
     assert outs["kernel"] == outs["xla"]
     for c, got in zip(cases, outs["kernel"], strict=False):
         assert got[: len(c["greedy_ids"])] == c["greedy_ids"][: len(got)]
+
+
+def test_cpu_rows_keeps_xla_for_bfloat16_with_float32_results():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((8, 64), dtype=np.float32)).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 40), dtype=np.float32)).astype(jnp.bfloat16)
+    got = matmul(x, w, preferred_element_type=jnp.float32, backend="cpu_rows")
+    want = matmul(x, w, preferred_element_type=jnp.float32, backend="xla")
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
