@@ -207,12 +207,12 @@ class EngineConfig:
             )
         if self.attention_backend != "auto":
             return self.attention_backend
+        if platform == "cpu":
+            from netra_jax.ops.attention import cpu_backend
+
+            return cpu_backend()
         # on GPU the choice needs the dtype and head shapes, which each attention call has: "auto" runs Mosaic GPU on
         # Hopper for bf16/fp16 and the shapes it takes, Triton otherwise (ops.attention.auto_backend)
-        if platform == "cpu":  # the reference with its per-token rows on the C++ kernel, when it builds
-            from netra_jax.ops import cpu_kernels
-
-            return "cpu" if cpu_kernels.available() else "reference"
         return "auto" if platform == "gpu" else "reference"
 
     def resolved_matmul_backend(self, platform: str | None = None) -> str:

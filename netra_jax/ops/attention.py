@@ -442,6 +442,12 @@ def _short_runs_per_token(md: AttentionMetadata, limit: int) -> AttentionWork:
     )
 
 
+def cpu_backend() -> str:
+    """The backend "auto" runs on CPU: "cpu" (the reference with its per-token rows on the C++ kernel) when the
+    kernels build, else "reference"."""
+    return "cpu" if cpu_kernels.available() else "reference"
+
+
 def auto_backend(
     platform: str, compute_capability: str | None, *, dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size
 ) -> str:
@@ -451,7 +457,7 @@ def auto_backend(
     reference with its per-token rows on the C++ kernel) when the kernels build, else the jnp reference.
     compute_capability: the device's, e.g. "9.0"."""
     if platform == "cpu":
-        return "cpu" if cpu_kernels.available() else "reference"
+        return cpu_backend()
     if platform != "gpu":
         return "reference"
     hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
