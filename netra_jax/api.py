@@ -19,6 +19,7 @@ import numpy as np
 from netra_jax import assets, parallel
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.engine.runner import claim_gpu_memory
 from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model
@@ -67,6 +68,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     The options were checked when `config` was built; what depends on the machine or the files (the attention
     backend on this platform, the devices for tensor parallelism, the model's and tokenizer's headers) is checked
     here, before any weight is read."""
+    claim_gpu_memory(config.cache.gpu_memory_utilization)  # before anything starts jax's backends
     enable_compilation_cache(config.compilation_cache_dir)
     path = resolve_model_path(config.model)
     t0 = time.perf_counter()

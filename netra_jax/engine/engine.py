@@ -20,7 +20,7 @@ from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
-from netra_jax.engine.runner import ModelRunner, StepResult, num_pages_for
+from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.engine.warmup import WarmupReport, warm_up
@@ -31,7 +31,7 @@ from netra_jax.sampling_params import SamplingParams
 from netra_jax.spec import SpecStats, accept, make_proposer
 from netra_jax.tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "PromptType"]
+__all__ = ["LLMEngine", "PromptType", "runner_options"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,27 @@ class _Step:
     sampled: sampling.SamplerOutput | None = None
     next_ids: jax.Array | None = None  # overlap: the sampled ids, widened for the next step's gather
     row_of: dict[str, int] | None = None  # request id -> its sampled row (requests that sample)
+
+
+def runner_options(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, platform: str | None = None) -> dict:
+    """`ModelRunner`'s keyword arguments for this engine configuration, all but `num_pages` (which the engine sizes
+    from the device's memory, `num_pages_for`): what the engine's steps are compiled with. platform: where the steps
+    run (jax.default_backend() when None)."""
+    spec = config.speculative if config.task == "generate" else None
+    sched = config.scheduler
+    return dict(
+        page_size=config.cache.page_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=config.max_model_len or model_cfg.max_context,
+        kv_dtype=kv_dtype,
+        backend=config.resolved_backend(platform),
+        matmul_backend=config.resolved_matmul_backend(platform),
+        tensor_parallel_size=config.tensor_parallel_size,
+        overlap=config.async_scheduling and spec is None,
+        num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+        max_spec_seqs=spec.disable_by_batch_size if spec else None,
+    )
 
 
 class LLMEngine:
@@ -83,34 +104,20 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model_cfg.vocab_size
         config.check_model(model_cfg)
-        self.max_model_len = config.max_model_len or model_cfg.max_context
         spec = self.spec_config = config.speculative if config.task == "generate" else None
-        self.overlap = config.async_scheduling and spec is None
         cache, sched = config.cache, config.scheduler
         kv_dtype = params["embed"].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
-        page = cache.page_size
-        useful = 2 * sched.max_num_seqs * -(-self.max_model_len // page)
-        num_pages = num_pages_for(model_cfg, cache, kv_dtype, page, useful, config.tensor_parallel_size)
-        if config.task == "embed":  # embedding steps bring their own scratch pages; the runner's stay unused
-            num_pages = 2
-        self.pool = BlockPool(num_pages, page, enable_prefix_caching=cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched.for_platform(jax.default_backend()), self.pool, self.max_model_len)
-        self.runner = ModelRunner(
-            model_cfg,
-            params,
-            num_pages=num_pages,
-            page_size=page,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            kv_dtype=kv_dtype,
-            backend=config.resolved_backend(),
-            matmul_backend=config.resolved_matmul_backend(),
-            tensor_parallel_size=config.tensor_parallel_size,
-            overlap=self.overlap,
-            num_spec_tokens=spec.num_speculative_tokens if spec else 0,
-            max_spec_seqs=spec.disable_by_batch_size if spec else None,
+        opts = runner_options(config, model_cfg, kv_dtype)
+        self.max_model_len, self.overlap = opts["max_model_len"], opts["overlap"]
+        useful = max_useful_pages(sched.max_num_seqs, self.max_model_len, cache.page_size)
+        num_pages = opts["num_pages"] = num_pages_for(
+            model_cfg, cache, kv_dtype, cache.page_size, useful, config.tensor_parallel_size
         )
+        if config.task == "embed":  # embedding steps bring their own scratch pages; the runner's stay unused
+            num_pages = opts["num_pages"] = 2
+        self.pool = BlockPool(num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched.for_platform(jax.default_backend()), self.pool, self.max_model_len)
+        self.runner = ModelRunner(model_cfg, params, **opts)
         self.proposer = self.spec_stats_ = None
         if spec is not None:
             self.proposer = make_proposer(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import jax
@@ -134,10 +135,54 @@ def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:
     return jnp.zeros(size, jnp.int32).at[: ids.shape[0]].set(ids)
 
 
+# Of the accelerator memory the engine may use that is left once the weights are in, the KV pages take this share;
+# the rest holds the steps' activations and temporaries, which the GPU compile check (benchmarks/gpu_compile) holds
+# every step program's temporary bytes to.
+KV_SHARE = 0.85
+FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # jax's GPU allocator's share of memory
+_claimed_fraction: float | None = None
+
+
+def claim_gpu_memory(utilization: float) -> bool:
+    """Let jax's GPU allocator take `utilization` of each device's memory, vLLM's meaning of gpu_memory_utilization
+    (jax's own default is 0.75 of it, and the engine took `utilization` of that: a 61 GB Qwen3-30B-A3B in bf16 did
+    not fit an 80 GB A100, the GPU compile check found). Sets XLA_CLIENT_MEM_FRACTION, which jax reads when its GPU
+    backend starts: only before that, and only when neither variable is set already. Returns whether it did."""
+    global _claimed_fraction
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # cannot tell: leave the allocator as it is
+        started = True
+    if started or any(os.environ.get(v) for v in FRACTION_ENV):
+        return False
+    os.environ[FRACTION_ENV[0]] = repr(float(utilization))
+    _claimed_fraction = float(utilization)
+    return True
+
+
+def usable_bytes(bytes_limit: int, utilization: float) -> float:
+    """What the engine may use of an accelerator whose allocator may hold `bytes_limit` bytes: all of it when
+    `claim_gpu_memory(utilization)` sized the allocator, else `utilization` of it."""
+    return float(bytes_limit) if _claimed_fraction == float(utilization) else bytes_limit * utilization
+
+
+def kv_budget(usable: float, bytes_in_use: int) -> int:
+    """Bytes for the KV pages out of `usable` bytes of which `bytes_in_use` are taken (the weights); the rest of
+    what is left, (1 - KV_SHARE) of it, is the margin for activations."""
+    return int((usable - bytes_in_use) * KV_SHARE)
+
+
+def max_useful_pages(max_num_seqs: int, max_model_len: int, page_size: int) -> int:
+    """The most KV pages the engine can use: every running sequence at full context, twice (prefix-cache room)."""
+    return 2 * max_num_seqs * -(-max_model_len // page_size)
+
+
 def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
-    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory;
-    a budget is capped at `max_useful` pages (every running sequence at full context, plus prefix-cache room).
-    Under a tp-way split the budget is per device and a page costs each device only its KV heads."""
+    """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory
+    (`kv_budget`); a budget is capped at `max_useful` pages (`max_useful_pages`). Under a tp-way split the budget is
+    per device and a page costs each device only its KV heads."""
     if cache.num_pages:
         return cache.num_pages
     per_page = parallel.kv_bytes_per_page_per_device(cfg, page_size, kv_dtype, tp)
@@ -146,8 +191,8 @@ def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int
         dev = jax.devices()[0]
         stats = dev.memory_stats() if dev.platform != "cpu" else None
         if stats and stats.get("bytes_limit"):
-            free = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-            budget = int(free * 0.85)  # leave room for activations and the compiled steps
+            usable = usable_bytes(stats["bytes_limit"], cache.gpu_memory_utilization)
+            budget = kv_budget(usable, stats.get("bytes_in_use", 0))
         else:
             budget = 1 << 30
     return max(2, min(budget // per_page, max_useful))
@@ -172,7 +217,11 @@ class ModelRunner:
     num_spec_tokens k > 0 (speculative decoding): every variant returns min(T, S + min(S, max_spec_seqs) * k) logit
     rows, enough for up to max_spec_seqs sequences to verify k proposed tokens each, so no proposal length or
     acceptance pattern needs its own compile.
-    Steps with prompt logprobs pad to `prompt_logprob_buckets` (see `set_prompt_logprob_buckets`)."""
+    Steps with prompt logprobs pad to `prompt_logprob_buckets` (see `set_prompt_logprob_buckets`).
+    compile_for: a compile-only device (a GPU target's, `jax.experimental.topologies`): nothing is allocated, the
+    parameters may be ShapeDtypeStructs, and the KV cache and id buffers are ShapeDtypeStructs placed on it. Such a
+    runner lowers its steps (`all_shapes`, `lower_step`, whose `.compile()` is a deviceless compile for that target)
+    and runs nothing; `backend` must then name the backend the target runs ("auto" decides on the host's devices)."""
 
     def __init__(
         self,
@@ -191,7 +240,11 @@ class ModelRunner:
         num_spec_tokens: int = 0,
         max_spec_seqs: int | None = None,
         matmul_backend: str = "xla",
+        compile_for: jax.Device | None = None,
     ):
+        if compile_for is not None and tensor_parallel_size > 1:
+            raise ValueError("a runner compiled for a target device (compile_for) runs on that one device only")
+        self.compile_for = compile_for
         if overlap and num_spec_tokens:
             raise ValueError(
                 "overlapped steps cannot verify proposals (the next step needs this one's accepted length)"
@@ -201,7 +254,7 @@ class ModelRunner:
             params = parallel.shard_params(params, cfg, self.mesh)
             cfg = parallel.shard_config(cfg, tensor_parallel_size)  # KV heads replicated when fewer than N
         else:  # committed, as the parameter cache restores them: converted or restored, the steps lower alike and
-            params = jax.device_put(params, jax.devices()[0])  # hit the same persistent compilation-cache entries
+            params = self._place(params)  # hit the same persistent compilation-cache entries
         self.cfg, self.params = cfg, params
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
@@ -216,7 +269,10 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.max_spec_seqs = max_num_seqs if max_spec_seqs is None else max_spec_seqs
         kv_sharding = None if self.mesh is None else parallel.kv_sharding(self.mesh)
-        self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
+        if compile_for is None:
+            self.kv = init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
+        else:
+            self.kv = self._place(jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size, kv_dtype)))
         self.pad_slot = paged.padding_slot(num_pages, page_size)  # out of range: dropped by the KV write
         # sharded: KV out sharding = in sharding (donation reuses each device's pages), logits all-gathered
         out = {}
@@ -251,7 +307,11 @@ class ModelRunner:
         self._hook_index = dict(request_index or {})
 
     def _place(self, tree):
-        """Arrays placed as the parameters are (replicated over the mesh under tensor parallelism)."""
+        """Arrays placed as the parameters are (replicated over the mesh under tensor parallelism; for a compile-only
+        device, ShapeDtypeStructs on it)."""
+        if self.compile_for is not None:
+            on = jax.sharding.SingleDeviceSharding(self.compile_for)
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)
         if self.mesh is not None:
             return jax.device_put(tree, parallel.replicated(self.mesh))
         return jax.device_put(tree, jax.devices()[0])
@@ -320,6 +380,8 @@ class ModelRunner:
     def _dispatch(
         self, host: np.ndarray, shape: BatchShape, prev_ids: jax.Array | None, hook_request: np.ndarray | None = None
     ):
+        if self.compile_for is not None:
+            raise RuntimeError("a runner built with compile_for lowers steps for its target device and runs none")
         if self.overlap:
             prev_ids = self._no_ids if prev_ids is None else prev_ids
         elif prev_ids is not None:
@@ -342,7 +404,7 @@ class ModelRunner:
     def _place_ids(self, ids: jax.Array) -> jax.Array:
         if self.mesh is not None:
             return jax.device_put(ids, parallel.replicated(self.mesh))
-        return jax.device_put(ids, jax.devices()[0])
+        return self._place(ids)
 
     def prompt_logits(self, ids: list[int], hooks: Hooks | None = None):
         """Per-position logits of one prompt: float32 [len(ids), vocab]. Uses a scratch cache (the serving pages are
