@@ -86,8 +86,11 @@ def test_split_k_with_prefill_rows_window_and_empty_splits():
 
 
 def test_head_dim_256_page_128():
-    """head_dim 256 takes 64-key tiles, so a 128-key page is fetched in two TMA slices."""
-    assert choose_config(4, 2, 4, 1, 256, 128, 256).tile == 64
+    """head_dim 256 takes 64-key tiles, so a 128-key page is fetched in two TMA slices; its configurations read P
+    from registers on the GPU (they spill with P in shared memory), which the interpreter runs with P in shared
+    memory (the same arithmetic)."""
+    cfg = choose_config(4, 2, 4, 1, 256, 128, 256)
+    assert cfg.tile == 64 and cfg.p_in_registers and not choose_config(4, 2, 4, 1, 128, 128, 256).p_in_registers
     check([(150, 1), (0, 3)], G=4, D=256, P=128, KH=1, pad_tokens=1, pad_seqs=0)
 
 

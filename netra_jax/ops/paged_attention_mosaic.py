@@ -16,9 +16,11 @@ Design (sm90, bf16/fp16, one warpgroup of 128 threads per program):
   `num_stages` tiles in flight: tile j + stages is fetched into tile j's slot once tile j's PV wgmma is done.
 - Per tile: S = Q K^T (wgmma, f32 accumulator), soft-cap, causal/window mask by row/column index (only on tiles
   crossing the block's diagonal or its window's edge: a uniform branch), online softmax in base 2, P (bf16/fp16)
-  to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM because the CPU interpreter's wgmma
-  takes SMEM operands only: one tested path (MosaicConfig.p_in_registers=True reads P from registers, FA3's way;
-  it lowers, but only a device run can check its numbers).
+  to SMEM, P V (wgmma) added to the f32 accumulator. P goes through SMEM for head_dim <= 128, the path the CPU
+  interpreter (whose wgmma takes SMEM operands only) checks; head_dim 256 reads P from registers
+  (MosaicConfig.p_in_registers, FA3's way), because through SMEM it spills (see `choose_config`). The interpreter
+  runs that configuration with P in SMEM; the register path's numbers are checked by a device run (gpu_check's
+  kernels section).
 - Split-K (decode with too few programs, head_dim <= 128): each split writes f32 partial outputs and their base-2
   log-sum-exp, merged outside by `attention_blocks.merge_splits`. Sinks (per-head logits in the softmax
   denominator only) are applied outside from the log-sum-exp: out *= sigmoid(lse - sink).
@@ -50,6 +52,7 @@ from netra_jax.ops.attention_blocks import (
     merge_splits,
     token_rows,
 )
+from netra_jax.ops.gpu_budget import GpuBudget
 
 ROWS = 64  # wgmma M of one warpgroup
 _SMALL_ROWS = 8  # rows of one SMEM tile: what a decode block (one token x G <= 8 heads) stores
@@ -57,6 +60,7 @@ _MAX_SPLITS = 16
 _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm90 block may use
 _NEG = -1e30  # masked score: finite, so a row whose keys are all masked so far gives no NaN
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+GPU_BUDGET = GpuBudget(registers=255, smem_bytes=_SMEM_BUDGET)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +113,12 @@ def choose_config(
 ) -> MosaicConfig:
     """Tiles of 128 keys (64 for head_dim 256, to keep two stages and the accumulators in registers), as many
     stages as shared memory allows (<= 4); decode-like steps (about a token per sequence) move 8-row query blocks
-    (G rows used, not 64) and split each context when there are too few programs to fill the GPU."""
+    (G rows used, not 64) and split each context when there are too few programs to fill the GPU.
+
+    head_dim 256 feeds P to the P V wgmma from registers: its [64, 256] f32 accumulator takes 128 of a thread's 255
+    registers, and with P staged through shared memory every such configuration spilled about 900 bytes (the GPU
+    compile check, benchmarks/gpu_compile); from registers they compile to about 240 registers without spills.
+    Narrower heads keep the shared-memory path, whose numbers the interpreter checks too."""
     tile = 128 if head_dim <= 128 else 64
     if page_size % tile and tile % page_size:
         tile = 64
@@ -123,7 +132,9 @@ def choose_config(
     stages = 4
     while stages > 1 and smem_bytes(MosaicConfig(tile, stages, splits), head_dim) > _SMEM_BUDGET:
         stages -= 1
-    return MosaicConfig(tile=tile, num_stages=stages, num_splits=splits, block_rows=block_rows)
+    return MosaicConfig(
+        tile=tile, num_stages=stages, num_splits=splits, block_rows=block_rows, p_in_registers=head_dim > 128
+    )
 
 
 def _transforms(dtype):
@@ -324,6 +335,8 @@ def paged_attention_mosaic(
     S, max_pages = md.block_tables.shape
     if config is None:
         config = choose_config(T, S, G, KH, D, P, max_pages * P)
+        if interpret:  # the interpreter's wgmma reads both operands from SMEM: the same arithmetic, P staged there
+            config = dataclasses.replace(config, p_in_registers=False)
     config.validate(P, D, G)
     if interpret and config.p_in_registers:
         raise ValueError("p_in_registers runs on a GPU only: the interpreter's wgmma reads both operands from SMEM")

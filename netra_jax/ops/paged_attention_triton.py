@@ -14,9 +14,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from netra_jax.ops.attention_args import check_attention_args
 from netra_jax.ops.attention_blocks import LOG2E, TARGET_PROGRAMS, block_layout, merge_splits
+from netra_jax.ops.gpu_budget import GpuBudget
 
 _MAX_SPLITS = 64
 _SMEM_BUDGET = 160 * 1024
+GPU_BUDGET = GpuBudget(registers=255, smem_bytes=_SMEM_BUDGET)
 
 
 def _next_pow2(n: int) -> int:
@@ -64,21 +66,32 @@ def choose_config(
     """Pick a launch configuration from the static shapes of one step.
 
     Decode-like batches (about one query token per sequence) use 16-row blocks and split the context when there are
-    too few (sequence, KV head) programs to fill the GPU; prefill-heavy batches use 64-row blocks and no split."""
+    too few (sequence, KV head) programs to fill the GPU; prefill-heavy batches use 64-row blocks and no split.
+
+    Register pressure decides the rest; each rule is what the GPU compile check (benchmarks/gpu_compile) needed for
+    no configuration to spill on sm_80 or sm_90a. Key tiles hold 16 KiB of keys for decode blocks and 8 KiB for
+    prefill blocks (at head_dim 128 a 64-key prefill tile spilled on sm_80), at most 64 bf16 keys or 32 float32
+    keys, and 16 float32 keys in prefill blocks: float32 dots run on FMA units, whose operands and scores take more
+    registers (64-key float32 tiles spilled up to 63 KB). A block whose query rows reach 32 KiB runs 8 warps and two
+    stages; smaller blocks stay at 4 warps, because ptxas holds 8-warp kernels to 128 registers a thread, where
+    the narrower blocks spilled."""
     gp, dp = _next_pow2(group), _next_pow2(max(head_dim, 16))
-    tile = max(16, min(64, 8192 // dp))
-    if num_tokens <= 2 * num_seqs:
-        block_m = max(16, gp)
+    decode = num_tokens <= 2 * num_seqs
+    block_m = max(16, gp) if decode else max(64, gp)
+    warps = 8 if block_m * dp * itemsize >= 32 * 1024 else 4
+    key_bytes = 16 * 1024 if decode else 8 * 1024
+    tile = max(16, min(64 if itemsize <= 2 else 32, key_bytes // (dp * itemsize)))
+    if itemsize > 2 and not decode:
+        tile = 16
+    splits = 1
+    if decode:
         programs = max(1, num_seqs * kv_heads)
         splits = _next_pow2(-(-TARGET_PROGRAMS // programs))
         splits = min(splits, _MAX_SPLITS, _prev_pow2(max_context // (2 * tile)))  # >= two tiles per split
-    else:
-        block_m, splits = max(64, gp), 1
     # software-pipelined K/V tiles live in shared memory (227 KiB per SM on H100/H200); keep a margin
-    stages = 3
+    stages = 3 if warps == 4 else 2
     while stages > 1 and (stages * 2 * tile + block_m) * dp * itemsize > _SMEM_BUDGET:
         stages -= 1
-    warps = 8 if block_m * dp >= 64 * 256 else 4  # keep the f32 accumulator of wide heads out of local memory
     return KernelConfig(block_m=block_m, tile=tile, num_splits=splits, num_warps=warps, num_stages=stages)
 
 
