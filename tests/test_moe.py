@@ -157,8 +157,9 @@ def test_grouped_matmul(rows):
     assert "while" in hlo and f"{G}x{rows}x{K}" not in hlo  # no [groups, rows, K] masked copy of the rows
 
 
-def test_gpu_lowering_uses_ragged_dot():
-    """Lowered for an (abstract) H200, the experts are XLA's ragged-dot instruction, not the CPU block loop."""
+def test_gpu_lowering_uses_the_grouped_matmul_kernel():
+    """Lowered for an (abstract) H200, the experts are the Pallas grouped-matmul kernel (two calls: gate/up and down),
+    neither XLA's ragged dot (a masked product with every expert on GPU) nor the CPU block loop."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     name = "tiny-gpt-oss"
@@ -168,7 +169,8 @@ def test_gpu_lowering_uses_ragged_dot():
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=gpu)):
         hlo = jax.jit(moe_mlp, static_argnums=2).trace(x, moe_params(name), cfg).lower(lowering_platforms=("cuda",))
     text = hlo.as_text()
-    assert "chlo.ragged_dot" in text and "stablehlo.while" not in text
+    assert "ragged_dot" not in text and "stablehlo.while" not in text
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
 
 
 def test_moe_config_fields_follow_transformers_defaults():
