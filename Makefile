@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast docs lint format run serve chat bench bench-serve bench-offline bench-spec bench-score clean
+.PHONY: setup test test-fast docs lint format run serve chat bench bench-serve bench-offline bench-spec bench-score gpu-compile-setup gpu-compile clean
 
 setup: $(STAMP)
 
@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-# `make test` builds the documentation first: a docstring that breaks the API reference fails CI.
+# `make test` builds the documentation first: a docstring that breaks the API reference fails CI. The GPU compile
+# check's tests (tests/test_gpu_compile.py) run when `make gpu-compile-setup` installed the CUDA wheels, else skip.
 test: setup docs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	NETRA_JAX_CUDA_SITE=$(abspath $(CUDA_SITE)) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -86,6 +87,23 @@ bench-spec: setup
 BENCH_SCORE_ARGS ?=
 bench-score: setup
 	$(PY) benchmarks/score_bench.py $(BENCH_SCORE_ARGS)
+
+# The GPU compile check without a GPU (benchmarks/gpu_compile): the CUDA 13 plugin and its NVIDIA wheels (ptxas,
+# libdevice; about 40 s) go into their own directory, $(CUDA_SITE), which only the check's processes import, so the
+# rest of the suite never sees a CUDA plugin. `make gpu-compile` compiles every kernel configuration and every step
+# program at full depth for the H200 and A100 targets and writes benchmarks/results/<date>-gpu_compile-{h200,a100}
+# .json and .md (about 20 minutes on 2 cores; CI runs it with 2-layer step programs through the tests, about 6);
+# GPU_COMPILE_ARGS="--only kernels", "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
+CUDA_SITE ?= $(VENV)/cuda13
+GPU_COMPILE_ARGS ?=
+gpu-compile-setup: $(CUDA_SITE)/.installed
+
+$(CUDA_SITE)/.installed: $(STAMP)
+	$(PY) -m pip install -q --upgrade --target $(CUDA_SITE) "jax-cuda13-plugin[with-cuda]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	@touch $@
+
+gpu-compile: gpu-compile-setup
+	cd benchmarks && PYTHONPATH=$(abspath $(CUDA_SITE)) ../$(PY) -m gpu_compile $(GPU_COMPILE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -1,0 +1,142 @@
+"""The GPU compile check: every attention-kernel configuration and every step program of gpu_check.configs compiled
+for the H200 (sm_90a) and A100 (sm_80) targets on a machine without a GPU, in a pool of compiling processes; writes
+OUT/<date>-gpu_compile-<target>.json and .md and exits 1 if any kernel spills, goes over its budget or fails to
+compile, or any step program's temporaries exceed the memory sizing's margin.
+
+Usage: python -m gpu_compile [--targets h200,a100] [--only kernels|steps] [--cases SUBSTRING] [--workers N]
+[--depth LAYERS] [--out DIR] [--self-test]  (benchmarks/ on the path and the CUDA plugin importable: `make
+gpu-compile`). --depth compiles the step programs with their first LAYERS layers (the same kernels and temporaries as
+the full model, in a fraction of the time; the memory sizing stays the full model's): CI's setting.
+--self-test compiles the deliberately broken cases of gpu_compile.selftest instead and exits 0 only if the check
+fails each of them for its reason."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only plans: the workers compile
+
+from gpu_compile import report, worker  # noqa: E402
+from gpu_compile.targets import TARGETS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plan_jobs(pool: cf.Executor, targets: list[str], only: str | None, cases: str | None, depth: int | None):
+    """Every job, most expensive first (step programs, then Mosaic kernels), so the pool ends evenly."""
+    from gpu_check import configs
+
+    steps, kernels = [], []
+    if only != "kernels":
+        counts = {(t, m): pool.submit(worker.plan, t, m) for t in targets for m in configs.STEP_MODELS}
+        for (t, m), n in counts.items():
+            steps += [("step", t, m, i, depth) for i in range(n.result())]
+    if only != "steps":
+        for t in targets:
+            for i, case in enumerate(configs.kernel_cases(t)):
+                if cases is None or cases in case.name:
+                    kernels.append(("kernel", t, i))
+    steps.sort(key=lambda j: -j[3])  # the largest buckets compile longest
+    kernels.sort(key=lambda j: configs.kernel_cases(j[1])[j[2]].kernel != "mosaic")
+    return steps + kernels
+
+
+def _line(row: dict) -> str:
+    kind, target = row["job"][:2]
+    name = row.get("case") or f"{row.get('model')} {row.get('num_tokens')} tokens"
+    what = report.step_line(row) if kind == "step" else report.kernel_line(row)
+    verdict = "FAIL " + report._verdict(row) if report.failed(row) else "ok"
+    return f"[{target}] {kind} {name}: {what} ({row['seconds']:.1f}s) {verdict}"
+
+
+def run_pool(jobs: list[tuple], pool: cf.Executor) -> list[dict]:
+    futures = {pool.submit(worker.run, job): job for job in jobs}
+    rows = []
+    for i, fut in enumerate(cf.as_completed(futures), 1):
+        try:
+            row = fut.result()
+        except Exception as e:  # a worker died (a crash in a compiler): the job's result (and the others in flight)
+            row = {"job": list(futures[fut]), "seconds": 0.0, "problems": [f"the compiling process died: {e!r}"]}
+        rows.append(row)
+        print(f"{i}/{len(jobs)} {_line(row)}", flush=True)
+    return rows
+
+
+def self_test(pool: cf.Executor) -> int:
+    from gpu_compile import selftest
+
+    jobs = [("broken", target, i) for i, (target, _, _) in enumerate(selftest.broken_cases())]
+    ok = True
+    for row in run_pool(jobs, pool):
+        caught = any(row["expected"] in p for p in row.get("problems", []))
+        ok &= caught
+        print(f"  {'caught' if caught else 'MISSED'}: {row.get('case')} (expected: {row['expected']})", flush=True)
+    print("self-test passed: every broken kernel failed the check" if ok else "self-test FAILED", flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default="h200,a100")
+    ap.add_argument("--only", choices=("kernels", "steps"), default=None)
+    ap.add_argument("--cases", default=None, help="compile only the kernel cases whose name contains this")
+    ap.add_argument(
+        "--depth", type=int, default=None, help="compile the step programs with this many layers (default: all)"
+    )
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--self-test", action="store_true")
+    a = ap.parse_args(argv)
+    targets = a.targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target(s) {unknown}; known: {', '.join(TARGETS)}")
+    ctx = multiprocessing.get_context("spawn")  # fresh processes: the compilers read their environment at start
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(a.workers, mp_context=ctx, initializer=worker.init) as pool:
+        if a.self_test:
+            return self_test(pool)
+        jobs = plan_jobs(pool, targets, a.only, a.cases, a.depth)
+        print(f"{len(jobs)} compile jobs on {a.workers} processes", flush=True)
+        rows = run_pool(jobs, pool)
+    seconds = time.time() - t0
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    from netra_jax.bench.machine import describe, machine_info
+
+    failures = 0
+    for t in targets:
+        mine = [r for r in rows if r["job"][1] == t]
+        result = {
+            "check": "gpu_compile",
+            "target": t,
+            "arch": TARGETS[t].arch,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "jax": jax.__version__,
+            "host": describe(machine_info()),
+            "workers": a.workers,
+            "step_layers": a.depth or "all",
+            "seconds": round(seconds, 1),
+            "kernels": sorted((r for r in mine if r["job"][0] == "kernel"), key=lambda r: r["job"]),
+            "steps": sorted((r for r in mine if r["job"][0] == "step"), key=lambda r: r["job"]),
+        }
+        result["summary"] = report.summary(result)
+        stem = report.write(result, out_dir)
+        s = result["summary"]
+        failures += s["kernel_cases_failed"] + s["step_programs_failed"]
+        print(f"{t}: {s} -> {stem}.json, .md", flush=True)
+    print(f"{failures} failed; {len(rows)} compiles in {seconds:.0f}s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

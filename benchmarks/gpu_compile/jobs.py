@@ -1,0 +1,250 @@
+"""The compile check's two kinds of job, each run in a compiling process (`worker`): one kernel case compiled alone
+for a target, with its ptxas report and verdict against the kernel's budget; one step program of the engine
+compiled for a target, with its compile time, memory analysis and the Pallas kernels inside it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import traceback
+import warnings
+
+from gpu_compile import capture, targets
+from gpu_compile.capture import DUMPED_MODULE
+
+# the kernels' names in the compiled programs (ptxas' entry functions) and the module holding each one's budget
+KERNELS = {
+    "mosaic": ("ragged_paged_attention_mgpu", "netra_jax.ops.paged_attention_mosaic"),
+    "triton": ("ragged_paged_attention_m", "netra_jax.ops.paged_attention_triton"),
+    "grouped_matmul": ("grouped_matmul_m", "netra_jax.ops.grouped_matmul_triton"),
+}
+PALLAS_PREFIXES = tuple(prefix for prefix, _ in KERNELS.values())
+
+
+def budget(kernel: str):
+    import importlib
+
+    return importlib.import_module(KERNELS[kernel][1]).GPU_BUDGET
+
+
+def _error(e: BaseException, text: str) -> str:
+    msg = f"{type(e).__name__}: {str(e)[:1200]}"
+    detail = capture.errors_in(text)
+    return f"{msg}\n{detail}" if detail and detail not in msg else msg
+
+
+def compile_kernel(target: str, case, dump_dir: str) -> dict:
+    """Compile `case` (a gpu_check.configs.KernelCase or MatmulCase) for `target` and judge its report against its
+    kernel's budget and the target's shared memory. The result's "problems" lists what fails the check (empty: it
+    passes)."""
+    import jax
+
+    dev = targets.device(target)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    fn = case.function()
+
+    def kernel_case(*args):  # the module name selects the program's dump (the thunk sequence)
+        return fn(*args)
+
+    assert kernel_case.__name__ == DUMPED_MODULE
+    row = {"case": case.name, "kernel": case.kernel, "dtype": case.dtype, "config": dataclasses.asdict(case.config)}
+    row |= case.describe()
+    before = capture.dumped(dump_dir)
+    t0 = time.perf_counter()
+    with capture.captured() as out, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+        try:
+            with jax.default_device(dev):  # Pallas' Triton lowering looks for a GPU among the default devices
+                lowered = jax.jit(kernel_case).lower(*case.abstract_args(sharding))
+                t1 = time.perf_counter()
+                lowered.compile()
+            failure = None
+        except Exception as e:  # a compile error is this case's result
+            failure = e
+    if failure is not None:
+        row["problems"] = [f"does not compile: {_error(failure, out.text)}"]
+        return row
+    row["lower_s"], row["compile_s"] = round(t1 - t0, 2), round(time.perf_counter() - t1, 2)
+    prefix = KERNELS[case.kernel][0]
+    reports = [k for k in capture.ptxas_reports(out.text) if k.name.startswith(prefix)]
+    if case.kernel == "mosaic":
+        for rep, smem in zip(reports, capture.mosaic_smem(out.text), strict=False):
+            rep.dynamic_smem = smem
+    else:
+        launched = capture.thunk_smem(dump_dir, before)
+        for rep in reports:
+            rep.dynamic_smem = launched.get(rep.name)
+    if len(reports) != 1:
+        row["problems"] = [f"expected one ptxas report of a {prefix}* kernel, found {len(reports)}"]
+        return row
+    rep = reports[0]
+    row |= rep.as_dict()
+    limit = budget(case.kernel)
+    problems = limit.violations(rep.registers, rep.spill_bytes, rep.smem_bytes)
+    smem_cap = targets.TARGETS[target].smem_per_block
+    if rep.smem_bytes is not None and rep.smem_bytes > smem_cap:
+        problems.append(f"{rep.smem_bytes} bytes of shared memory > the target's {smem_cap}")
+    row["budget"] = dataclasses.asdict(limit)
+    row["problems"] = problems
+    return row
+
+
+# ------------------------------------------------------------------ step programs
+
+
+@functools.cache
+def step_runner(target: str, model: str, depth: int | None = None):
+    """The engine's runner for `model` (gpu_check.configs.STEP_MODELS) at the device run's engine settings, built
+    for `target`'s compile-only device: abstract bf16 weights (the dummy loader's layout), nothing allocated, the
+    attention backend "auto" resolves to on that target. depth: keep the model's first `depth` layers only (every
+    layer is the same program, so its kernels and its temporaries are the full model's; the compile is shorter)."""
+    import jax.numpy as jnp
+    from gpu_check import configs, engine_settings
+
+    from netra_jax.config import ModelConfig
+    from netra_jax.engine.engine import runner_options
+    from netra_jax.engine.runner import ModelRunner
+    from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+    from netra_jax.loader import dummy
+    from netra_jax.ops.attention import auto_backend
+
+    s = engine_settings.settings(False)
+    hf = configs.STEP_MODELS[model]
+    cfg = ModelConfig.from_hf_dict(hf if depth is None else hf | {"num_hidden_layers": depth})
+    config = EngineConfig(
+        dtype=s["dtype"],
+        cache=CacheConfig(page_size=s["page_size"], num_pages=s["num_kv_pages"]),
+        scheduler=SchedulerConfig(max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"]),
+        max_model_len=s["max_model_len"],
+        attention_backend=s["attention_backend"],
+        async_scheduling=s["async_scheduling"],
+        load_format="dummy",
+        warmup=True,
+    )
+    dtype = jnp.dtype(config.dtype)
+    opts = runner_options(config, cfg, dtype, platform="gpu")
+    if opts["backend"] == "auto":  # what attention's "auto" picks on the target (the host here is a CPU)
+        opts["backend"] = auto_backend(
+            "gpu",
+            targets.TARGETS[target].compute_capability,
+            dtype=dtype,
+            kv_dtype=dtype,
+            q_heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=config.cache.page_size,
+        )
+    params = dummy.param_layout(cfg, dtype, optional=dummy.attention_biases(cfg, hf))
+    runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
+    runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
+    return runner
+
+
+def step_shapes(target: str, model: str) -> list:
+    """The step variants the engine's warm-up compiles (ModelRunner.all_shapes), smallest first."""
+    return step_runner(target, model).all_shapes()
+
+
+def _nbytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def sizing(target: str, runner) -> dict:
+    """What the engine's memory sizing assumes on `target` for this model at the default gpu_memory_utilization: the
+    engine sizes jax's allocator to that share of the device (`netra_jax.engine.runner.claim_gpu_memory`), the
+    weights go in, the KV cache gets `kv_budget` of the rest and the margin left is the activations', which every
+    step's temporaries must fit in."""
+    from netra_jax.engine.runner import kv_budget
+    from netra_jax.engine_config import CacheConfig
+
+    utilization = CacheConfig().gpu_memory_utilization
+    usable = int(targets.TARGETS[target].device_memory * utilization)
+    weights = _nbytes(runner.params)
+    budget = kv_budget(usable, weights)
+    return {
+        "usable_bytes": usable,
+        "gpu_memory_utilization": utilization,
+        "weight_bytes": weights,
+        "kv_bytes": _nbytes(runner.kv),
+        "kv_budget_bytes": budget,
+        "activation_margin_bytes": usable - weights - budget,
+    }
+
+
+def compile_step(target: str, model: str, index: int, depth: int | None = None) -> dict:
+    """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers: see `step_runner`): compile
+    time, memory analysis against the full model's sizing, the Pallas kernels ptxas compiled in it and any kernel
+    that spills."""
+    import jax
+
+    runner = step_runner(target, model, depth)
+    shape = step_shapes(target, model)[index]
+    row = {"model": model, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    row["layers"] = runner.cfg.num_layers
+    row |= {"prompt_rows": shape.prompt_rows, "logit_rows": shape.num_rows}
+    t0 = time.perf_counter()
+    with capture.captured() as out, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+        try:
+            with jax.default_device(runner.compile_for):
+                lowered = runner.lower_step(shape)
+                t1 = time.perf_counter()
+                compiled = lowered.compile()
+            failure = None
+        except Exception as e:
+            failure = e
+    if failure is not None:
+        row["problems"] = [f"does not compile: {_error(failure, out.text)}"]
+        return row
+    row["lower_s"], row["compile_s"] = round(t1 - t0, 2), round(time.perf_counter() - t1, 2)
+    mem = compiled.memory_analysis()
+    row["memory"] = {
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+    }
+    row["sizing"] = sizing(target, step_runner(target, model))  # the full model's weights and KV cache
+    if row["memory"]["temp_bytes"] > row["sizing"]["activation_margin_bytes"]:
+        row.setdefault("problems", []).append(
+            f"temporaries of {row['memory']['temp_bytes'] / 2**30:.2f} GiB exceed the memory sizing's activation "
+            f"margin of {row['sizing']['activation_margin_bytes'] / 2**30:.2f} GiB"
+        )
+    if row["memory"]["alias_bytes"] < _nbytes(runner.kv):
+        row.setdefault("problems", []).append("the KV cache is not updated in place (its buffers are not donated)")
+    reports = capture.ptxas_reports(out.text)
+    row["pallas_kernels"] = sorted({k.name for k in reports if k.name.startswith(PALLAS_PREFIXES)})
+    row["spilling_kernels"] = sorted({f"{k.name} ({k.spill_bytes} B)" for k in reports if k.spill_bytes})
+    spills = [f"a Pallas kernel spills: {k}" for k in row["spilling_kernels"] if k.startswith(PALLAS_PREFIXES)]
+    row["problems"] = row.get("problems", []) + spills
+    del compiled, lowered
+    return row
+
+
+def run_job(job: tuple, dump_dir: str) -> dict:
+    """One job: ("kernel", target, case index), ("broken", target, index of a `selftest.broken_cases` case) or
+    ("step", target, model, shape index, depth); an unexpected failure is the job's result."""
+    from gpu_check import configs
+
+    from gpu_compile import selftest
+
+    kind, target, *rest = job
+    t0 = time.perf_counter()
+    extra = {"expected": selftest.broken_cases()[rest[0]][2]} if kind == "broken" else {}
+    try:
+        if kind == "kernel":
+            row = compile_kernel(target, configs.kernel_cases(target)[rest[0]], dump_dir)
+        elif kind == "broken":
+            row = compile_kernel(target, selftest.broken_cases()[rest[0]][1], dump_dir)
+        else:
+            row = compile_step(target, *rest)
+    except Exception:
+        row = {"problems": [f"the check failed: {traceback.format_exc()[-1500:]}"]}
+    row |= extra
+    row["job"] = list(job)
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
