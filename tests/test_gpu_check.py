@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-SECTIONS = ["device", "correctness", "attention", "model", "serve", "peers"]
+SECTIONS = ["device", "correctness", "kernels", "attention", "model", "serve", "peers"]
 sys.path.insert(0, str(BENCH))
 
 
@@ -52,6 +52,9 @@ def test_dry_run_measures_every_section(dry_run):
     assert {c["backend"] for c in measured} == {"mosaic", "triton"}
     assert all(c["ok"] and c["rel_err"] < 2e-2 for c in measured)
     assert all("Mosaic GPU attention takes" in c["skipped"] for c in s["correctness"]["results"] if "skipped" in c)
+    kernels = s["kernels"]["cases"]  # one small case of each kernel of the compile check's list, interpreted
+    assert {c["kernel"] for c in kernels} == {"mosaic", "triton", "grouped_matmul"}
+    assert all(c["ok"] and c["rel_err"] < 2e-2 for c in kernels)
     decode = {row["impl"]: row for row in s["attention"]["decode"]}
     assert all(decode[i]["us"] > 0 and decode[i]["frac_copy_bw"] > 0 for i in ("mosaic", "triton", "xla_dense"))
     assert {row["impl"] for row in s["attention"]["mixed"] if "us" in row} == {"mosaic", "triton"}
@@ -68,7 +71,14 @@ def test_dry_run_measures_every_section(dry_run):
     assert "via /detokenize" in s["serve"]["levels"][0]["text_source"]  # the synthetic tokenizer served the prompts
     peers = s["peers"]["hf_generate"] + s["peers"]["flash_sdpa"]
     assert all("skipped" in p or p.get("decode_tok_s") or p.get("output_tok_s") or p.get("us") for p in peers)
-    for title in ("## 1. Correctness", "## 2. Paged attention", "## 3. Llama-3-8B", "## 4. Serving", "## Goals"):
+    for title in (
+        "## 1. Correctness",
+        "## 1b. Kernel configurations",
+        "## 2. Paged attention",
+        "## 3. Llama-3-8B",
+        "## 4. Serving",
+        "## Goals",
+    ):
         assert title in md
 
 

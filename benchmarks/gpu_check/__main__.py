@@ -21,15 +21,19 @@ from pathlib import Path
 
 from gpu_check import report
 from gpu_check.common import SERVER_PID
+from netra_jax.engine.runner import FRACTION_ENV
 
 # name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
+# (the device run's 450 s: `kernels` runs the compile check's configuration list, so correctness, attention, model,
+# serve and peers gave it some of theirs)
 SECTIONS = (
     ("device", 20, 10, "jax"),
-    ("correctness", 45, 30, "jax"),
-    ("attention", 90, 40, "jax"),
-    ("model", 150, 40, "jax"),
-    ("serve", 85, 40, "client"),
-    ("peers", 60, 5, "torch"),
+    ("correctness", 30, 30, "jax"),
+    ("kernels", 110, 20, "jax"),
+    ("attention", 70, 40, "jax"),
+    ("model", 125, 40, "jax"),
+    ("serve", 60, 40, "client"),
+    ("peers", 35, 5, "torch"),
 )
 EXIT_MARGIN = (20.0, 3.0)  # seconds before a section's kill time at which it stops starting work (device, dry)
 STOP_GRACE_S = 30.0  # after SIGTERM at a section's limit: time to stop its server and save, then SIGKILL
@@ -42,8 +46,8 @@ def section_env(kind: str, dry: bool, work: Path) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     if dry:
         env["JAX_PLATFORMS"] = "cpu"
-    elif kind in ("jax", "client"):  # the serve section's server is a JAX process
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION)
+    elif kind in ("jax", "client") and not any(env.get(v) for v in FRACTION_ENV):  # the server is a JAX process
+        env[FRACTION_ENV[0]] = JAX_MEM_FRACTION  # jax refuses both variables at once
     return env
 
 

@@ -141,6 +141,7 @@ def markdown(merged: dict) -> str:
     ]
     lines += ["## 1. Correctness against the jnp reference (f32 on the device)", ""]
     lines += _table(["backend", "dtype", "case", "max abs err", "rel err", "ok", "note"], corr)
+    lines += kernels_lines(merged)
     sz = sizes(merged["dry_run"])
     shape = f"{sz.heads} q / {sz.kv_heads} kv heads, head_dim {sz.head_dim}, pages of {sz.page_size}"
     lines += [f"## 2. Paged attention (bf16, {shape})", "", "Decode:", ""]
@@ -152,6 +153,23 @@ def markdown(merged: dict) -> str:
     lines += ["KV write (cache donated):", ""] + _table(["impl", "tokens", "us", "written ok", "note"], kvw)
     lines += model_lines(merged) + serve_lines(merged) + skipped_lines(merged)
     return "\n".join(lines) + "\n"
+
+
+def kernels_lines(merged: dict) -> list[str]:
+    k = merged["sections"].get("kernels") or {}
+    rows = [
+        [r.get("case"), r.get("compile_s"), r.get("us"), r.get("rel_err"), r.get("ok"), _why(r)]
+        for r in _rows(merged, "kernels", "cases")
+    ]
+    summary = k.get("summary") or {}
+    head = (
+        f"The compile check's configuration list for {k.get('target', '-')} (gpu_check/configs.py), compiled and run "
+        f"here: {summary.get('ok', 0)} of {summary.get('measured', 0)} measured cases within tolerance, "
+        f"{k.get('num_cases', 0)} in the list."
+    )
+    return ["## 1b. Kernel configurations (the compile check's list)", "", head, ""] + _table(
+        ["case", "compile s", "us", "rel err", "ok", "note"], rows
+    )
 
 
 def ready_text(ready: dict) -> str:
