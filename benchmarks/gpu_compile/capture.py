@@ -22,9 +22,12 @@ DUMPED_MODULE = "kernel_case"
 def compiler_env(dump_dir: str) -> dict[str, str]:
     """Variables that make the compilers report: Mosaic GPU prints ptxas -v and its resources, XLA passes -v to ptxas
     and logs the report (subprocess_compilation at verbosity 2), and dumps the thunk sequence of `DUMPED_MODULE`
-    programs to `dump_dir`."""
+    programs to `dump_dir`. Autotuning is off: without a device nothing can be timed, so XLA keeps its default GEMM
+    choices anyway, after generating and compiling the candidates (a third of a step program's compile; the kernels,
+    their reports and the memory analysis come out the same)."""
     flags = [
         os.environ.get("XLA_FLAGS", ""),
+        "--xla_gpu_autotune_level=0",
         "--xla_gpu_ptx_compiler_extra_flags=-v",
         f"--xla_dump_to={dump_dir}",
         f"--xla_dump_hlo_module_re={DUMPED_MODULE}",
