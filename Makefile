@@ -88,18 +88,22 @@ BENCH_SCORE_ARGS ?=
 bench-score: setup
 	$(PY) benchmarks/score_bench.py $(BENCH_SCORE_ARGS)
 
-# The GPU compile check without a GPU (benchmarks/gpu_compile): the CUDA 13 plugin and its NVIDIA wheels (ptxas,
-# libdevice; about 40 s) go into their own directory, $(CUDA_SITE), which only the check's processes import, so the
-# rest of the suite never sees a CUDA plugin. `make gpu-compile` compiles every kernel configuration and every step
-# program at full depth for the H200 and A100 targets and writes benchmarks/results/<date>-gpu_compile-{h200,a100}
-# .json and .md (about 20 minutes on 2 cores; CI runs it with 2-layer step programs through the tests, about 6);
-# GPU_COMPILE_ARGS="--only kernels", "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
+# The GPU compile check without a GPU (benchmarks/gpu_compile): the CUDA 13 plugin and the two NVIDIA wheels a
+# deviceless compile reads (ptxas, libdevice; about 10 s; the runtime libraries of its [with-cuda] extra, cuBLAS,
+# cuDNN, NCCL and the rest, 3 GB that only a device loads, are left out) go into their own directory,
+# $(CUDA_SITE), which only the check's processes import, so the rest of the suite never sees a CUDA plugin.
+# `make gpu-compile` compiles every kernel configuration and every step program at full depth for the H200 and A100
+# targets and writes benchmarks/results/<date>-gpu_compile-{h200,a100}.json and .md (about 15 minutes on 2 cores; CI
+# runs it with 2-layer step programs through the tests, about 4); GPU_COMPILE_ARGS="--only kernels",
+# "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
 CUDA_SITE ?= $(VENV)/cuda13
 GPU_COMPILE_ARGS ?=
+CUDA_COMPILER_WHEELS := nvidia-cuda-nvcc nvidia-nvvm
 gpu-compile-setup: $(CUDA_SITE)/.installed
 
 $(CUDA_SITE)/.installed: $(STAMP)
-	$(PY) -m pip install -q --upgrade --target $(CUDA_SITE) "jax-cuda13-plugin[with-cuda]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	v=$$($(PY) -c 'import jax; print(jax.__version__)') && $(PY) -m pip install -q --upgrade --no-deps \
+		--target $(CUDA_SITE) jax-cuda13-plugin==$$v jax-cuda13-pjrt==$$v $(CUDA_COMPILER_WHEELS)
 	@touch $@
 
 gpu-compile: gpu-compile-setup
