@@ -63,10 +63,16 @@ def _rows_form(spec: str | None, x: jax.Array, w: jax.Array) -> bool:
 
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:
     """x @ w for a float or quantized weight; `spec` is an einsum spec for weights with several output axes.
-    backend: one of MATMULS; "cpu_rows" runs float32 matmuls of few rows on `netra_jax.ops.cpu_matmul`'s kernel."""
+    backend: one of MATMULS; "cpu_rows" runs float32 matmuls of few rows, and int8 weights' float32 matmuls of few
+    rows, on `netra_jax.ops.cpu_matmul`'s kernels."""
     if backend not in MATMULS:
         raise ValueError(f"unknown matmul backend {backend!r}; available: {', '.join(MATMULS)}")
     if isinstance(w, QuantizedWeight):
+        if backend == "cpu_rows" and _rows_form(spec, x, w.q):
+            q2 = w.q.reshape(w.q.shape[0], -1)  # [K, prod(out)] int8
+            if cpu_matmul.takes_int8(x, q2):  # float32 activations, decode-sized: the int8 weights read as they are
+                y = cpu_matmul.rows_matmul_int8(x, q2).reshape(x.shape[0], *w.q.shape[1:])
+                return y * w.scale
         wq = w.q.astype(x.dtype)
         y = (
             jnp.einsum(spec, x, wq, preferred_element_type=preferred_element_type)

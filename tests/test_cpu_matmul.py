@@ -1,7 +1,7 @@
-"""The CPU few-row matmul kernel (netra_jax/ops/cpu_matmul.cc) against float64 numpy over the shapes its tiling
-splits (row tiles, column panels, single vectors, leftover columns, partial K blocks), its fallbacks, derivatives
-and build cache, and the engine running it: the steps that take it call it, the others do not, and greedy tokens
-match transformers' references and XLA's dot."""
+"""The CPU few-row matmul kernels (netra_jax/ops/cpu_matmul.cc), float32 and int8 weights, against float64 numpy
+over the shapes their tiling splits (row tiles, column panels, single vectors, leftover columns, partial K blocks),
+their fallbacks, derivatives and build cache, and the engine running them: the steps that take them call them, the
+others do not, and greedy tokens match transformers' references and XLA's dot."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import FIXTURES, reference
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
 from netra_jax.engine_config import EngineConfig
-from netra_jax.models.quant import matmul
+from netra_jax.models.quant import matmul, quantize_weight
 from netra_jax.ops import cpu_kernels, cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
@@ -175,3 +175,78 @@ def test_cpu_rows_keeps_xla_for_bfloat16_with_float32_results():
     want = matmul(x, w, preferred_element_type=jnp.float32, backend="xla")
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---------------------------------------------------------------- int8 weights
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 576, 1536), (1, 33, 77), *SHAPES])
+def test_int8_kernel_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + N + 7)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.integers(-127, 128, (K, N), dtype=np.int8)
+    assert cpu_matmul.takes_int8(jnp.asarray(x), jnp.asarray(w))
+    y = np.asarray(jax.jit(cpu_matmul.rows_matmul_int8)(x, w))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.sqrt(K) * np.abs(ref).max() + 1e-30
+    assert y.shape == (M, N) and y.dtype == np.float32
+    np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
+    assert "netra_small_matmul_i8" in jax.jit(cpu_matmul.rows_matmul_int8).lower(x, w).as_text()
+
+
+def test_int8_other_shapes_run_xla_and_derivative_in_x():
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.integers(-127, 128, (40, 24), dtype=np.int8))
+    for x in (jnp.ones((33, 40), jnp.float32), jnp.ones((4, 40), jnp.bfloat16)):
+        assert not cpu_matmul.takes_int8(x, w)
+        assert "netra_small_matmul_i8" not in jax.jit(cpu_matmul.rows_matmul_int8).lower(x, w).as_text()
+        np.testing.assert_array_equal(
+            np.asarray(cpu_matmul.rows_matmul_int8(x, w)), np.asarray(jnp.dot(x, w.astype(x.dtype)))
+        )
+    x = jnp.asarray(rng.standard_normal((3, 40), dtype=np.float32))
+    c = jnp.asarray(rng.standard_normal((3, 24), dtype=np.float32))  # a linear loss: its gradient is c @ w.T
+    got = jax.grad(lambda x: jnp.sum(c * cpu_matmul.rows_matmul_int8(x, w)))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(c) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_quantized_matmul_on_the_kernel_equals_xla(rows):
+    """int8 weight-only matmul, plain and einsum form: the kernel's (x @ q) * scale against XLA's."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 40), dtype=np.float32))
+    for w, spec in (
+        (rng.standard_normal((40, 24), dtype=np.float32), None),
+        (rng.standard_normal((40, 2, 24), dtype=np.float32), "th,hki->tki"),
+    ):
+        qw = quantize_weight(jnp.asarray(w))
+        got = matmul(x, qw, spec, backend="cpu_rows")
+        want = matmul(x, qw, spec, backend="xla")
+        assert got.shape == want.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        text = jax.jit(lambda x, qw, spec=spec: matmul(x, qw, spec, backend="cpu_rows")).lower(x, qw).as_text()
+        assert "netra_small_matmul_i8" in text
+
+
+@pytest.fixture(scope="module")
+def int8_engines():
+    kw = dict(dtype="float32", quantization="int8", max_num_seqs=8, max_num_batched_tokens=64, num_kv_pages=64)
+    model = FIXTURES / "tiny-llama"
+    return LLM(model, **kw), LLM(model, matmul_backend="xla", **kw)
+
+
+def test_int8_engine_steps_call_the_kernel_and_match_xla(int8_engines):
+    kernel, xla = int8_engines
+    runner = kernel.engine.runner
+    text = runner.lower_step(runner.shape_for(1)).as_text()
+    assert text.count("custom_call @netra_small_matmul_i8") == 7  # q, k, v, o, gate-up, down and the lm_head
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (5, 17, 40, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [
+        [
+            r.outputs[0].token_ids
+            for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
+        for llm in (kernel, xla)
+    ]
+    assert outs[0] == outs[1]

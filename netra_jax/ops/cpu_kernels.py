@@ -32,6 +32,7 @@ HEADERS = (HERE / "cpu_pool.h",)
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
+    "netra_small_matmul_i8": "NetraSmallMatmulI8",
     "netra_token_attention_f32": "NetraTokenAttentionF32",
 }
 # reassociated float sums let the compiler vectorize the attention's dot products (the matmul's vectors are explicit)

@@ -1,4 +1,5 @@
-// Few-row float32 matmul for CPU, an XLA FFI handler: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]).
+// Few-row matmuls for CPU, XLA FFI handlers: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]) with float32 x
+// and y, and w in float32 or int8 (converted to float in registers; the caller applies the int8 weight's scales).
 // Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_kernels.py builds and loads it).
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is a stream of
@@ -11,11 +12,17 @@
 //   weights of a panel's KB rows are strided in memory, so while one block of KB rows is computed, the next block's
 //   lines (contiguous per row) are prefetched into L2 a few at a time.
 // - More than MT rows: the row tiles run inside the block, on weights already in cache.
+// - int8 weights: the same walk over a quarter of the bytes; each weight vector is widened to float as it is loaded.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,8 +44,8 @@ constexpr int VW = 4;
 constexpr int MT = 4;
 constexpr int NV = 2;
 #endif
-constexpr int KB = 32;          // rows of w per block (the prefetch distance)
-constexpr int LINE_FLOATS = 16;  // a 64-byte cache line
+constexpr int KB = 32;           // rows of w per block (the prefetch distance)
+constexpr int LINE_BYTES = 64;  // a cache line
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
 inline vf load(const float* p) {
@@ -47,20 +54,40 @@ inline vf load(const float* p) {
   return v;
 }
 
+// VW int8 weights widened to float (sign-extend, convert: two instructions; GCC 12 scalarizes the generic
+// __builtin_convertvector of int8 vectors, which made the kernel compute-bound at a third of the float kernel's speed).
+inline vf load(const int8_t* p) {
+  vf out;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  for (int i = 0; i < VW; ++i) out[i] = static_cast<float>(p[i]);
+#endif
+  return out;
+}
+
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+template <typename W>
 struct Problem {
   const float* x;  // [M, K]
-  const float* w;  // [K, N]
+  const W* w;      // [K, N]
   float* y;        // [M, N]
   int64_t M, K, N;
 };
 
 // Spreads the prefetch of block rows [row0, row0 + rows) x columns [n0, n1) over `steps` calls of `next()`.
+template <typename W>
 class Prefetcher {
  public:
-  Prefetcher(const Problem& p, int64_t row0, int64_t rows, int64_t n0, int64_t n1, int64_t steps)
-      : p_(p), row0_(row0), n0_(n0), per_row_((n1 - n0 + LINE_FLOATS - 1) / LINE_FLOATS) {
+  static constexpr int64_t LINE = LINE_BYTES / sizeof(W);  // weights per cache line
+
+  Prefetcher(const Problem<W>& p, int64_t row0, int64_t rows, int64_t n0, int64_t n1, int64_t steps)
+      : p_(p), row0_(row0), n0_(n0), per_row_((n1 - n0 + LINE - 1) / LINE) {
     total_ = rows * per_row_;
     per_step_ = steps > 0 ? (total_ + steps - 1) / steps : total_;
   }
@@ -68,18 +95,18 @@ class Prefetcher {
   void next() {
     for (int64_t i = 0; i < per_step_ && line_ < total_; ++i, ++line_) {
       const int64_t r = line_ / per_row_, c = line_ % per_row_;
-      __builtin_prefetch(p_.w + (row0_ + r) * p_.N + n0_ + c * LINE_FLOATS, 0, 2);
+      __builtin_prefetch(p_.w + (row0_ + r) * p_.N + n0_ + c * LINE, 0, 2);
     }
   }
 
  private:
-  const Problem& p_;
+  const Problem<W>& p_;
   int64_t row0_, n0_, per_row_, total_ = 0, per_step_ = 0, line_ = 0;
 };
 
 // Rows [m0, m0 + mt) of y[:, n : n + nv * VW] over w's rows [k0, k0 + kb): accumulate (or start at k0 == 0).
-template <int TM, int TN>
-void tile(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Prefetcher* pf) {
+template <int TM, int TN, typename W>
+void tile(const Problem<W>& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Prefetcher<W>* pf) {
   vf acc[TM][TN];
   for (int m = 0; m < TM; ++m) {
     for (int j = 0; j < TN; ++j) {
@@ -87,7 +114,7 @@ void tile(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Prefe
     }
   }
   const float* xr = p.x + m0 * p.K + k0;
-  const float* wr = p.w + k0 * p.N + n;
+  const W* wr = p.w + k0 * p.N + n;
   for (int64_t k = 0; k < kb; ++k, wr += p.N) {
     if (pf) pf->next();
     vf wv[TN];
@@ -103,12 +130,12 @@ void tile(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Prefe
 }
 
 // One row tile of any height up to MT (the compiler needs it static).
-template <int TN>
-void tile_rows(const Problem& p, int64_t m0, int64_t mt, int64_t n, int64_t k0, int64_t kb, Prefetcher* pf) {
+template <int TN, typename W>
+void tile_rows(const Problem<W>& p, int64_t m0, int64_t mt, int64_t n, int64_t k0, int64_t kb, Prefetcher<W>* pf) {
   switch (mt) {
 #define NETRA_ROWS(R) \
   case R:             \
-    if constexpr (R <= MT) tile<R, TN>(p, m0, n, k0, kb, pf); \
+    if constexpr (R <= MT) tile<R, TN, W>(p, m0, n, k0, kb, pf); \
     break;
     NETRA_ROWS(1)
     NETRA_ROWS(2)
@@ -123,18 +150,20 @@ void tile_rows(const Problem& p, int64_t m0, int64_t mt, int64_t n, int64_t k0, 
 }
 
 // Columns that fill no whole vector: plain loops (N % VW of them, at the end of the last chunk).
-void tail_columns(const Problem& p, int64_t n0, int64_t k0, int64_t kb) {
+template <typename W>
+void tail_columns(const Problem<W>& p, int64_t n0, int64_t k0, int64_t kb) {
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t n = n0; n < p.N; ++n) {
       float a = k0 == 0 ? 0.0f : p.y[m * p.N + n];
-      for (int64_t k = k0; k < k0 + kb; ++k) a += p.x[m * p.K + k] * p.w[k * p.N + n];
+      for (int64_t k = k0; k < k0 + kb; ++k) a += p.x[m * p.K + k] * static_cast<float>(p.w[k * p.N + n]);
       p.y[m * p.N + n] = a;
     }
   }
 }
 
 // y[:, n0:n1] for all rows: n0 is a multiple of the panel width, n1 too unless it is N.
-void chunk(const Problem& p, int64_t n0, int64_t n1) {
+template <typename W>
+void chunk(const Problem<W>& p, int64_t n0, int64_t n1) {
   constexpr int64_t NB = NV * VW;
   const int64_t vec_end = n0 + (n1 - n0) / VW * VW;
   const int64_t panel_end = n0 + (vec_end - n0) / NB * NB;
@@ -142,7 +171,7 @@ void chunk(const Problem& p, int64_t n0, int64_t n1) {
     const int64_t kb = std::min<int64_t>(KB, p.K - k0);
     const int64_t next_rows = std::min<int64_t>(KB, p.K - k0 - kb);
     const int64_t steps = ((panel_end - n0) / NB + (vec_end - panel_end) / VW) * kb;
-    Prefetcher pf(p, k0 + kb, next_rows, n0, n1, steps);
+    Prefetcher<W> pf(p, k0 + kb, next_rows, n0, n1, steps);
     for (int64_t n = n0; n < panel_end; n += NB) {
       for (int64_t m0 = 0; m0 < p.M; m0 += MT) {
         tile_rows<NV>(p, m0, std::min<int64_t>(MT, p.M - m0), n, k0, kb, m0 == 0 ? &pf : nullptr);
@@ -158,8 +187,9 @@ void chunk(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // Chunks claimed by the caller and the helpers; whoever runs out of chunks to claim is done with them.
+template <typename W>
 struct Work {
-  Problem p;
+  Problem<W> p;
   int64_t chunks, panels_per_chunk;
   std::atomic<int64_t> next{0}, finished{0};
 
@@ -174,13 +204,14 @@ struct Work {
   }
 };
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
+template <typename W, typename WBuffer>
+ffi::Error SmallMatmul(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, WBuffer& w,
+                       ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("netra_small_matmul_f32 takes x [M, K] and w [K, N]");
+    return ffi::Error::InvalidArgument(std::string(name) + " takes x [M, K] and w [K, N]");
   }
-  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
+  Problem<W> p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0) {
     std::memset(p.y, 0, sizeof(float) * p.M * p.N);
@@ -189,7 +220,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   constexpr int64_t NB = NV * VW;
   const int64_t panels = std::max<int64_t>(1, p.N / NB);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<Work<W>>();
   work->p = p;
   work->chunks = std::min<int64_t>(panels, threads);
   work->panels_per_chunk = panels / work->chunks;
@@ -197,11 +228,28 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+ffi::Error SmallMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmul<float>("netra_small_matmul_f32", pool, x, w, y);
+}
+
+ffi::Error SmallMatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmul<int8_t>("netra_small_matmul_i8", pool, x, w, y);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulF32, SmallMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulF32, SmallMatmulF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulI8, SmallMatmulI8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,10 +1,14 @@
-"""Few-row float32 matmul on CPU: the kernel in `cpu_matmul.cc` (built by `netra_jax.ops.cpu_kernels`), called
-through XLA's FFI, for the decode-sized matmuls XLA's CPU dot runs slowly; `jnp.dot` is its reference.
+"""Few-row matmuls on CPU: the kernels in `cpu_matmul.cc` (built by `netra_jax.ops.cpu_kernels`), called through
+XLA's FFI, for the decode-sized matmuls XLA's CPU dot runs slowly; `jnp.dot` is their reference.
 
 A decode step multiplies one row per running sequence by every weight matrix. On CPU that is a stream of the weights
 through the cores, and XLA's dot streams them at about half speed from 8 rows on (11.5 against 20.1 GB/s for
 SmolLM2's [576, 1536] at 8 rows on a 2-core Xeon; see the .cc file for the kernel's layout). The kernel takes
-x [M, K] @ w [K, N] in float32 for ROWS_MIN <= M <= ROWS_MAX; other shapes and dtypes run `jnp.dot`."""
+x [M, K] @ w [K, N] in float32 for ROWS_MIN <= M <= ROWS_MAX; other shapes and dtypes run `jnp.dot`.
+
+int8 weights (`rows_matmul_int8`, for `models.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N]
+as float32, the weights widened to float in registers, for 1 <= M <= ROWS_MAX. XLA instead converts the whole
+weight to float in memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1."""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import jax.numpy as jnp
 
 from netra_jax.ops import cpu_kernels
 
-__all__ = ["ROWS_MAX", "ROWS_MIN", "TARGET", "rows_matmul", "takes"]
+__all__ = ["ROWS_MAX", "ROWS_MIN", "TARGET", "TARGET_INT8", "rows_matmul", "rows_matmul_int8", "takes", "takes_int8"]
 
 TARGET = "netra_small_matmul_f32"
+TARGET_INT8 = "netra_small_matmul_i8"
 # One row: XLA's dot streams the weights faster (27 against 22 GB/s). Past 32 rows the kernel's row tiles make it
 # compute-bound and XLA's blocked dot catches up.
 ROWS_MIN = 2
@@ -33,9 +38,18 @@ def takes(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
+def takes_int8(x: jax.Array, w: jax.Array) -> bool:
+    """Whether `rows_matmul_int8` runs the kernel for these operands (one row too: XLA's dot of an int8 weight
+    first writes the whole weight out as float)."""
+    return (
+        x.ndim == 2 and w.ndim == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.dtype == jnp.float32 and w.dtype == jnp.int8
+    )
+
+
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+    target = TARGET_INT8 if w.dtype == jnp.int8 else TARGET
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
 
 
 @jax.custom_jvp
@@ -55,3 +69,22 @@ def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     if takes(x, w) and cpu_kernels.available():
         return _rows_matmul(x, w)
     return jnp.dot(x, w)
+
+
+@jax.custom_jvp
+def _rows_matmul_int8(x: jax.Array, w: jax.Array) -> jax.Array:
+    return _kernel(x, w)
+
+
+@_rows_matmul_int8.defjvp
+def _rows_matmul_int8_jvp(primals, tangents):
+    (x, w), (dx, _) = primals, tangents  # an integer weight has no tangent
+    return _kernel(x, w), jnp.dot(dx, w.astype(jnp.float32))
+
+
+def rows_matmul_int8(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] float32 @ w [K, N] int8, in float32 (the caller applies the weight's scales), on the CPU kernel
+    when it `takes_int8` them and is `available`, else `jnp.dot` of the widened weight. Differentiable in x."""
+    if takes_int8(x, w) and cpu_kernels.available():
+        return _rows_matmul_int8(x, w)
+    return jnp.dot(x, w.astype(x.dtype))
