@@ -61,6 +61,17 @@ def _rows_form(spec: str | None, x: jax.Array, w: jax.Array) -> bool:
     return len(ws) == w.ndim and xs[1] == ws[0] and out == xs[0] + ws[1:]
 
 
+def _on_rows_kernel(x: jax.Array, w: jax.Array, spec: str | None) -> jax.Array | None:
+    """x @ w on `cpu_matmul`'s few-row kernels when the product has their plain form and they take it (float32 x,
+    decode-sized, w float32 or int8: preferred_element_type changes nothing), else None."""
+    if not _rows_form(spec, x, w):
+        return None
+    w2 = w.reshape(w.shape[0], -1)  # [K, prod(out)]
+    if not cpu_matmul.takes(x, w2):
+        return None
+    return cpu_matmul.rows_matmul(x, w2).reshape(x.shape[0], *w.shape[1:])
+
+
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:
     """x @ w for a float or quantized weight; `spec` is an einsum spec for weights with several output axes.
     backend: one of MATMULS; "cpu_rows" runs float32 matmuls of few rows, and int8 weights' float32 matmuls of few
@@ -68,11 +79,8 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
     if backend not in MATMULS:
         raise ValueError(f"unknown matmul backend {backend!r}; available: {', '.join(MATMULS)}")
     if isinstance(w, QuantizedWeight):
-        if backend == "cpu_rows" and _rows_form(spec, x, w.q):
-            q2 = w.q.reshape(w.q.shape[0], -1)  # [K, prod(out)] int8
-            if cpu_matmul.takes_int8(x, q2):  # float32 activations, decode-sized: the int8 weights read as they are
-                y = cpu_matmul.rows_matmul_int8(x, q2).reshape(x.shape[0], *w.q.shape[1:])
-                return y * w.scale
+        if backend == "cpu_rows" and (y := _on_rows_kernel(x, w.q, spec)) is not None:
+            return y * w.scale  # the int8 weights read as they are
         wq = w.q.astype(x.dtype)
         y = (
             jnp.einsum(spec, x, wq, preferred_element_type=preferred_element_type)
@@ -81,10 +89,8 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
         )
         return y * w.scale.astype(y.dtype)
     w = w.astype(x.dtype)
-    if backend == "cpu_rows" and _rows_form(spec, x, w):
-        w2 = w.reshape(w.shape[0], -1)  # [K, prod(out)]
-        if cpu_matmul.takes(x, w2):  # float32 (so preferred_element_type changes nothing), decode-sized
-            return cpu_matmul.rows_matmul(x, w2).reshape(x.shape[0], *w.shape[1:])
+    if backend == "cpu_rows" and (y := _on_rows_kernel(x, w, spec)) is not None:
+        return y
     if spec:
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)

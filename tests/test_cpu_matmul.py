@@ -185,27 +185,27 @@ def test_int8_kernel_matches_float64(M, K, N):
     rng = np.random.default_rng(M * 1000 + N + 7)
     x = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.integers(-127, 128, (K, N), dtype=np.int8)
-    assert cpu_matmul.takes_int8(jnp.asarray(x), jnp.asarray(w))
-    y = np.asarray(jax.jit(cpu_matmul.rows_matmul_int8)(x, w))
+    assert cpu_matmul.takes(jnp.asarray(x), jnp.asarray(w))
+    y = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
     ref = x.astype(np.float64) @ w.astype(np.float64)
     scale = np.sqrt(K) * np.abs(ref).max() + 1e-30
     assert y.shape == (M, N) and y.dtype == np.float32
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
-    assert "netra_small_matmul_i8" in jax.jit(cpu_matmul.rows_matmul_int8).lower(x, w).as_text()
+    assert "netra_small_matmul_i8" in jax.jit(cpu_matmul.rows_matmul).lower(x, w).as_text()
 
 
 def test_int8_other_shapes_run_xla_and_derivative_in_x():
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.integers(-127, 128, (40, 24), dtype=np.int8))
     for x in (jnp.ones((33, 40), jnp.float32), jnp.ones((4, 40), jnp.bfloat16)):
-        assert not cpu_matmul.takes_int8(x, w)
-        assert "netra_small_matmul_i8" not in jax.jit(cpu_matmul.rows_matmul_int8).lower(x, w).as_text()
+        assert not cpu_matmul.takes(x, w)
+        assert "netra_small_matmul_i8" not in jax.jit(cpu_matmul.rows_matmul).lower(x, w).as_text()
         np.testing.assert_array_equal(
-            np.asarray(cpu_matmul.rows_matmul_int8(x, w)), np.asarray(jnp.dot(x, w.astype(x.dtype)))
+            np.asarray(cpu_matmul.rows_matmul(x, w)), np.asarray(jnp.dot(x, w.astype(x.dtype)))
         )
     x = jnp.asarray(rng.standard_normal((3, 40), dtype=np.float32))
     c = jnp.asarray(rng.standard_normal((3, 24), dtype=np.float32))  # a linear loss: its gradient is c @ w.T
-    got = jax.grad(lambda x: jnp.sum(c * cpu_matmul.rows_matmul_int8(x, w)))(x)
+    got = jax.grad(lambda x: jnp.sum(c * cpu_matmul.rows_matmul(x, w)))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(c) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-4)
 
 

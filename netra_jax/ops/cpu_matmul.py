@@ -6,9 +6,9 @@ through the cores, and XLA's dot streams them at about half speed from 8 rows on
 SmolLM2's [576, 1536] at 8 rows on a 2-core Xeon; see the .cc file for the kernel's layout). The kernel takes
 x [M, K] @ w [K, N] in float32 for ROWS_MIN <= M <= ROWS_MAX; other shapes and dtypes run `jnp.dot`.
 
-int8 weights (`rows_matmul_int8`, for `models.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N]
-as float32, the weights widened to float in registers, for 1 <= M <= ROWS_MAX. XLA instead converts the whole
-weight to float in memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1."""
+int8 weights (for `models.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N] as float32, the
+weights widened to float in registers, for 1 <= M <= ROWS_MAX (one row too: XLA converts the whole weight to float in
+memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1)."""
 
 from __future__ import annotations
 
@@ -17,39 +17,26 @@ import jax.numpy as jnp
 
 from netra_jax.ops import cpu_kernels
 
-__all__ = ["ROWS_MAX", "ROWS_MIN", "TARGET", "TARGET_INT8", "rows_matmul", "rows_matmul_int8", "takes", "takes_int8"]
+__all__ = ["ROWS_MAX", "ROWS_MIN", "TARGETS", "rows_matmul", "takes"]
 
-TARGET = "netra_small_matmul_f32"
-TARGET_INT8 = "netra_small_matmul_i8"
-# One row: XLA's dot streams the weights faster (27 against 22 GB/s). Past 32 rows the kernel's row tiles make it
+TARGETS = {jnp.dtype(jnp.float32): "netra_small_matmul_f32", jnp.dtype(jnp.int8): "netra_small_matmul_i8"}  # by w
+# One row: XLA's dot streams float32 weights faster (27 against 22 GB/s). Past 32 rows the kernel's row tiles make it
 # compute-bound and XLA's blocked dot catches up.
 ROWS_MIN = 2
 ROWS_MAX = 32
 
 
 def takes(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `rows_matmul` runs the kernel for these operands (else `jnp.dot`)."""
-    return (
-        x.ndim == 2
-        and w.ndim == 2
-        and ROWS_MIN <= x.shape[0] <= ROWS_MAX
-        and x.dtype == jnp.float32
-        and w.dtype == jnp.float32
-    )
-
-
-def takes_int8(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `rows_matmul_int8` runs the kernel for these operands (one row too: XLA's dot of an int8 weight
-    first writes the whole weight out as float)."""
-    return (
-        x.ndim == 2 and w.ndim == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.dtype == jnp.float32 and w.dtype == jnp.int8
-    )
+    """Whether `rows_matmul` runs a kernel for these operands (else `jnp.dot`): float32 x of ROWS_MIN..ROWS_MAX rows
+    times float32 w, or of 1..ROWS_MAX rows times int8 w."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype not in TARGETS:
+        return False
+    return (1 if w.dtype == jnp.int8 else ROWS_MIN) <= x.shape[0] <= ROWS_MAX
 
 
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    target = TARGET_INT8 if w.dtype == jnp.int8 else TARGET
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+    return jax.ffi.ffi_call(TARGETS[w.dtype], out, vmap_method="sequential")(x, w)
 
 
 @jax.custom_jvp
@@ -60,31 +47,16 @@ def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 @_rows_matmul.defjvp
 def _rows_matmul_jvp(primals, tangents):
     (x, w), (dx, dw) = primals, tangents
-    return _kernel(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)  # linear in the tangents: reverse mode transposes it
+    dy = jnp.dot(dx, w.astype(jnp.float32))
+    if w.dtype == jnp.float32:  # an int8 weight has no tangent
+        dy = dy + jnp.dot(x, dw)
+    return _kernel(x, w), dy  # linear in the tangents: reverse mode transposes it
 
 
 def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] on the CPU kernel when it `takes` them and is `available`, else `jnp.dot`. Differentiable
-    (forward and reverse: the derivative is jnp's). Lowers for CPU only."""
+    """x [M, K] @ w [K, N] (w float32 or int8, the int8 weight's scales left to the caller) on a CPU kernel when it
+    `takes` them and is `available`, else `jnp.dot` (of the widened weight). Differentiable (forward and reverse,
+    in w too when it is float: the derivative is jnp's). Lowers for CPU only."""
     if takes(x, w) and cpu_kernels.available():
         return _rows_matmul(x, w)
-    return jnp.dot(x, w)
-
-
-@jax.custom_jvp
-def _rows_matmul_int8(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _kernel(x, w)
-
-
-@_rows_matmul_int8.defjvp
-def _rows_matmul_int8_jvp(primals, tangents):
-    (x, w), (dx, _) = primals, tangents  # an integer weight has no tangent
-    return _kernel(x, w), jnp.dot(dx, w.astype(jnp.float32))
-
-
-def rows_matmul_int8(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] float32 @ w [K, N] int8, in float32 (the caller applies the weight's scales), on the CPU kernel
-    when it `takes_int8` them and is `available`, else `jnp.dot` of the widened weight. Differentiable in x."""
-    if takes_int8(x, w) and cpu_kernels.available():
-        return _rows_matmul_int8(x, w)
     return jnp.dot(x, w.astype(x.dtype))
