@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, sharing `cpu_pool.h`): compiled on first use into one
-shared library for this machine's CPU and registered as XLA FFI targets; `available()` says whether they are ready.
+"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, `cpu_ggml_matmul.cc`, sharing `cpu_pool.h`): compiled
+on first use into one shared library for this machine's CPU and registered as XLA FFI targets; `available()` says
+whether they are ready.
 
 Build: the host's C++ compiler (`$CXX`, else g++, c++ or clang++) with `-O3 -march=native` against jax's FFI
 headers, once per source, compiler and CPU, into `<netra_jax cache>/kernels/`. Without a compiler, or when the build
@@ -27,13 +28,14 @@ __all__ = ["SOURCES", "TARGETS", "available", "build", "unavailable_reason"]
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc")
+SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc", HERE / "cpu_ggml_matmul.cc")
 HEADERS = (HERE / "cpu_pool.h",)
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
     "netra_small_matmul_i8": "NetraSmallMatmulI8",
     "netra_token_attention_f32": "NetraTokenAttentionF32",
+    "netra_ggml_matmul_f32": "NetraGgmlMatmulF32",
 }
 # reassociated float sums let the compiler vectorize the attention's dot products (the matmul's vectors are explicit)
 _FLAGS = (

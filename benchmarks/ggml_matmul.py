@@ -1,0 +1,88 @@
+"""The GGML-block matmul kernel (netra_jax/ops/cpu_ggml_matmul.cc) per type on Llama-1B-like shapes, against XLA's
+float32 dot of the de-quantized weight and the float32 few-row kernel: ms per call and GB/s of weight bytes read
+(the quantized bytes for the kernel, 4 bytes a weight for the float dots).
+
+Each call reads the next of a ring of weight copies (together --ring-mib, beyond the last-level cache), so the
+weights come from memory as in a decode step. Random blocks with sane fp16 scales (the speed does not depend on
+the values). Time per call: the median over --passes walks of the ring.
+
+Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0] [--rows 1,8,32] [--ring-mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from netra_jax.ops import cpu_ggml_matmul, cpu_kernels, cpu_matmul
+from netra_jax.ops.ggml_blocks import FORMATS
+
+SHAPES = [(2048, 8192), (8192, 2048)]  # (K, N): a Llama-1B FFN's gate / up, and its down
+
+
+def random_blocks(rng, qtype: str, copies: int, n: int, k: int) -> np.ndarray:
+    """[copies, n, row_bytes] uint8 random blocks, their fp16 scales (and mins) set in [1e-3, 1e-2]."""
+    qk, block_bytes = FORMATS[qtype].qk, FORMATS[qtype].block_bytes
+    w = rng.integers(0, 256, (copies, n, k // qk, block_bytes), dtype=np.uint8)
+    fields = [208] if qtype == "Q6_K" else [0] if qtype in ("Q4_0", "Q5_0", "Q8_0") else [0, 2]
+    for at in fields:
+        w[..., at : at + 2] = np.array([rng.uniform(1e-3, 1e-2)], np.float16).view(np.uint8)
+    return w.reshape(copies, n, -1)
+
+
+def time_ring(fn, x, ring, passes: int) -> float:
+    """Median seconds per call of fn(x, w) over `passes` walks of the ring of weights."""
+    jax.block_until_ready(fn(x, ring[0]))  # compile
+    times = []
+    for _ in range(passes):
+        for w in ring:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x, w))
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default=",".join(cpu_ggml_matmul.TYPES))
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--ring-mib", type=int, default=1024)
+    ap.add_argument("--passes", type=int, default=3)
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    types = args.types.split(",")
+    rows = [int(r) for r in args.rows.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, ring of {args.ring_mib} MiB of weights per case")
+    print(f"{'K x N':>11} {'weights':>8} {'M':>3} {'ms':>8} {'GB/s':>6}   (GB/s: weight bytes read per second)")
+    for k, n in SHAPES:
+        for name in ("XLA f32 dot", "f32 kernel", *types):
+            if name in cpu_ggml_matmul.TYPES:
+                qk, block_bytes = FORMATS[name].qk, FORMATS[name].block_bytes
+                nbytes = n * k // qk * block_bytes
+                copies = max(2, args.ring_mib * 2**20 // nbytes)
+                ring = [jnp.asarray(w) for w in random_blocks(rng, name, copies, n, k)]
+                fns = {m: jax.jit(lambda x, w, q=name: cpu_ggml_matmul.blocks_matmul(x, w, q)) for m in rows}
+            else:
+                nbytes = n * k * 4
+                copies = max(2, args.ring_mib * 2**20 // nbytes)
+                ring = [jnp.asarray(rng.standard_normal((k, n), dtype=np.float32)) for _ in range(copies)]
+                dot = jnp.dot if name == "XLA f32 dot" else cpu_matmul.rows_matmul
+                fns = {m: jax.jit(dot) for m in rows}
+            for m in rows:
+                x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+                if name == "f32 kernel" and not cpu_matmul.takes(x, ring[0]):
+                    continue
+                s = time_ring(fns[m], x, ring, args.passes)
+                print(f"{k:>5}x{n:<5} {name:>11} {m:>3} {s * 1e3:>8.3f} {nbytes / s / 1e9:>6.1f}", flush=True)
+            del ring
+
+
+if __name__ == "__main__":
+    main()

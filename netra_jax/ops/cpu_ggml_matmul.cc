@@ -1,0 +1,723 @@
+// Few-row matmuls against weights kept in llama.cpp's GGML block formats, XLA FFI handler for CPU:
+// y[M, N] = x[M, K] @ W^T with float32 x and y, and W [N, K] given as the raw bytes of a GGUF tensor of ne [K, N]:
+// w uint8 [N, row_bytes], row n holding K / QK consecutive blocks (row_bytes = K / QK * BLOCK_BYTES). Types (the
+// `qtype` attribute, GGML's type numbers): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14; block
+// layouts as in ggml-common.h (fp16 fields little-endian IEEE half), gguf.quants' de-quantization their reference.
+// Built with the other CPU kernels (netra_jax/ops/cpu_kernels.py) for the host's CPU.
+//
+// Why: a decode step streams every weight matrix through the cores once for a few rows, so its time is the weights'
+// bytes over the memory bandwidth. Kept in their 4.5-8.5 bits per weight, the weights are 4-7x fewer bytes than
+// float32; each block is de-quantized in registers where it is used, never written out whole.
+//
+// - De-quantizing: a block's bytes are widened to int32 lanes (one instruction per vector), nibbles and high bits
+//   put together with integer vector ops (AVX-512: the fifth bits of Q5 types as lane masks), converted to float and
+//   scaled with one FMA per vector: q * d + offset, offset the block's (or sub-block's) min, or -8 d, -16 d, -32 d
+//   for the centered types (exact: the FMA rounds once, like the reference's (q - 8) * d).
+// - Scales: those of a step (256 values: 8 blocks of 32, or one K-quant block) are converted together into a small
+//   float array (a gather of the fp16 fields and one vector conversion; the K-quants' packed 6-bit scales and mins
+//   unpacked as one vector), which each vector then broadcasts from memory: a broadcast load where converting and
+//   broadcasting per block took 3-4 instructions on the shuffle port, the de-quantization's bottleneck.
+// - The weight rows are split into chunks of whole row tiles, claimed from an atomic counter by the calling thread
+//   and XLA's intra-op pool (a helper starting late finds less or nothing left). Software prefetch runs ahead of the
+//   de-quantization (a core's misses in flight bound its share of the bandwidth).
+// - One row of x: the chunk's weight rows are one sequential stream of steps; a step's vectors are de-quantized
+//   into registers and go straight into 4 accumulators with x from cache (summed at each row's end); the next
+//   step's scales are converted before this step's blocks, so that their latency overlaps.
+// - More rows: a tile of TN weight rows walks K step by step; the step is de-quantized into an L1 buffer [TN, 256]
+//   once, then register tiles of up to TM rows of x take its products (TM x vectors and one weight vector in
+//   registers next to TM x TN accumulators). With one register tile (M <= TM) the accumulators stay in registers
+//   over the whole K; with more, each tile's accumulators are kept between steps in a small buffer of partial
+//   vectors, and x is read from a copy laid out step by step. Lanes are summed once at the end. The next tile's
+//   bytes are prefetched over the current tile's steps.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+constexpr int TN = 6;   // weight rows per tile with several rows of x
+constexpr int TM = 4;   // rows of x per register tile: TM x vectors, TM * TN accumulators and a weight (32 registers)
+#elif defined(__AVX2__)
+constexpr int VW = 8;
+constexpr int TN = 6;  // 16 registers: 2 x vectors, 12 accumulators, a weight
+constexpr int TM = 2;
+#else
+constexpr int VW = 4;
+constexpr int TN = 6;
+constexpr int TM = 2;
+#endif
+constexpr int64_t KS = 256;  // values per de-quantization step with several rows of x
+constexpr int ROW_UNIT = 8;  // weight rows per chunk unit with one row of x
+constexpr int LINE_BYTES = 64;
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return _mm512_reduce_add_ps(r);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// VW bytes widened to int32 lanes, zero- or sign-extended (one instruction each with AVX2 / AVX-512: GCC 12
+// scalarizes the generic __builtin_convertvector of 8-bit vectors).
+inline vi widen_u8(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  for (int i = 0; i < VW; ++i) out[i] = p[i];
+#endif
+  return out;
+}
+
+inline vi widen_i8(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  for (int i = 0; i < VW; ++i) out[i] = static_cast<int8_t>(p[i]);
+#endif
+  return out;
+}
+
+// q with bit 4 set in the lanes l whose bit l of `bits` is set.
+inline vi with_bit4(vi q, uint32_t bits) {
+#if defined(__AVX512F__)
+  __m512i v;
+  std::memcpy(&v, &q, sizeof(v));
+  v = _mm512_mask_or_epi32(v, static_cast<__mmask16>(bits), v, _mm512_set1_epi32(16));
+  std::memcpy(&q, &v, sizeof(q));
+  return q;
+#else
+  vu lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
+  return q | (vi)((((vu{} + bits) >> lane) & 1) << 4);
+#endif
+}
+
+// The bytes qh[0, VW), whose bit s becomes bit 4 of q's lanes.
+struct HighBits {
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
+  __m128i v;
+  explicit HighBits(const uint8_t* qh) : v(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh))) {}
+  vi add(vi q, int s) const {
+    return with_bit4(q, _mm_test_epi8_mask(v, _mm_set1_epi8(static_cast<char>(1 << s))));
+  }
+#else
+  vi h;
+  explicit HighBits(const uint8_t* qh) : h(widen_u8(qh)) {}
+  vi add(vi q, int s) const { return q | (((h >> s) & 1) << 4); }
+#endif
+};
+
+// A little-endian IEEE half at p, as float.
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &v, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Block formats: QK values in BYTES bytes, GROUP blocks (256 values) a step. scales(b, nb, s) writes the scales and
+// offsets of the nb <= GROUP blocks from b into s (float, the whole step's at once: fp16 conversions and products
+// as vectors, the blocks then broadcast theirs from memory); block(b, s, emit) calls emit(i, v) for each vector v of
+// the block's values [i, i + VW), with s at the block's own scales (s + i for block i of a step of 32-value blocks).
+
+inline vf splat(const float* p) { return vf{} + *p; }
+
+// Makes the compiler assume that v changed in memory: what it wrote there is read back from memory, not kept in
+// registers (broadcasts from memory take a load port; from a register lane they take a shuffle).
+template <typename V>
+inline void in_memory(V& v) {
+  __asm__("" : "+m"(v));
+}
+
+// q * scale + offset (contracted to one FMA)
+inline vf affine(vi q, vf scale, vf offset) { return __builtin_convertvector(q, vf) * scale + offset; }
+
+// The fp16 fields at byte AT of nb <= 8 consecutive blocks of BYTES bytes -> out[0, 8) (zeros past nb): one gather
+// of the blocks' 32-bit words at AT (inside each block), their low halves converted together.
+template <int BYTES, int AT>
+inline void block_halves(const uint8_t* b, int nb, float* out) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256i at = _mm256_setr_epi32(AT, AT + BYTES, AT + 2 * BYTES, AT + 3 * BYTES, AT + 4 * BYTES,
+                                       AT + 5 * BYTES, AT + 6 * BYTES, AT + 7 * BYTES);
+  const int* base = reinterpret_cast<const int*>(b);
+#if defined(__AVX512VL__)
+  const __m256i v = nb == 8 ? _mm256_i32gather_epi32(base, at, 1)
+                            : _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (1 << nb) - 1, at, base, 1);
+  const __m128i h = _mm256_cvtepi32_epi16(v);
+#else
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, at,
+                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(nb), lanes), 1);
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
+  const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+#endif
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
+#else
+  for (int i = 0; i < 8; ++i) out[i] = i < nb ? half(b + i * BYTES + AT) : 0.0f;
+#endif
+}
+
+// 32-value blocks with one scale d (half at byte 0): s[i] = d of block i, s[8 + i] = its offset: `center` * d, or
+// with a min m (half at byte 2), m.
+template <int BYTES>
+inline void scales_32(const uint8_t* b, int nb, float* s, bool has_min, float center) {
+  block_halves<BYTES, 0>(b, nb, s);
+  if (has_min) {
+    block_halves<BYTES, 2>(b, nb, s + 8);
+  } else {
+    for (int i = 0; i < 8; ++i) s[8 + i] = center * s[i];
+  }
+}
+
+struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j]) - 8) d
+  static constexpr int QK = 32, BYTES = 18, GROUP = 8;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -8.0f); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    const vf d = splat(s), o = splat(s + 8);
+    for (int i = 0; i < 16; i += VW) {
+      const vi q = widen_u8(b + 2 + i);
+      emit(i, affine(q & 15, d, o));
+      emit(16 + i, affine(q >> 4, d, o));
+    }
+  }
+};
+
+struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
+  static constexpr int QK = 32, BYTES = 20, GROUP = 8;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    const vf d = splat(s), m = splat(s + 8);
+    for (int i = 0; i < 16; i += VW) {
+      const vi q = widen_u8(b + 4 + i);
+      emit(i, affine(q & 15, d, m));
+      emit(16 + i, affine(q >> 4, d, m));
+    }
+  }
+};
+
+struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4) - 16) d, y[j]'s fifth bit h bit j
+  static constexpr int QK = 32, BYTES = 22, GROUP = 8;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -16.0f); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    const vf d = splat(s), o = splat(s + 8);
+    const uint32_t h = u32(b + 2);
+    for (int i = 0; i < 16; i += VW) {
+      const vi q = widen_u8(b + 6 + i);
+      emit(i, affine(with_bit4(q & 15, h >> i), d, o));
+      emit(16 + i, affine(with_bit4(q >> 4, h >> (16 + i)), d, o));
+    }
+  }
+};
+
+struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
+  static constexpr int QK = 32, BYTES = 24, GROUP = 8;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    const vf d = splat(s), m = splat(s + 8);
+    const uint32_t h = u32(b + 4);
+    for (int i = 0; i < 16; i += VW) {
+      const vi q = widen_u8(b + 8 + i);
+      emit(i, affine(with_bit4(q & 15, h >> i), d, m));
+      emit(16 + i, affine(with_bit4(q >> 4, h >> (16 + i)), d, m));
+    }
+  }
+};
+
+struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
+  static constexpr int QK = 32, BYTES = 34, GROUP = 8;
+  static void scales(const uint8_t* b, int nb, float* s) { block_halves<BYTES, 0>(b, nb, s); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    const vf d = splat(s);
+    for (int i = 0; i < 32; i += VW) emit(i, __builtin_convertvector(widen_i8(b + 2 + i), vf) * d);
+  }
+};
+
+// Q4_K / Q5_K: s[j] = d * sc_j, s[8 + j] = -dmin * m_j for the 8 sub-blocks j (6-bit scales and mins packed in the
+// 12 bytes from b + 4).
+inline void scales_k4(const uint8_t* b, float* s) {
+#if defined(__AVX512F__) && defined(__F16C__)
+  // lanes 0-7 the scales, 8-15 the mins: sc_j = q[j] & 63, sc_4+j = (q[j + 8] & 15) | (q[j] >> 6) << 4,
+  // m_j = q[j + 4] & 63, m_4+j = (q[j + 8] >> 4) | (q[j + 4] >> 6) << 4 (q = b + 4; bytes 12-15 unused)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+  const __m512i lo = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11), q);
+  const __m512i hi = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7), q);
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i low_mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m512i high_mask = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+  const __m512i v = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(lo, shift), low_mask),
+                                    _mm512_and_si512(_mm512_srli_epi32(hi, 2), high_mask));
+  // [d x 8, -dmin x 8]
+  const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b))));
+  const __m512 scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                             _mm512_castps128_ps512(d_dmin));
+  const __m512 sign = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(scale, sign)));
+#else
+  const uint8_t* q = b + 4;
+  int32_t v[16];
+  for (int j = 0; j < 4; ++j) {
+    v[j] = q[j] & 63;
+    v[8 + j] = q[j + 4] & 63;
+    v[4 + j] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
+    v[12 + j] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+  const float d = half(b), dmin = -half(b + 2);
+  for (int i = 0; i < 16; ++i) s[i] = static_cast<float>(v[i]) * (i < 8 ? d : dmin);
+#endif
+}
+
+// Q4_K / Q5_K's 256 values: chunk c (64 values) is sub-blocks 2c (the low nibbles of qs[32c, 32c + 32)) and 2c + 1
+// (the high nibbles), each d * sc * q - dmin * m; FIVE adds bits 2c and 2c + 1 of qh[l] as the fifth bits.
+template <bool FIVE, typename E>
+inline void block_k4(const uint8_t* qh, const uint8_t* qs, const float* s, E&& emit) {
+  for (int c = 0; c < 4; ++c) {
+    const vf d1 = splat(s + 2 * c), o1 = splat(s + 8 + 2 * c);
+    const vf d2 = splat(s + 2 * c + 1), o2 = splat(s + 9 + 2 * c);
+    for (int l = 0; l < 32; l += VW) {
+      const vi q = widen_u8(qs + 32 * c + l);
+      vi lo = q & 15, hi = q >> 4;
+      if constexpr (FIVE) {
+        const HighBits h(qh + l);
+        lo = h.add(lo, 2 * c);
+        hi = h.add(hi, 2 * c + 1);
+      }
+      emit(64 * c + l, affine(lo, d1, o1));
+      emit(64 * c + 32 + l, affine(hi, d2, o2));
+    }
+  }
+}
+
+struct Q4_K {  // half d, dmin; scales[12]; qs[128]
+  static constexpr int QK = 256, BYTES = 144, GROUP = 1;
+  static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    block_k4<false>(nullptr, b + 16, s, emit);
+  }
+};
+
+struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
+  static constexpr int QK = 256, BYTES = 176, GROUP = 1;
+  static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    block_k4<true>(b + 16, b + 48, s, emit);
+  }
+};
+
+struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 values, 16 values per scale.
+  static constexpr int QK = 256, BYTES = 210, GROUP = 1;
+  // s[i] = d * scales[i], s[16 + i] = -32 s[i]
+  static void scales(const uint8_t* b, int, float* s) {
+    const float d = half(b + 208);
+    for (int i = 0; i < 16; i += VW) {
+      const vf v = __builtin_convertvector(widen_i8(b + 192 + i), vf) * d;
+      store(s + i, v);
+      store(s + 16 + i, v * -32.0f);
+    }
+  }
+  template <typename E>
+  static void block(const uint8_t* b, const float* s, E&& emit) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      for (int l = 0; l < 32; l += VW) {  // VW divides 16: one scale per vector
+        const float* sc = s + 8 * h + l / 16;
+        const vi a = widen_u8(ql + l), c = widen_u8(ql + 32 + l), hb = widen_u8(qh + l);
+        // 6-bit values: nibble | two bits of qh[l] << 4 (bits 0-1, 2-3, 4-5, 6-7), centered by -32
+        emit(128 * h + l, affine((a & 15) | ((hb << 4) & 48), splat(sc), splat(sc + 16)));
+        emit(128 * h + 32 + l, affine((c & 15) | ((hb << 2) & 48), splat(sc + 2), splat(sc + 18)));
+        emit(128 * h + 64 + l, affine((a >> 4) | (hb & 48), splat(sc + 4), splat(sc + 20)));
+        emit(128 * h + 96 + l, affine((c >> 4) | ((hb >> 2) & 48), splat(sc + 6), splat(sc + 22)));
+      }
+    }
+  }
+};
+
+constexpr int SCALES = 32;  // floats of a step's scales, any format
+
+struct Problem {
+  const float* x;    // [M, K]
+  const uint8_t* w;  // [N, row_bytes]
+  float* y;          // [M, N]
+  int64_t M, K, N, row_bytes;
+  const float* xs;   // more than TM rows: x step by step, [K / KS][M][KS]
+};
+
+// ---------------------------------------------------------------- one row of x
+
+// The blocks of one weight row against x, into 4 accumulators: vector i of block number `parity` (0 or 1, blocks
+// alternate when a block has fewer than 4 vectors) goes to acc[(parity * vectors per block + i) % 4].
+template <typename T, int PARITY>
+inline void row_block(const uint8_t* b, const float* s, const float* x, vf (&acc)[4]) {
+  constexpr int VPB = T::QK / VW;
+  T::block(b, s, [&](int i, vf v) { acc[(PARITY * VPB + i / VW) % 4] += load(x + i) * v; });
+}
+
+// The blocks [0, nb) of a step (nb <= GROUP) from b, their scales in s: f(block, its scales, parity, block number).
+template <typename T, typename F>
+inline void for_blocks(const uint8_t* b, int nb, const float* s, F&& f) {
+  if constexpr (T::GROUP == 1) {
+    f(b, s, std::integral_constant<int, 0>{}, 0);
+  } else {
+    int i = 0;
+    for (; i + 2 <= nb; i += 2) {
+      f(b + i * T::BYTES, s + i, std::integral_constant<int, 0>{}, i);
+      f(b + (i + 1) * T::BYTES, s + i + 1, std::integral_constant<int, 1>{}, i + 1);
+    }
+    if (i < nb) f(b + i * T::BYTES, s + i, std::integral_constant<int, 0>{}, i);
+  }
+}
+
+// Prefetches (into L2) w's bytes [at, at + bytes) below `limit`: the weights are read ahead of their
+// de-quantization instead of while it waits (a core's misses in flight bound its share of the bandwidth).
+inline void prefetch(const Problem& p, int64_t at, int64_t bytes, int64_t limit) {
+  for (int64_t i = at; i < at + bytes && i < limit; i += LINE_BYTES) __builtin_prefetch(p.w + i, 0, 2);
+}
+
+constexpr int64_t PREFETCH = 2048;  // bytes ahead of the de-quantization, one row of x
+
+// Spreads the prefetch of the next weight tile (rows [n + TN, n + 2 TN), consecutive bytes) over the current tile's
+// `steps` steps: the part for step `step`.
+inline void prefetch_next_tile(const Problem& p, int64_t n, int64_t step, int64_t steps, int64_t limit) {
+  const int64_t part = (TN * p.row_bytes / steps + LINE_BYTES) / LINE_BYTES * LINE_BYTES;
+  prefetch(p, (n + TN) * p.row_bytes + step * part, part, limit);
+}
+
+// y[0, n0:n1]: the weight rows, consecutive in memory, one sequential stream of steps; the scales of the next step
+// are computed before this step's blocks (their loads and conversions are not waited for).
+template <typename T>
+void one_row(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t blocks = p.K / T::QK, limit = n1 * p.row_bytes;
+  const uint8_t* b = p.w + n0 * p.row_bytes;
+  alignas(64) float s[2][SCALES];
+  int cur = 0, nb = static_cast<int>(std::min<int64_t>(T::GROUP, blocks));
+  T::scales(b, nb, s[cur]);
+  vf acc[4] = {};
+  for (int64_t n = n0, g = 0;;) {  // step: row n, blocks [g, g + nb)
+    const uint8_t* b_next = b + nb * T::BYTES;  // the next row's blocks follow the last step's
+    int64_t n_next = n, g_next = g + nb;
+    if (g_next == blocks) n_next++, g_next = 0;
+    const int nb_next = static_cast<int>(std::min<int64_t>(T::GROUP, blocks - g_next));
+    if (n_next < n1) T::scales(b_next, nb_next, s[cur ^ 1]);
+    in_memory(s);
+    prefetch(p, b - p.w + PREFETCH, nb * T::BYTES, limit);
+    const float* x = p.x + g * T::QK;
+    for_blocks<T>(b, nb, s[cur], [&](const uint8_t* bi, const float* si, auto parity, int i) {
+      row_block<T, decltype(parity)::value>(bi, si, x + i * T::QK, acc);
+    });
+    if (g_next == 0) {
+      p.y[n] = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+      for (vf& a : acc) a = vf{};
+    }
+    if (n_next == n1) break;
+    b = b_next, n = n_next, g = g_next, nb = nb_next, cur ^= 1;
+  }
+}
+
+// ---------------------------------------------------------------- several rows of x
+
+// Weight rows [n, n + tn), values [k0, k0 + kc) (one step) -> buf[j * KS + k - k0].
+template <typename T>
+inline void dequant_step(const Problem& p, int64_t n, int tn, int64_t k0, int64_t kc, float* buf) {
+  const int nb = static_cast<int>(kc / T::QK);
+  for (int j = 0; j < tn; ++j) {
+    const uint8_t* b = p.w + (n + j) * p.row_bytes + k0 / T::QK * T::BYTES;
+    float* out = buf + j * KS;
+    alignas(64) float s[SCALES];
+    T::scales(b, nb, s);
+    in_memory(s);
+    for_blocks<T>(b, nb, s, [out](const uint8_t* bi, const float* si, auto, int i) {
+      float* o = out + i * T::QK;
+      T::block(bi, si, [o](int v, vf w) { store(o + v, w); });
+    });
+  }
+}
+
+// acc[m][j] += x[m, 0 : kc] * buf[j, 0 : kc] lane by lane (x at row m0 and the step's first column; kc a multiple of
+// VW).
+template <int R>
+inline void multiply(const float* buf, const float* x, int64_t ldx, int64_t kc, vf (&acc)[R][TN]) {
+  for (int64_t k = 0; k < kc; k += VW) {
+    vf xv[R];
+    for (int m = 0; m < R; ++m) xv[m] = load(x + m * ldx + k);
+    for (int j = 0; j < TN; ++j) {
+      const vf wv = load(buf + j * KS + k);
+      for (int m = 0; m < R; ++m) acc[m][j] += xv[m] * wv;
+    }
+  }
+}
+
+template <int R>
+inline void store_sums(const Problem& p, int64_t m0, int64_t n, int tn, const vf (&acc)[R][TN]) {
+  for (int m = 0; m < R; ++m) {
+    for (int j = 0; j < tn; ++j) p.y[(m0 + m) * p.N + n + j] = hsum(acc[m][j]);
+  }
+}
+
+// All M = R <= TM rows of y[:, n0:n1] (n0 a multiple of TN): one register tile, its accumulators kept over K.
+template <typename T, int R>
+void one_tile(const Problem& p, int64_t n0, int64_t n1) {
+  alignas(64) float buf[TN * KS];
+  std::memset(buf, 0, sizeof(buf));  // a partial last tile's rows past n1 are read, their sums dropped
+  const int64_t steps = (p.K + KS - 1) / KS, limit = n1 * p.row_bytes;
+  for (int64_t n = n0; n < n1; n += TN) {
+    const int tn = static_cast<int>(std::min<int64_t>(TN, n1 - n));
+    vf acc[R][TN] = {};
+    for (int64_t k = 0; k < p.K; k += KS) {
+      const int64_t kc = std::min<int64_t>(KS, p.K - k);
+      prefetch_next_tile(p, n, k / KS, steps, limit);
+      dequant_step<T>(p, n, tn, k, kc, buf);
+      multiply<R>(buf, p.x + k, p.K, kc, acc);
+    }
+    store_sums<R>(p, 0, n, tn, acc);
+  }
+}
+
+// Register tile of R rows from m0 over one step, its accumulators carried in part [R][TN] between steps.
+template <int R>
+inline void tile_step(const Problem& p, const float* buf, int64_t m0, int64_t k, int64_t kc, vf* part, bool last,
+                      int64_t n, int tn) {
+  vf acc[R][TN];
+  for (int m = 0; m < R; ++m) {
+    for (int j = 0; j < TN; ++j) acc[m][j] = k == 0 ? vf{} : part[m * TN + j];
+  }
+  multiply<R>(buf, p.xs + (k / KS * p.M + m0) * KS, KS, kc, acc);
+  if (last) {
+    store_sums<R>(p, m0, n, tn, acc);
+  } else {
+    for (int m = 0; m < R; ++m) {
+      for (int j = 0; j < TN; ++j) part[m * TN + j] = acc[m][j];
+    }
+  }
+}
+
+// More than TM rows: register tiles of near-equal heights (at most TM) over each step's buffer. Their x is read
+// from a copy step by step (the rows' columns of a step 1 KB apart): in x itself a step's rows lie K * 4 bytes apart,
+// for K a multiple of 1024 all in the same L1 sets, and the step's x is evicted while it is read for each tile.
+template <typename T>
+void many_tiles(const Problem& p, int64_t n0, int64_t n1) {
+  alignas(64) float buf[TN * KS];
+  std::memset(buf, 0, sizeof(buf));
+  std::unique_ptr<vf[]> part(new vf[p.M * TN]);
+  const int64_t tiles = (p.M + TM - 1) / TM, steps = (p.K + KS - 1) / KS, limit = n1 * p.row_bytes;
+  for (int64_t n = n0; n < n1; n += TN) {
+    const int tn = static_cast<int>(std::min<int64_t>(TN, n1 - n));
+    for (int64_t k = 0; k < p.K; k += KS) {
+      const int64_t kc = std::min<int64_t>(KS, p.K - k);
+      const bool last = k + kc == p.K;
+      prefetch_next_tile(p, n, k / KS, steps, limit);
+      dequant_step<T>(p, n, tn, k, kc, buf);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = t * p.M / tiles, rows = (t + 1) * p.M / tiles - m0;
+        vf* tp = part.get() + m0 * TN;
+        switch (rows) {
+#define NETRA_ROWS(R)                                                    \
+  case R:                                                                \
+    if constexpr (R <= TM) tile_step<R>(p, buf, m0, k, kc, tp, last, n, tn); \
+    break;
+          NETRA_ROWS(1)
+          NETRA_ROWS(2)
+          NETRA_ROWS(3)
+          NETRA_ROWS(4)
+#undef NETRA_ROWS
+        }
+      }
+    }
+  }
+}
+
+// x [M, K] step by step, [K / KS][M][KS], for more than TM rows (else null).
+std::unique_ptr<vf[]> x_by_steps(const Problem& p) {
+  if (p.M <= TM) return nullptr;
+  const int64_t steps = (p.K + KS - 1) / KS;
+  std::unique_ptr<vf[]> xs(new vf[steps * p.M * KS / VW]);
+  float* out = reinterpret_cast<float*>(xs.get());
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t kc = std::min<int64_t>(KS, p.K - s * KS);
+    for (int64_t m = 0; m < p.M; ++m) {
+      std::memcpy(out + (s * p.M + m) * KS, p.x + m * p.K + s * KS, sizeof(float) * kc);
+    }
+  }
+  return xs;
+}
+
+typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
+
+template <typename T>
+ChunkFn chunk_fn(int64_t M) {
+  static_assert(TM <= 4 && KS % T::QK == 0);
+  if (M == 1) return one_row<T>;
+  switch (M) {
+#define NETRA_ROWS(R) \
+  case R:             \
+    if constexpr (R <= TM) return one_tile<T, R>; \
+    break;
+    NETRA_ROWS(2)
+    NETRA_ROWS(3)
+    NETRA_ROWS(4)
+#undef NETRA_ROWS
+  }
+  return many_tiles<T>;
+}
+
+struct Format {
+  int32_t ggml_type;
+  const char* name;
+  int64_t qk, bytes;
+  ChunkFn (*chunk)(int64_t M);
+};
+
+template <typename T>
+constexpr Format format(int32_t ggml_type, const char* name) {
+  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>};
+}
+
+constexpr Format FORMATS[] = {
+    format<Q4_0>(2, "Q4_0"), format<Q4_1>(3, "Q4_1"), format<Q5_0>(6, "Q5_0"), format<Q5_1>(7, "Q5_1"),
+    format<Q8_0>(8, "Q8_0"), format<Q4_K>(12, "Q4_K"), format<Q5_K>(13, "Q5_K"), format<Q6_K>(14, "Q6_K"),
+};
+
+// Chunks of whole units of weight rows, claimed by the caller and the helpers. Each thread works from its own copy
+// of the problem (the kernels read its fields in their loops); the counters, written by every thread, have cache
+// lines of their own.
+struct Work {
+  Problem p;
+  ChunkFn fn;
+  int64_t units, unit, chunks;
+  alignas(64) std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> finished{0};
+
+  void run() {
+    const Problem mine = p;
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      const int64_t n0 = c * units / chunks * unit;
+      const int64_t n1 = std::min(mine.N, (c + 1) * units / chunks * unit);
+      fn(mine, n0, n1);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+constexpr int64_t CHUNKS_PER_THREAD = 4;  // a helper that starts late leaves the others less to wait for
+
+ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+  const Format* f = nullptr;
+  for (const Format& g : FORMATS) {
+    if (g.ggml_type == qtype) f = &g;
+  }
+  if (f == nullptr) {
+    return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: GGML type " + std::to_string(qtype) +
+                                       " is not one of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
+                                       "Q5_K (13), Q6_K (14)");
+  }
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const std::string format = std::string(" (") + f->name + ": " + std::to_string(f->qk) + " values in " +
+                             std::to_string(f->bytes) + " bytes per block)";
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("netra_ggml_matmul_f32 takes x [M, K], w [N, row_bytes], y [M, N]" + format);
+  }
+  if (wd[1] % f->bytes != 0 || wd[1] / f->bytes * f->qk != xd[1]) {
+    return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: w's rows of " + std::to_string(wd[1]) +
+                                       " bytes are not K = " + std::to_string(xd[1]) + " values" + format);
+  }
+  if (yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: y is not [M, N] = [" + std::to_string(xd[0]) + ", " +
+                                       std::to_string(wd[0]) + "]");
+  }
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[1], nullptr};
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  const std::unique_ptr<vf[]> xs = x_by_steps(p);
+  p.xs = reinterpret_cast<const float*>(xs.get());
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto work = std::make_shared<Work>();
+  work->p = p;
+  work->fn = f->chunk(p.M);
+  work->unit = p.M == 1 ? ROW_UNIT : TN;
+  work->units = (p.N + work->unit - 1) / work->unit;
+  work->chunks = std::min(work->units, threads * CHUNKS_PER_THREAD);
+  netra::run_on_pool(pool, work, std::min(threads, work->chunks) - 1, work->chunks);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraGgmlMatmulF32, GgmlMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("qtype"));

@@ -1,0 +1,185 @@
+"""llama.cpp's GGML block formats kept quantized in memory: the table of the types this runtime reads as they are
+(values and bytes per block) and their jnp de-quantization, the reference every quantized matmul kernel is tested
+against and the path for the products no kernel takes (many rows, other backends).
+
+A weight [N, K] in one of these formats is the raw bytes of the GGUF tensor: uint8 [N, row_bytes], each row K / QK
+consecutive blocks (row_bytes = K / QK * BLOCK_BYTES), exactly as llama.cpp stores and reads it. Layouts follow
+ggml-common.h (fp16 fields little-endian IEEE half); `gguf.quants.dequantize` is the numpy ground truth the tests
+compare this module with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FORMATS", "BlockFormat", "dequantize_rows", "quantize_rows_q4_0", "row_bytes"]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGML block type: `qk` values in `block_bytes` bytes; `ggml_type` is its number in GGUF files."""
+
+    name: str
+    ggml_type: int
+    qk: int
+    block_bytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.block_bytes / self.qk
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q5_0", 6, 32, 22),
+        BlockFormat("Q5_1", 7, 32, 24),
+        BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q5_K", 13, 256, 176),
+        BlockFormat("Q6_K", 14, 256, 210),
+    )
+}
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of k values (k a multiple of the format's block)."""
+    f = FORMATS[qtype]
+    if k % f.qk:
+        raise ValueError(f"{qtype} rows hold multiples of {f.qk} values, not {k}")
+    return k // f.qk * f.block_bytes
+
+
+def _f16(b: jax.Array) -> jax.Array:
+    """[..., 2] uint8 little-endian IEEE half -> [...] float32."""
+    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Low and high 4 bits of each byte, as int32."""
+    q = qs.astype(jnp.int32)
+    return q & 15, q >> 4
+
+
+def _bits(qh: jax.Array, n: int) -> jax.Array:
+    """[..., n/8] uint8 (little-endian bit order) -> [..., n] int32 of 0/1: bit i of the little-endian integer."""
+    q = qh.astype(jnp.int32)[..., :, None]  # [..., bytes, 1]
+    return ((q >> jnp.arange(8, dtype=jnp.int32)) & 1).reshape(*qh.shape[:-1], n)
+
+
+def _q8_0(b):  # b: [..., 34]
+    return b[..., 2:].view(jnp.int8).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+
+
+def _q4_0(b):  # [..., 18]
+    lo, hi = _nibbles(b[..., 2:])
+    return (jnp.concatenate([lo, hi], -1) - 8).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+
+
+def _q4_1(b):  # [..., 20]
+    lo, hi = _nibbles(b[..., 4:])
+    q = jnp.concatenate([lo, hi], -1).astype(jnp.float32)
+    return q * _f16(b[..., 0:2])[..., None] + _f16(b[..., 2:4])[..., None]
+
+
+def _five_bit(qh: jax.Array, qs: jax.Array) -> jax.Array:
+    lo, hi = _nibbles(qs)
+    return jnp.concatenate([lo, hi], -1) | (_bits(qh, 32) << 4)  # [..., 32] in 0..31
+
+
+def _q5_0(b):  # [..., 22]
+    return (_five_bit(b[..., 2:6], b[..., 6:]) - 16).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+
+
+def _q5_1(b):  # [..., 24]
+    q = _five_bit(b[..., 4:8], b[..., 8:]).astype(jnp.float32)
+    return q * _f16(b[..., 0:2])[..., None] + _f16(b[..., 2:4])[..., None]
+
+
+def _scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K block from its 12 bytes: ([..., 8], [..., 8]) int32."""
+    s = s.astype(jnp.int32)
+    sc = jnp.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = jnp.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _k_quant_affine(b: jax.Array, q: jax.Array) -> jax.Array:
+    """Q4_K / Q5_K: q [..., 8, 32] (sub-block j's 32 values) -> d * sc_j * q - dmin * m_j, [..., 256]."""
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    y = (d * sc)[..., None] * q.astype(jnp.float32) - (dmin * mn)[..., None]
+    return y.reshape(*b.shape[:-1], 256)
+
+
+def _chunked_nibbles(qs: jax.Array) -> jax.Array:
+    """128 bytes in 4 chunks of 32: chunk c's low nibbles are sub-block 2c, its high nibbles 2c + 1 -> [..., 8, 32]."""
+    lo, hi = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32))
+    return jnp.stack([lo, hi], -2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _q4_k(b):  # [..., 144]: d, dmin, scales[12], qs[128]
+    return _k_quant_affine(b, _chunked_nibbles(b[..., 16:]))
+
+
+def _q5_k(b):  # [..., 176]: d, dmin, scales[12], qh[32], qs[128]
+    qh = b[..., 16:48].astype(jnp.int32)  # bit 2c of qh[l]: sub-block 2c's fifth bit, bit 2c + 1: sub-block 2c + 1's
+    high = ((qh[..., None, :] >> jnp.arange(8, dtype=jnp.int32)[:, None]) & 1) << 4  # [..., 8, 32]
+    return _k_quant_affine(b, _chunked_nibbles(b[..., 48:]) | high)
+
+
+def _q6_k(b):  # [..., 210]: ql[128], qh[64], int8 scales[16], d
+    ql = b[..., 0:128].astype(jnp.int32).reshape(*b.shape[:-1], 2, 2, 32)  # [half, l // 32 (low / high 32), l]
+    qh = b[..., 128:192].astype(jnp.int32).reshape(*b.shape[:-1], 2, 1, 32)  # [half, 1, l]
+    sc = b[..., 192:208].view(jnp.int8).astype(jnp.float32).reshape(*b.shape[:-1], 2, 8)  # [half, 8]
+    d = _f16(b[..., 208:210])[..., None, None, None]
+    # values of a half, in order: q1 (ql[l] low, qh bits 0-1), q2 (ql[l+32] low, bits 2-3), q3 (ql[l] high, 4-5),
+    # q4 (ql[l+32] high, 6-7)
+    low = jnp.concatenate([ql & 15, ql >> 4], -2)  # [..., 2, 4, 32]: q1, q2, q3, q4's low bits
+    high = (qh >> (2 * jnp.arange(4, dtype=jnp.int32))[:, None]) & 3  # [..., 2, 4, 32]
+    q = ((low | (high << 4)) - 32).astype(jnp.float32)
+    scale = jnp.repeat(sc.reshape(*sc.shape[:-1], 4, 2), 16, axis=-1)  # [..., 2, 4, 32]: sc[is + 2j], is = l // 16
+    return (d * scale * q).reshape(*b.shape[:-1], 256)
+
+
+_DEQUANT = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+
+
+def dequantize_rows(data: jax.Array, qtype: str, dtype=jnp.float32) -> jax.Array:
+    """uint8 [..., row_bytes] rows of `qtype` blocks -> [..., K] de-quantized (K = row_bytes / BLOCK_BYTES * QK)."""
+    f = FORMATS[qtype]
+    if data.dtype != jnp.uint8 or data.shape[-1] % f.block_bytes:
+        raise ValueError(f"{qtype} rows are uint8 multiples of {f.block_bytes} bytes, got {data.dtype} {data.shape}")
+    nb = data.shape[-1] // f.block_bytes
+    blocks = data.reshape(*data.shape[:-1], nb, f.block_bytes)
+    return _DEQUANT[qtype](blocks).reshape(*data.shape[:-1], nb * f.qk).astype(dtype)
+
+
+def quantize_rows_q4_0(rows: jax.Array) -> jax.Array:
+    """float [..., K] (K a multiple of 32) -> Q4_0 blocks uint8 [..., K / 32 * 18], rounded as llama.cpp's reference
+    quantizer (and `gguf.quants`) does: per block the value of largest magnitude m, d = m / -8, q = clip(trunc(x / d
+    + 8.5), 0, 15); d stored as fp16."""
+    k = rows.shape[-1]
+    if k % 32:
+        raise ValueError(f"Q4_0 rows hold multiples of 32 values, not {k}")
+    x = rows.astype(jnp.float32).reshape(*rows.shape[:-1], k // 32, 32)
+    m = jnp.take_along_axis(x, jnp.argmax(jnp.abs(x), axis=-1, keepdims=True), axis=-1)  # [..., nb, 1]
+    d = m / -8.0
+    inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+    q = jnp.clip(jnp.trunc(x * inv + 8.5), 0, 15).astype(jnp.uint8)  # [..., nb, 32]
+    packed = q[..., :16] | (q[..., 16:] << 4)  # value j in byte j's low nibble, value j + 16 in its high nibble
+    d16 = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8).reshape(*x.shape[:-1], 2)
+    return jnp.concatenate([d16, packed], axis=-1).reshape(*rows.shape[:-1], k // 32 * 18)
