@@ -15,6 +15,9 @@ Parameter pytree (weights stored [in, out] so activations multiply on the left; 
             router [hidden, experts], optional router_bias [experts] float32,
             experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
             optional experts_gate_up_bias [experts, 2, moe_intermediate], experts_down_bias [experts, hidden].
+Any weight matrix, the embedding and the lm_head may be a `models.quant` quantized weight instead of an array (int8
+with per-channel scales, or a GGUF tensor's GGML blocks): every projection goes through `quant.matmul`, the
+embedding through `quant.embedding_rows`.
 Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
 
 Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode differentiable (`jax.grad`,
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 from netra_jax.config import ModelConfig
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
 from netra_jax.models.moe import moe_mlp
-from netra_jax.models.quant import matmul
+from netra_jax.models.quant import embedding_rows, matmul
 from netra_jax.models.rope import rope
 from netra_jax.ops.attention import (
     AttentionMetadata,
@@ -174,7 +177,7 @@ def embed_tokens(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Ar
     """The embedding layer's output for token ids, as Hugging Face's `get_input_embeddings()(ids)` gives it: the
     table's rows, times sqrt(hidden) for Gemma 3 (`cfg.scale_embeddings`). What `forward(..., input_embeds=...)`
     takes in place of ids. token_ids: [T] int; returns [T, hidden] in the table's dtype."""
-    x = params["embed"][token_ids]  # [T, hidden]
+    x = embedding_rows(params["embed"], token_ids)  # [T, hidden]; a GGML table de-quantizes only these rows
     if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     return x

@@ -248,13 +248,23 @@ Getter = Callable[[str], Any]
 
 class WeightReader:
     """Builds the parameter pytree of a checkpoint as `Leaf`s from the family's table: `get(name)` gives a tensor
-    (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
-    slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
-    embedding model, whose checkpoint may have none."""
+        (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
+        slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
+        embedding model, whose checkpoint may have none. `keep_blocks`: Linear weights (gate and up too) and the
+    embedding whose sources offer GGML blocks (a GGUF file's kept formats) become `rd.BlocksLeaf`s, kept quantized."""
 
-    def __init__(self, cfg: ModelConfig, get: Getter, has: Callable[[str], bool], dtype, without: Collection[str] = ()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        get: Getter,
+        has: Callable[[str], bool],
+        dtype,
+        without: Collection[str] = (),
+        keep_blocks: bool = False,
+    ):
         self.cfg, self.get, self.has, self.dtype = cfg, get, has, np.dtype(dtype)
         self.without = frozenset(without)
+        self.keep_blocks = keep_blocks
         self.reads = Reads()
         self._dims = _dims(cfg)
 
@@ -285,6 +295,8 @@ class WeightReader:
         out_map = kv_map if entry.kv else None
         one = src[0][0]
         t = entry.transform
+        if self.keep_blocks and out_map is None and (kept := self._blocks(entry, src)) is not None:
+            return kept
         if t == COPY:
             return rd.copy(one, self.reads, dt, out_map)
         if t == NORM:
@@ -302,6 +314,21 @@ class WeightReader:
         if t == DEINTERLEAVE:
             return rd.deinterleave(one, self.reads, dt)
         raise ValueError(f"unknown transform {t!r}")
+
+    def _blocks(self, entry: Entry, src: list[list[Source]]) -> rd.BlocksLeaf | None:
+        """The entry kept in GGML blocks when it is a Linear weight, gate and up, or the embedding table, and its
+        sources offer blocks of one format; else None (read as floats)."""
+        flat = [s for group in src for s in group]
+        if not rd.has_blocks(flat):
+            return None
+        rows, k = flat[0].a.shape
+        if entry.transform == LINEAR:
+            return rd.blocks(flat, self.reads, (k, rows), True, self.dtype)
+        if entry.transform == GATE_UP:
+            return rd.blocks(flat, self.reads, (k, 2, rows), True, self.dtype)
+        if entry.param == "embed":
+            return rd.blocks(flat, self.reads, (rows, k), False, self.dtype)
+        return None
 
     def leaves(self, kv_replicas: int = 1) -> dict:
         """The `Leaf` pytree {embed, lm_head, final_norm, layers: [dict, ...]}; KV heads repeated `kv_replicas`

@@ -7,7 +7,10 @@ device's shard, and the whole index reads the whole parameter. A large read is d
 `block_axis` (the axis whose slices are contiguous runs of the source: experts, rows of a Linear weight) into one
 preallocated array of the parameter's dtype, so its transient copies (de-quantized float32, transposes, casts) are
 one block's, not the whole parameter's (gpt-oss-120b's MXFP4 gate_up is 8.5 GB in float32 per layer). `Reads` logs
-(tensor name, shape read, bytes) per read, so tests can check that a device reads its slice and nothing more."""
+(tensor name, shape read, bytes) per read, so tests can check that a device reads its slice and nothing more.
+
+Sources in a GGML block format kept quantized (GGUF tensors offering raw `blocks`) can instead be read whole into a
+`models.quant.GGMLWeight` (`blocks`: a Linear, gate and up, or the embedding table), their bytes copied as they are."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from netra_jax.models.quant import GGMLWeight
 
 Index = tuple[slice, ...]
 BLOCK_BYTES = 64 << 20  # float32 bytes of one block of a read (its transient copies are a few of these)
@@ -195,6 +200,34 @@ def deinterleave(src: Source, reads: Reads, dtype) -> Leaf:
         return out
 
     return Leaf((*lead, 2, two_i // 2), np.dtype(dtype), read)
+
+
+def has_blocks(sources: Sequence[Source]) -> bool:
+    """Whether every source offers its raw GGML blocks, all in one format (so one `GGMLWeight` can hold them)."""
+    return all(getattr(s.a, "blocks", None) for s in sources) and len({s.a.qtype for s in sources}) == 1
+
+
+@dataclass
+class BlocksLeaf:
+    """A parameter kept in GGML blocks: its logical (float) shape and `read_all() -> GGMLWeight` over numpy data."""
+
+    shape: tuple[int, ...]
+    read_all: Callable[[], GGMLWeight]
+
+
+def blocks(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], transposed: bool, dtype) -> BlocksLeaf:
+    """The sources' raw rows stacked ([rows, row_bytes]: a Linear's output rows, gate's then up's, or a table's
+    rows) as a `GGMLWeight` of logical `shape` (see its docstring for `transposed`) de-quantizing to `dtype`. One
+    source's rows are handed over as the source gives them (a view of a memory map: the caller copies them once, to
+    the device); several are concatenated."""
+
+    def read_all() -> GGMLWeight:
+        parts = [s.a.blocks(slice(0, s.a.shape[0])) for s in sources]
+        reads.log.extend((s.name, p.shape, p.nbytes) for s, p in zip(sources, parts, strict=True))
+        data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return GGMLWeight(data, sources[0].a.qtype, tuple(shape), transposed, np.dtype(dtype))
+
+    return BlocksLeaf(tuple(shape), read_all)
 
 
 def kv_row_map(num_kv_heads: int, head_dim: int, replicas: int) -> np.ndarray | None:

@@ -82,8 +82,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     pooling = None
     if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
         pooling = pooling_spec(path, header_cfg.hidden_size, config.pooler_config)
-    cfg, params = load_model(
-        path, config.dtype, mesh=mesh, load_format=config.load_format, task=config.task, trust_remote_code=remote
+    cfg, params = load_model(  # a method asked for re-quantizes a GGUF file's weights from their float values
+        path,
+        config.dtype,
+        mesh=mesh,
+        load_format=config.load_format,
+        task=config.task,
+        trust_remote_code=remote,
+        keep_quantized=not config.quantization,
     )
     if config.quantization:
         params = quantize_params(params, config.quantization)
@@ -159,7 +165,8 @@ class LLM:
         tensor_parallel_size: Devices the weights and KV heads are split over.
         matmul_backend: "auto" | "xla" | "cpu_rows": how float32 matmuls of decode-sized steps run; "auto" runs the
             CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split.
-        quantization: None, or "int8": weight-only int8 with per-channel scales.
+        quantization: None, or a weight-only method applied at load: "int8" or "fp8" (per-output-channel scales),
+            "int4" (llama.cpp's Q4_0 blocks of 32); a GGUF file's quantized blocks are kept as they are anyway.
         seed: Seeds the requests that give no seed.
         warmup: Compile every reachable program before returning (minutes on CPU for a large token budget); False:
             compile each on first use.

@@ -62,7 +62,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="cut the last prompt chunk of a step so the step ends on a compiled token bucket when that moves fewer "
         "tokens to the next step than it saves in padding (default: on for the CPU backend)",
     )
-    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (per-channel scales)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "fp8"],
+        help="quantize a float checkpoint's weights at load: int8 / fp8 with per-channel scales, int4 as Q4_0 blocks",
+    )
     p.add_argument(
         "--task",
         default="generate",

@@ -119,7 +119,7 @@ class EngineConfig:
     # how float32 matmuls of decode-sized steps run: auto = the CPU few-row kernel (netra_jax/ops/cpu_matmul.py) on
     # CPU when it builds and the weights are not split, XLA's dot otherwise | xla | cpu_rows (the kernel, CPU only)
     matmul_backend: str = "auto"
-    quantization: str | None = None  # None | "int8" (weight-only, per-channel scales; models/quant.py)
+    quantization: str | None = None  # None | "int8" | "int4" | "fp8" (weight-only, at load; models/quant.py)
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off

@@ -1,5 +1,7 @@
 """A GGUF model mixing quantization types the way llama.cpp's Q4_K_M / Q5_K_M files do (Q4_K, Q5_K and Q6_K tensors,
-F32 norms) loads through `load_model` to the same parameters as the float model its blocks encode by definition."""
+F32 norms) loads through `load_model` to the same parameters as the float model its blocks encode by definition:
+its weights and embedding kept in their blocks (`GGMLWeight`, each of its tensor's type), de-quantizing to exactly
+the float model's values."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from test_gguf_quants import enc_q4_k, enc_q5_k, enc_q6_k, write_gguf
 
 from netra_jax.loader import load_model
 from netra_jax.loader.gguf_loader import GGUFFile
+from netra_jax.models.quant import GGMLWeight
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 256, 4, 2, 512, 64, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -63,6 +66,23 @@ def test_mixed_k_quant_model_loads_as_its_float_model(tmp_path):
     cfg_q, p_q = load_model(q_path, "float32", cache=False)
     cfg_f, p_f = load_model(f_path, "float32", cache=False)
     assert cfg_q == cfg_f and (cfg_q.hidden_size, cfg_q.num_layers, cfg_q.tie_word_embeddings) == (256, 2, False)
+    kept = {name: w.qtype for name, w in p_q.items() if isinstance(w, GGMLWeight)}
+    kept |= {
+        f"{i}.{n}": w.qtype for i, lp in enumerate(p_q["layers"]) for n, w in lp.items() if isinstance(w, GGMLWeight)
+    }
+    assert kept == {
+        "embed": "Q4_K",
+        "lm_head": "Q6_K",
+        **{f"0.{n}": "Q4_K" for n in ("wq", "wk", "wo", "w_gate_up")},
+        "0.wv": "Q6_K",
+        "0.w_down": "Q6_K",
+        **{f"1.{n}": "Q5_K" for n in ("wq", "wk", "wv", "w_gate_up")},
+        "1.wo": "Q6_K",
+        "1.w_down": "Q4_K",
+    }
+    p_q = jax.tree.map(
+        lambda w: w.dequantize() if isinstance(w, GGMLWeight) else w, p_q, is_leaf=lambda w: isinstance(w, GGMLWeight)
+    )
     assert jax.tree.structure(p_q) == jax.tree.structure(p_f)
     for (path, a), b in zip(jax.tree.leaves_with_path(p_q), jax.tree.leaves(p_f), strict=True):
         np.testing.assert_allclose(

@@ -109,14 +109,16 @@ def test_smollm2_logits_and_greedy_match_transformers(smol, smol_fwd):
 
 
 def test_second_load_restores_from_cache_without_dequantizing(smol, smol_cache, monkeypatch):
-    path, cfg, params = smol
+    path, _, _ = smol  # kept in its blocks: nothing converted, nothing cached
+    assert len([p for p in smol_cache.iterdir() if not p.name.startswith(".")]) == 0
+    cfg, params = load_model(path, "float32", cache=smol_cache, keep_quantized=False)  # de-quantized, then cached
     assert len([p for p in smol_cache.iterdir() if not p.name.startswith(".")]) == 1
 
     def refuse(*a, **k):
         raise AssertionError("de-quantized although the cache holds this model")
 
     monkeypatch.setattr(gguf_loader, "dequantize", refuse)
-    cfg2, params2 = load_model(path, "float32", cache=smol_cache)
+    cfg2, params2 = load_model(path, "float32", cache=smol_cache, keep_quantized=False)
     assert cfg2 == cfg
     assert jax.tree.structure(params2) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):

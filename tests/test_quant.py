@@ -1,15 +1,18 @@
-"""int8 weight-only quantization: per-channel round trip bounds, logits close to float32 on a fixture, and the
-SmolLM2 accuracy (greedy agreement, logit error) reported with the int8 engine end to end."""
+"""Online weight-only quantization (int8, fp8, int4): per-channel round trip bounds, int4's Q4_0 blocks byte-equal to
+llama.cpp's rounding (gguf.quants), logits close to float32 on a fixture, and the SmolLM2 accuracy (greedy
+agreement, logit error) reported with the int8 engine end to end (its GGUF file re-quantized from float)."""
 
 from __future__ import annotations
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
 
 from netra_jax import LLM, SamplingParams
-from netra_jax.models.quant import QuantizedWeight, matmul, quantize_params, quantize_weight
+from netra_jax.models.quant import GGMLWeight, QuantizedWeight, matmul, quantize_params, quantize_weight
+from netra_jax.ops.ggml_blocks import quantize_rows_q4_0
 
 
 def test_quantize_weight_per_channel():
@@ -24,18 +27,46 @@ def test_quantize_weight_per_channel():
     np.testing.assert_allclose(got, np.einsum("th,hki->tki", x, deq), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_fixture_logits_close_and_engine_runs():
+def test_fp8_per_channel_within_e4m3_rounding():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)
+    qw = quantize_weight(jnp.asarray(w), "fp8")
+    assert qw.q.dtype == jnp.float8_e4m3fn and qw.scale.shape == (40,)
+    deq = np.asarray(qw.q, np.float32) * np.asarray(qw.scale)
+    assert np.all(np.abs(deq - w) <= np.abs(w) / 16 + np.asarray(qw.scale) * 2.0**-9)  # 3 mantissa bits
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), qw)), x @ deq, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_blocks_equal_llama_cpp_rounding():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a zero block: scale 0, every value 8
+    x[2, :32] = -x[2, :32] * 4  # negative extremes
+    want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0)
+    np.testing.assert_array_equal(np.asarray(quantize_rows_q4_0(jnp.asarray(x))), want)
+
+
+@pytest.mark.parametrize(
+    "method, kind, tol", [("int8", jnp.int8, 0.05), ("fp8", jnp.float8_e4m3fn, 0.1), ("int4", None, 0.5)]
+)
+def test_online_methods_fixture_logits_close_and_engine_runs(method, kind, tol):
     name = "tiny-qwen3"
     f32 = LLM(FIXTURES / name, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=64)
-    q8 = LLM(
-        FIXTURES / name, dtype="float32", quantization="int8", warmup=False, max_num_seqs=4, max_num_batched_tokens=64
+    q = LLM(
+        FIXTURES / name, dtype="float32", quantization=method, warmup=False, max_num_seqs=4, max_num_batched_tokens=64
     )
-    layer = q8.engine.runner.params["layers"][0]
-    assert isinstance(layer["wq"], QuantizedWeight) and layer["wq"].q.dtype == jnp.int8
+    wq = q.engine.runner.params["layers"][0]["wq"]
+    if kind is None:
+        assert isinstance(wq, GGMLWeight) and wq.qtype == "Q4_0"
+    else:
+        assert isinstance(wq, QuantizedWeight) and wq.q.dtype == kind
     case = reference(name)["cases"][0]
-    a, b = f32.logits(case["prompt_ids"]), q8.logits(case["prompt_ids"])
-    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
-    out = q8.generate(
+    a, b = f32.logits(case["prompt_ids"]), q.logits(case["prompt_ids"])
+    err = np.abs(a - b).max() / np.abs(a).max()
+    print(f"{method}: logits max error {err:.4f} of the largest logit")
+    assert 0 < err < tol
+    out = q.generate(
         {"prompt_token_ids": case["prompt_ids"]}, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
     )[0]
     assert len(out.outputs[0].token_ids) >= 1

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import jax
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ import random_gguf  # noqa: E402
 
 from netra_jax import loader  # noqa: E402
 from netra_jax.loader.gguf_loader import GGUFFile, read_gguf_metadata  # noqa: E402
+from netra_jax.models.quant import GGMLWeight  # noqa: E402
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
 
@@ -60,7 +62,12 @@ def test_weights_are_the_seeded_draws_within_q8_0_rounding(tiny):
     Q8_0 keeps each value within half its block's step d = max|x| / 127, plus what storing d as float16 adds
     (127 x d x 2^-11 at most): 0.57 d."""
     path, _ = tiny
-    _, params = loader.load_model(path, "float32", cache=False)
+    _, params = loader.load_model(path, "float32", cache=False)  # the weights kept in Q8_0: compared de-quantized
+    params = jax.tree.map(
+        lambda w: w.dequantize() if isinstance(w, GGMLWeight) else w,
+        params,
+        is_leaf=lambda w: isinstance(w, GGMLWeight),
+    )
     rng = np.random.default_rng(3)
     embed = rng.standard_normal((49152, 64), dtype=np.float32) * np.float32(0.02)
     step = np.abs(embed.reshape(49152, 2, 32)).max(-1, keepdims=True) / 127

@@ -10,7 +10,12 @@ Norm weights are always float32.
 Tensor parallel (`mesh` given): a HF directory is read straight onto the mesh, each device reading only its slices
 from the memory maps (`parallel.load_hf_sharded`; the parameter cache is bypassed, as there is no conversion to
 save). A GGUF file is de-quantized whole (through the cache as usual; quantized blocks do not slice per device)
-and then placed on the mesh, each device receiving its slice."""
+and then placed on the mesh, each device receiving its slice.
+
+GGUF quantization: on one device, the Linear weights and the embedding of a GGUF file stay in their GGML blocks
+when their type is one the runtime reads as it is (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+`ops.ggml_blocks`), as `models.quant.GGMLWeight`s, read tensor by tensor without the parameter cache; the other
+tensors (norms, other types, MoE experts) are de-quantized to the dtype. "dtype" is then the compute dtype."""
 
 from __future__ import annotations
 
@@ -90,6 +95,28 @@ def _open_source(
     return config_from_gguf_metadata(gf.metadata, shapes, rope_freqs), gf, [p]
 
 
+def _load_gguf_kept(gf: GGUFFile, cfg: ModelConfig, dtype, without: tuple[str, ...]) -> dict[str, Any]:
+    """The parameters of a GGUF file whose Linear weights and embedding keep their GGML blocks (`GGMLWeight`; the
+    other tensors de-quantized to `dtype`), read tensor by tensor: each parameter goes to the device as soon as it is
+    read and the file's pages it touched are dropped, so the process holds about the file's bytes once. A tied
+    lm_head shares the embedding's blocks."""
+    get, has = gguf_names.hf_view(gf, cfg)
+    leaves = weight_map.WeightReader(cfg, get, has, dtype, without, keep_blocks=True).leaves()
+    kept = weight_reads.BlocksLeaf
+    tied = cfg.tie_word_embeddings and isinstance(leaves.get("embed"), kept) and isinstance(leaves.get("lm_head"), kept)
+    head = leaves.pop("lm_head") if tied else None  # the table's blocks, read once
+
+    def put(leaf):
+        value = jax.tree.map(jax.numpy.asarray, leaf.read_all())  # one copy: the file's pages to the device
+        gf.drop_pages()
+        return value
+
+    params = jax.tree.map(put, leaves, is_leaf=lambda x: isinstance(x, (weight_reads.Leaf, kept)))
+    if head is not None:
+        params["lm_head"] = params["embed"].replace(shape=head.shape, transposed=True)  # the same buffer
+    return params
+
+
 def load_config(path: str | Path, *, trust_remote_code: bool = False) -> ModelConfig:
     """ModelConfig of a HF directory or GGUF file, without reading any weights (trust_remote_code: see
     `ModelConfig.from_hf_dict`)."""
@@ -104,6 +131,7 @@ def load_model(
     load_format: str = "auto",
     task: str = "generate",
     trust_remote_code: bool = False,
+    keep_quantized: bool = True,
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
@@ -115,7 +143,9 @@ def load_model(
     parameters of the same layout on the device (`loader.dummy`, for benchmarks).
     task: "generate", or "embed" to leave the lm_head out (embedding checkpoints often have none; the pooled hidden
     states never need it; not with a mesh yet). trust_remote_code: load a checkpoint whose config.json has an
-    auto_map with the native implementation of its architecture (see `ModelConfig.from_hf_dict`)."""
+    auto_map with the native implementation of its architecture (see `ModelConfig.from_hf_dict`).
+    keep_quantized: keep a GGUF file's GGML blocks in the kept formats (see the module docstring); False
+    de-quantizes every tensor to `dtype`, as for a file of other types (e.g. to quantize the model another way)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if task not in TASKS:
@@ -145,6 +175,10 @@ def load_model(
                 "loaded %s (%s) sharded %d ways in %.2fs", path, dt, parallel.tp_size(mesh), time.perf_counter() - t0
             )
             return cfg, params
+    if is_gguf and keep_quantized and mesh is None and source.kept_tensors():
+        params = _load_gguf_kept(source, cfg, _NP_DTYPES[dt], without)
+        log.info("loaded %s (%s, GGML blocks kept quantized) in %.2fs", path, dt, time.perf_counter() - t0)
+        return cfg, params
     root = key = None
     if cache:
         try:

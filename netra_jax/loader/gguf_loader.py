@@ -8,6 +8,8 @@ Q2_K..Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4 and whatever else that library impl
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.metadata
 import mmap
 import os
@@ -20,7 +22,19 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from netra_jax.loader.hf import CheckpointError
+from netra_jax.ops.ggml_blocks import FORMATS
 
+
+def _libc():
+    """glibc, for malloc_trim (None elsewhere: musl, macOS)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return lib if hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
 GGUF_MAGIC = b"GGUF"
 _GGUF_VERSION = importlib.metadata.version("gguf")
 _SCALARS = {  # GGUF value type -> struct format (little endian)
@@ -173,6 +187,18 @@ class GGUFFile:
         info = self.tensors[name]
         flat = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return flat.reshape(gguf.quant_shape_to_byte_shape(info.shape, info.qtype) if info.shape else (info.nbytes,))
+
+    def kept_tensors(self) -> list[str]:
+        """Names of the tensors in a GGML block format the runtime keeps quantized (`ops.ggml_blocks.FORMATS`)."""
+        return [n for n, t in self.tensors.items() if t.qtype.name in FORMATS and len(t.shape) == 2]
+
+    def drop_pages(self) -> None:
+        """Drop the file's pages from this process's memory (they stay in the OS page cache) and hand the heap's
+        free pages back: after tensors were copied out, so reading a file tensor by tensor holds one tensor's pages
+        and transients at a time, not the whole file's (glibc keeps freed blocks of up to 32 MB in its heap)."""
+        self._mm.madvise(mmap.MADV_DONTNEED)
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
 
     def tensor(self, name: str) -> np.ndarray:
         """De-quantized float32 copy-or-view of a tensor, numpy shape (GGUF dims reversed)."""

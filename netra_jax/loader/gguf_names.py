@@ -9,7 +9,11 @@ are split per expert for families storing one Linear per expert (Qwen3-MoE, Mixt
 (gpt-oss, whose gate and up halves are handed to the weight map as `weight_reads.Interleaved`, the interleaved
 `gate_up_proj` they stand for, read without building it); a fused `ffn_gate_up_exps` holds the gate rows then the
 up rows; old Mixtral files store `blk.N.ffn_gate.<expert>.weight` per expert; Llama-arch
-Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted."""
+Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted.
+
+A 2-D tensor in a GGML block format the runtime keeps quantized (`ops.ggml_blocks.FORMATS`) also offers its raw
+rows (`LazyTensor.blocks`), through the row permutations and halves above (whole rows of blocks move unchanged), so
+the weight map can keep it as it is in the file."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from netra_jax.loader.gguf_loader import GGUFFile
 from netra_jax.loader.hf import CheckpointError
 from netra_jax.models import weight_map
 from netra_jax.models.weight_reads import Interleaved
+from netra_jax.ops.ggml_blocks import FORMATS
 
 FUSED = -1  # a gate_up tensor holding both parts: gate rows, then up rows
 # llama.cpp tensor -> (parameters it may feed: the first one the family's table has, part of that parameter)
@@ -79,6 +84,9 @@ class LazyTensor:
 
     shape: tuple[int, ...]
     make: Callable[[slice], np.ndarray]
+    # a 2-D tensor in a kept GGML format: its raw rows [rows, row_bytes] of a leading range, and the format's name
+    blocks: Callable[[slice], np.ndarray] | None = None
+    qtype: str | None = None
 
     def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
         """`idx`: a step-1 slice of the leading axis (as the weight map's readers take), then any index of the rest."""
@@ -103,7 +111,18 @@ def _block(gf: GGUFFile, name: str, lead: tuple[int, ...] = ()) -> LazyTensor:
         raw = gf.raw(name)[(*lead, rows)]
         return gguf_loader.dequantize(raw, info.qtype, (raw.shape[0], *shape[1:]), what)
 
-    return LazyTensor(shape, make)
+    if len(shape) != 2 or info.qtype.name not in FORMATS:
+        return LazyTensor(shape, make)
+    return LazyTensor(shape, make, lambda rows: gf.raw(name)[(*lead, rows)], info.qtype.name)
+
+
+RowsReader = Callable[[slice], np.ndarray]
+
+
+def _on_rows(t: LazyTensor, op: Callable[[RowsReader], RowsReader], shape: tuple[int, ...] | None = None):
+    """`t` with `op` (a rearrangement of whole rows: a reader of row ranges -> another) applied to its values and,
+    when it has them, to its raw block rows; `shape`: the result's, when not t's."""
+    return LazyTensor(shape or t.shape, op(t.make), t.blocks and op(t.blocks), t.qtype)
 
 
 def _apply(t: LazyTensor, fn: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
@@ -133,12 +152,15 @@ def _unpermuted(t: LazyTensor, n_heads: int) -> LazyTensor:
         raise CheckpointError(f"cannot un-permute {t.shape[0]} rope rows over {n_heads} heads")
     hd = t.shape[0] // n_heads
 
-    def make(rows: slice) -> np.ndarray:
-        h0, h1 = rows.start // hd, max(-(-rows.stop // hd), rows.start // hd + 1)
-        heads = unpermute_rope_rows(t.make(slice(h0 * hd, h1 * hd)), h1 - h0)
-        return heads[rows.start - h0 * hd : rows.stop - h0 * hd]
+    def op(read: RowsReader) -> RowsReader:
+        def rows_of(rows: slice) -> np.ndarray:
+            h0, h1 = rows.start // hd, max(-(-rows.stop // hd), rows.start // hd + 1)
+            heads = unpermute_rope_rows(read(slice(h0 * hd, h1 * hd)), h1 - h0)
+            return heads[rows.start - h0 * hd : rows.stop - h0 * hd]
 
-    return LazyTensor(t.shape, make)
+        return rows_of
+
+    return _on_rows(t, op)
 
 
 class _Routes:
@@ -170,7 +192,10 @@ def _halves(t: LazyTensor, axis: int) -> tuple[LazyTensor, LazyTensor]:
     if axis == 0:  # the leading axis: a range of a half is a range of the whole, shifted
 
         def part(k: int) -> LazyTensor:
-            return LazyTensor(shape, lambda rows: t.make(slice(rows.start + k * n, rows.stop + k * n)))
+            def op(read: RowsReader) -> RowsReader:
+                return lambda rows: read(slice(rows.start + k * n, rows.stop + k * n))
+
+            return _on_rows(t, op, shape)
 
         return part(0), part(1)
     return tuple(
