@@ -17,6 +17,8 @@
 #   long      long context: one user, 6000-token random prompts, 32 output tokens (--max-concurrency 1 --num-prompts 3
 #             --input-len 6000 --output-len 32 --ignore-eos); ENGINES="netra_jax_f32 llamacpp_f32", PARALLEL=1
 #             CTX_PER_SLOT=8192
+#   quantized the random preset's client on the GGUF file as it is, both engines keeping its quantized blocks:
+#             ENGINES="netra_jax_gguf llamacpp_gguf" (GGUF=any file, e.g. benchmarks/random_gguf.py's)
 # Environment:
 #   LLAMA_SERVER  llama.cpp's llama-server binary (required; built outside the repository, never committed)
 #   GGUF          the Q4_1 model file (default: the default model, located or fetched by netra_jax.assets)
@@ -24,7 +26,9 @@
 #   SERVER_ARGS   extra `netra-jax serve` flags (it always gets --dtype float32)
 #   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec
 #                 netra_jax_f32_xla (no C++ CPU kernel: --matmul-backend xla --attention-backend reference, XLA's
-#                 dot and the jnp attention) llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec
+#                 dot and the jnp attention) netra_jax_gguf (the GGUF file itself, its GGML blocks kept)
+#                 llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec (llamacpp_gguf: the same, named
+#                 for any file)
 #   TAG           appended to every result's label and to the report's name (a second run on the same day keeps the
 #                 first one's files)
 #   SPEC_K=5 SPEC_NGRAM_MAX=4 SPEC_NGRAM_MIN=2   n-gram speculation of the *_spec runs: netra-jax gets
@@ -35,7 +39,8 @@
 #   RESULT_DIR=benchmarks/results
 # F32 weights: the Q4_1 file de-quantized with the gguf Python package (python -m netra_jax.bench.gguf_f32), the same
 # de-quantization netra-jax's loader applies, so netra-jax float32 and llama.cpp F32 run identical weights; this needs
-# no llama-quantize binary. The copy (~540 MB) is written once, next to the Q4_1 file.
+# no llama-quantize binary. The copy (~540 MB) is written once, next to the Q4_1 file, when an *_f32 engine runs.
+# netra-jax reads a GGUF file's Q4_0 ... Q6_K blocks as they are (netra_jax_gguf); netra_jax_f32 serves the F32 copy.
 # Writes RESULT_DIR/<date>-serve_<preset>_<engine>.json for each engine (random: <date>-serve_<engine>.json), one PNG
 # of all of them, and RESULT_DIR/<date>-llamacpp_compare[_<preset>].md: settings, the machine (CPU, speed flags, jax)
 # and a table of output tok/s, median TTFT and TPOT per concurrency, with the draft acceptance rate and mean
@@ -62,7 +67,11 @@ case $PRESET in
     BENCH=(--max-concurrency 1 --num-prompts 3 --dataset random --input-len 6000 --output-len 32 --ignore-eos
            --endpoint completions)
     DEFAULT_ENGINES="netra_jax_f32 llamacpp_f32"; DEFAULT_PARALLEL=1; DEFAULT_CTX=8192 ;;
-  *) echo "error: unknown PRESET $PRESET (random, grounded, chat, long)" >&2; exit 2 ;;
+  quantized)
+    BENCH=(--max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128 --ignore-eos
+           --endpoint completions)
+    DEFAULT_ENGINES="netra_jax_gguf llamacpp_gguf"; DEFAULT_PARALLEL=32; DEFAULT_CTX=512 ;;
+  *) echo "error: unknown PRESET $PRESET (random, grounded, chat, long, quantized)" >&2; exit 2 ;;
 esac
 BENCH+=("$@")
 THREADS=${THREADS:-2}
@@ -84,17 +93,21 @@ PREFIX=""  # result labels: <preset>_<engine>[_<TAG>] except for the default pre
 [ "$PRESET" = random ] || PREFIX="${PRESET}_"
 SUFFIX=${TAG:+_$TAG}
 
+F32=""
 if [ -n "${GGUF:-}" ]; then
   OURS_MODEL=$(printf '%q' "$GGUF")
-  F32=${GGUF%.gguf}.F32.gguf
-  F32=${F32/.Q4_1.F32.gguf/.F32.gguf}
-  [ -f "$F32" ] || "$PY" -m netra_jax.bench.gguf_f32 "$GGUF" "$F32" >/dev/null
+  case " $ENGINES " in
+    *_f32*)
+      F32=${GGUF%.gguf}.F32.gguf
+      F32=${F32/.Q4_1.F32.gguf/.F32.gguf}
+      [ -f "$F32" ] || "$PY" -m netra_jax.bench.gguf_f32 "$GGUF" "$F32" >/dev/null ;;
+  esac
 else
   GGUF=$("$PY" -c 'from netra_jax.assets import default_model_path; print(default_model_path())' | tail -n1)
   OURS_MODEL=""  # netra-jax serve's own default: the same file
-  F32=$("$PY" -m netra_jax.bench.gguf_f32 --default | tail -n1)
+  case " $ENGINES " in *_f32*) F32=$("$PY" -m netra_jax.bench.gguf_f32 --default | tail -n1) ;; esac
 fi
-echo "preset $PRESET; Q4_1: $GGUF; F32: $F32"
+echo "preset $PRESET; GGUF: $GGUF; F32: ${F32:-not needed}"
 
 LLAMA_PID=""
 stop_llama() {
@@ -139,21 +152,25 @@ for engine in $ENGINES; do
   label=$PREFIX$engine$SUFFIX
   case $engine in
     netra_jax_f32)
-      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
+      bench "$label" --launch --server-args="$(printf '%q' "$F32") --dtype float32 $SERVER_ARGS"
       name="netra-jax F32" ;;
     netra_jax_f32_spec)
-      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $NETRA_SPEC_ARGS $SERVER_ARGS"
+      bench "$label" --launch --server-args="$(printf '%q' "$F32") --dtype float32 $NETRA_SPEC_ARGS $SERVER_ARGS"
       name="netra-jax F32 n-gram" ;;
     netra_jax_f32_xla)
-      bench "$label" --launch \
-        --server-args="$OURS_MODEL --dtype float32 --matmul-backend xla --attention-backend reference $SERVER_ARGS"
+      bench "$label" --launch --server-args="$(printf '%q' "$F32") --dtype float32 --matmul-backend xla \
+        --attention-backend reference $SERVER_ARGS"
       name="netra-jax F32 XLA only" ;;
+    netra_jax_gguf)
+      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
+      name="netra-jax $(basename "$GGUF" .gguf)" ;;
     llamacpp_f32) run_llama "$label" "$F32"; name="llama.cpp F32" ;;
     # shellcheck disable=SC2086  # LLAMA_SPEC_ARGS: several flags
     llamacpp_f32_spec) run_llama "$label" "$F32" $LLAMA_SPEC_ARGS; name="llama.cpp F32 n-gram" ;;
     llamacpp_q4_1) run_llama "$label" "$GGUF"; name="llama.cpp Q4_1" ;;
     # shellcheck disable=SC2086
     llamacpp_q4_1_spec) run_llama "$label" "$GGUF" $LLAMA_SPEC_ARGS; name="llama.cpp Q4_1 n-gram" ;;
+    llamacpp_gguf) run_llama "$label" "$GGUF"; name="llama.cpp $(basename "$GGUF" .gguf)" ;;
     *) echo "error: unknown engine $engine" >&2; exit 2 ;;
   esac
   if [ -n "$RESULT" ]; then
@@ -174,9 +191,9 @@ BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail
 {
   echo "# Serving: netra-jax vs llama.cpp llama-server, preset $PRESET ($DATE)"
   echo
-  echo "- Model: SmolLM2-135M-Instruct, \`$(basename "$GGUF")\`. netra-jax runs it in float32 (de-quantized at load;"
-  echo "  JAX backend $BACKEND); llama.cpp runs the F32 copy of the same weights (its Q4_1 rows: the Q4_1 file"
-  echo "  itself)."
+  echo "- Model: \`$(basename "$GGUF")\`. The F32 rows run its float32 copy (identical weights, de-quantized by the"
+  echo "  gguf package); the other rows the file itself, its quantized blocks kept in memory by both engines (JAX"
+  echo "  backend $BACKEND, float32 activations)."
   echo "- Client: \`netra-jax bench serve ${BENCH[*]}\`, one engine at a time."
   echo "- llama-server: ${VERSION:-version unknown}; \`--parallel $PARALLEL -c $((PARALLEL * CTX_PER_SLOT))" \
        "--cont-batching --threads $THREADS --metrics\`."

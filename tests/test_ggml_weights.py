@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compiled_jits
+from conftest import FIXTURES, compiled_jits
 from gguf import GGMLQuantizationType as Q
 from test_gguf_quants import ENCODERS
 
 from netra_jax import LLM, SamplingParams
-from netra_jax.loader import gguf_names, load_model
+from netra_jax.loader import CheckpointError, gguf_names, load_model
 from netra_jax.loader.gguf_loader import GGUFFile
 from netra_jax.models import weight_map
 from netra_jax.models.quant import GGMLWeight, embedding_rows, matmul
@@ -155,3 +155,19 @@ def test_a_kept_load_holds_about_the_file_once(tmp_path, smollm2_path):
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.95 * size <= m["held"] <= 1.05 * size  # the blocks as they are in the file
     assert m["peak"] - m["base"] <= 1.2 * size, (m, size)
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "fp8"}, {"quant_method": "awq", "bits": 4}, {"bits": 4}])
+def test_a_checkpoint_quantized_by_an_unread_method_fails_in_one_line(tmp_path, qc):
+    src = FIXTURES / "tiny-llama"
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(
+        json.dumps(json.loads((src / "config.json").read_text()) | {"quantization_config": qc})
+    )
+    with pytest.raises(CheckpointError, match=r"quant_method .* is not supported \(supported: mxfp4\)") as e:
+        load_model(d)
+    assert "\n" not in str(e.value)

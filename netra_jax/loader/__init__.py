@@ -83,6 +83,7 @@ def _open_source(
     if p.is_dir():
         cfg = ModelConfig.from_hf_dir(p, trust_remote_code=trust_remote_code)
         d = json.loads((p / "config.json").read_text())
+        _check_quantization_config(p, d.get("quantization_config"))
         files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
         if (p / "model.safetensors.index.json").is_file():
             files.append(p / "model.safetensors.index.json")
@@ -115,6 +116,23 @@ def _load_gguf_kept(gf: GGUFFile, cfg: ModelConfig, dtype, without: tuple[str, .
     if head is not None:
         params["lm_head"] = params["embed"].replace(shape=head.shape, transposed=True)  # the same buffer
     return params
+
+
+HF_QUANT_METHODS = ("mxfp4",)  # quantization_config.quant_method values read (de-quantized at load: loader.mxfp4)
+
+
+def _check_quantization_config(path: Path, qc: Any) -> None:
+    """A Hugging Face checkpoint's `quantization_config` names a method this loader reads, else CheckpointError in
+    one line naming it (its weights would otherwise be read as something they are not)."""
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in HF_QUANT_METHODS:
+        raise CheckpointError(
+            f"{path}: quantization_config.quant_method {method!r} is not supported (supported: "
+            f"{', '.join(HF_QUANT_METHODS)}); serve the unquantized checkpoint, optionally with --quantization int8, "
+            "int4 or fp8"
+        )
 
 
 def load_config(path: str | Path, *, trust_remote_code: bool = False) -> ModelConfig:
