@@ -11,6 +11,8 @@ not a multiple of 32 stays in float)."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,7 @@ def embedding_rows(table, ids: jax.Array) -> jax.Array:
     return table.rows(ids) if isinstance(table, GGMLWeight) else table[ids]
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one program per weight shape, not one per operation
 def quantize_weight(w: jax.Array, method: str = "int8") -> QuantizedWeight:
     """Per-output-channel symmetric int8 or fp8 (`method`) of a weight stored [in, *out] (the input axis is 0)."""
     dtype, top = _CHANNEL_FORMATS[method]
@@ -92,8 +95,13 @@ def quantize_q4_0(w: jax.Array) -> GGMLWeight | None:
     when its input size is not a multiple of 32."""
     if w.shape[0] % ggml_blocks.FORMATS["Q4_0"].qk:
         return None
+    return GGMLWeight(_q4_0_rows(w), "Q4_0", tuple(w.shape), True, jnp.dtype(w.dtype))
+
+
+@jax.jit
+def _q4_0_rows(w: jax.Array) -> jax.Array:
     rows = w.reshape(w.shape[0], -1).T.astype(jnp.float32)  # [prod(out), in]: a row per output feature
-    return GGMLWeight(ggml_blocks.quantize_rows_q4_0(rows), "Q4_0", tuple(w.shape), True, jnp.dtype(w.dtype))
+    return ggml_blocks.quantize_rows_q4_0(rows)
 
 
 def quantize_params(params: dict, method: str = "int8") -> dict:

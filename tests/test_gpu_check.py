@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-SECTIONS = ["device", "correctness", "kernels", "attention", "model", "serve", "peers"]
+SECTIONS = ["device", "correctness", "kernels", "attention", "model", "quant", "serve", "peers"]
 sys.path.insert(0, str(BENCH))
 
 
@@ -66,6 +66,12 @@ def test_dry_run_measures_every_section(dry_run):
     assert model["ready"]["build_s"] > 0 and 1 <= warm["compiled"] <= warm["step_variants"]
     assert warm["complete"] or warm["estimated_full_s"] > 0
     assert model["compiles_after_warmup"]["total"] >= 0 and s["serve"]["server_warmup"] == warm["complete"]
+    quant = s["quant"]  # int4 (Q4_0 blocks) and fp8 weights through the jnp reference matmuls
+    assert [r["method"] for r in quant["ready"]] == ["int4", "fp8"]
+    assert all(r["weights_gb"] > 0 for r in quant["ready"])
+    assert quant["ready"][0]["weights_gb"] < quant["ready"][1]["weights_gb"]  # 4.5 bits per weight against 8
+    assert all(b["decode_tok_s"] > 0 and b["mbu"] > 0 for b in quant["batch1"])
+    assert all(t["output_tok_s"] > 0 and t["batch"] == 4 for t in quant["throughput"])
     assert [lv["users"] for lv in s["serve"]["levels"]] == [1, 4]
     assert all(lv["failed"] == 0 and lv["output_throughput"] > 0 for lv in s["serve"]["levels"])
     assert "via /detokenize" in s["serve"]["levels"][0]["text_source"]  # the synthetic tokenizer served the prompts
@@ -76,6 +82,7 @@ def test_dry_run_measures_every_section(dry_run):
         "## 1b. Kernel configurations",
         "## 2. Paged attention",
         "## 3. Llama-3-8B",
+        "## 3b. The same model quantized",
         "## 4. Serving",
         "## Goals",
     ):

@@ -24,7 +24,7 @@ from gpu_check.common import SERVER_PID
 from netra_jax.engine.runner import FRACTION_ENV
 
 # name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
-# (the device run's 450 s: `kernels` runs the compile check's configuration list, so correctness, attention, model,
+# (the device run's 530 s: `kernels` runs the compile check's configuration list, so correctness, attention, model,
 # serve and peers gave it some of theirs)
 SECTIONS = (
     ("device", 20, 10, "jax"),
@@ -32,6 +32,7 @@ SECTIONS = (
     ("kernels", 110, 20, "jax"),
     ("attention", 70, 40, "jax"),
     ("model", 125, 40, "jax"),
+    ("quant", 80, 60, "jax"),
     ("serve", 60, 40, "client"),
     ("peers", 35, 5, "torch"),
 )

@@ -50,8 +50,9 @@ def timed_generate(llm, reqs: list[dict], max_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def batch1(sec: Section, llm, cfg: dict) -> dict:
-    """Decode speed without the prompt: (N - 1) tokens over the time between a 1-token and an N-token generate."""
+def batch1(sec: Section, llm, cfg: dict, weights: int | None = None) -> dict:
+    """Decode speed without the prompt: (N - 1) tokens over the time between a 1-token and an N-token generate.
+    `weights`: the bytes a token reads of them (default: the bf16 model's)."""
     sz = sec.sizes
     n = sz.output_len
     reqs = prompts(1, sz.prompt_len, cfg["vocab_size"], seed=1)
@@ -65,7 +66,7 @@ def batch1(sec: Section, llm, cfg: dict) -> dict:
     row = {"prompt_tokens": sz.prompt_len, "output_tokens": n}
     row |= decode_rate(lambda i: gen(1, 10 + i), lambda i: gen(n, 10 + i), n)
     tok_s = row["decode_tok_s"]
-    per_token = weight_bytes(cfg) + kv_bytes_per_token(cfg) * (sz.prompt_len + n // 2)
+    per_token = (weight_bytes(cfg) if weights is None else weights) + kv_bytes_per_token(cfg) * (sz.prompt_len + n // 2)
     row["bytes_per_token_gb"] = sig(per_token / 1e9)
     if sec.copy_gbps():
         row["mbu"] = sig(per_token * tok_s / (sec.copy_gbps() * 1e9), 3)

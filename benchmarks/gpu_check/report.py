@@ -151,7 +151,7 @@ def markdown(merged: dict) -> str:
         for r in _rows(merged, "attention", "kv_write")
     ]
     lines += ["KV write (cache donated):", ""] + _table(["impl", "tokens", "us", "written ok", "note"], kvw)
-    lines += model_lines(merged) + serve_lines(merged) + skipped_lines(merged)
+    lines += model_lines(merged) + quant_lines(merged) + serve_lines(merged) + skipped_lines(merged)
     return "\n".join(lines) + "\n"
 
 
@@ -224,6 +224,29 @@ def model_lines(merged: dict) -> list[str]:
             ]
         )
     return lines + _table(["batch", "output tok/s", "HF generate tok/s", "ours / HF"], rows)
+
+
+def quant_lines(merged: dict) -> list[str]:
+    q = merged["sections"].get("quant") or {}
+    ready = {r.get("method"): r for r in q.get("ready") or []}
+    b1 = {r.get("method"): r for r in _rows(merged, "quant", "batch1")}
+    tp = {r.get("method"): r for r in _rows(merged, "quant", "throughput")}
+    lines = ["## 3b. The same model quantized at load (jnp reference matmuls: no Pallas W4A16 / W8A16 kernel yet)", ""]
+    rows = []
+    for m in dict.fromkeys([*ready, *b1, *tp]):
+        r, b, t = ready.get(m, {}), b1.get(m, {}), tp.get(m, {})
+        rows.append(
+            [
+                m,
+                r.get("weights_gb"),
+                ready_text({"build_s": r.get("build_s"), "warmup": r.get("warmup") or {}}) if r else "-",
+                b.get("decode_tok_s") or _why(b),
+                b.get("mbu"),
+                f"{t.get('output_tok_s')} ({t.get('batch')} seqs)" if t.get("output_tok_s") else _why(t),
+            ]
+        )
+    header = ["method", "weights GB", "ready", "batch-1 decode tok/s", "MBU (quantized bytes)", "output tok/s"]
+    return lines + _table(header, rows)
 
 
 def serve_lines(merged: dict) -> list[str]:
