@@ -40,6 +40,8 @@ VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, els
 # transforms (models.weight_reads)
 COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
+# the parameters a GGUF file's GGML blocks are kept for (read through models.quant.matmul / embedding_rows)
+KEPT_IN_BLOCKS = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down", "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
 
@@ -319,8 +321,8 @@ class WeightReader:
         """The entry kept in GGML blocks when it is a Linear weight, gate and up, or the embedding table, and its
         sources offer blocks of one format; else None (read as floats)."""
         flat = [s for group in src for s in group]
-        if not rd.has_blocks(flat):
-            return None
+        if entry.param not in KEPT_IN_BLOCKS or not rd.has_blocks(flat):
+            return None  # e.g. a MoE router: read as floats by the router's own dot
         rows, k = flat[0].a.shape
         if entry.transform == LINEAR:
             return rd.blocks(flat, self.reads, (k, rows), True, self.dtype)

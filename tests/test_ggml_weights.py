@@ -171,3 +171,40 @@ def test_a_checkpoint_quantized_by_an_unread_method_fails_in_one_line(tmp_path, 
     with pytest.raises(CheckpointError, match=r"quant_method .* is not supported \(supported: mxfp4\)") as e:
         load_model(d)
     assert "\n" not in str(e.value)
+
+
+def _as_q8_0(src: Path, dst: Path) -> Path:
+    """`src` with every tensor of rows of a multiple of 32 values (routers and 3-D experts too) in Q8_0."""
+    import gguf
+
+    reader = gguf.GGUFReader(src, "r")
+    writer = gguf.GGUFWriter(dst, reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_moe_file_keeps_attention_blocks_and_reads_router_and_experts_as_floats(tmp_path):
+    path = _as_q8_0(REPO / "tests" / "fixtures" / "llamacpp-gguf" / "tiny-qwen3-moe.gguf", tmp_path / "moe-q8.gguf")
+    assert {t.qtype for n, t in GGUFFile(path).tensors.items() if "ffn_gate_inp" in n or "_exps" in n} == {Q.Q8_0}
+    cfg, kept = load_model(path, cache=False)
+    _, floats = load_model(path, cache=False, keep_quantized=False)
+    moe = next(lp for lp in kept["layers"] if "router" in lp)
+    assert isinstance(moe["wq"], GGMLWeight) and moe["wq"].qtype == "Q8_0"
+    assert not any(isinstance(moe[k], GGMLWeight) for k in ("router", "experts_gate_up", "experts_down"))
+    ids = jnp.arange(24, dtype=jnp.int32) * 7 % cfg.vocab_size
+    a, b = forward_dense(kept, cfg, ids), forward_dense(floats, cfg, ids)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
