@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
 from netra_jax.models import weight_reads as rd
+from netra_jax.models.quant import QUANTIZABLE
 from netra_jax.models.weight_reads import Leaf, Reads, Source, WeightError
 
 __all__ = [
@@ -41,7 +42,7 @@ VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, els
 COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
 # the parameters a GGUF file's GGML blocks are kept for (read through models.quant.matmul / embedding_rows)
-KEPT_IN_BLOCKS = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down", "lm_head", "embed")
+KEPT_IN_BLOCKS = (*QUANTIZABLE, "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
 
