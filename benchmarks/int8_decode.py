@@ -1,6 +1,7 @@
-"""int8 weight-only decode against float32 on the default model (SmolLM2-135M-Instruct), offline, one engine at a time
-in one process: time per output token at one user and output tok/s at several, for float32, `--quantization int8`
-(its decode rows on the C++ int8 kernel) and int8 with `--matmul-backend xla` (XLA's dot of the widened weight).
+"""int8 weight-only decode against float32 on the default model (SmolLM2-135M-Instruct's F32 copy), offline, one
+engine at a time in one process: time per output token at one user and output tok/s at several, for float32,
+`--quantization int8` (its decode rows on the C++ int8 kernel) and int8 with `--matmul-backend xla` (XLA's dot of the
+widened weight).
 
 Batch-1 time per output token: (time of a 1+N-token generation - time of a 1-token one) / N, each the minimum over
 repeats, so the prompt's prefill cancels out. At B users: B copies of the prompt, N tokens each, output tok/s.
@@ -66,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--users", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the default model)")
+    ap.add_argument(
+        "--model", default=None, help="a float GGUF file or HF directory (default: the default model's F32 copy)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results")
     a = ap.parse_args(argv)
-    from netra_jax.assets import default_model_path
+    from netra_jax.bench.gguf_f32 import default_f32
     from netra_jax.bench.machine import describe, machine_info
 
-    model = a.model or str(default_model_path(quiet=True))
+    model = a.model or str(default_f32())  # float32 weights: the F32 copy (the Q4_1 file itself stays in its blocks)
     users = sorted({1, *(int(u) for u in a.users.split(","))})
     result = {
         "benchmark": "int8_decode",
