@@ -87,35 +87,27 @@ inline float hsum(vf v) {
 #endif
 }
 
-// VW bytes widened to int32 lanes, zero- or sign-extended (one instruction each with AVX2 / AVX-512: GCC 12
-// scalarizes the generic __builtin_convertvector of 8-bit vectors).
-inline vi widen_u8(const uint8_t* p) {
+// VW bytes widened to int32 lanes, sign-extended (SIGNED) or zero-extended (one instruction each with AVX2 /
+// AVX-512: GCC 12 scalarizes the generic __builtin_convertvector of 8-bit vectors).
+template <bool SIGNED>
+inline vi widen(const uint8_t* p) {
   vi out;
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i v = SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   std::memcpy(&out, &v, sizeof(out));
 #elif defined(__AVX2__)
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
   std::memcpy(&out, &v, sizeof(out));
 #else
-  for (int i = 0; i < VW; ++i) out[i] = p[i];
+  for (int i = 0; i < VW; ++i) out[i] = SIGNED ? static_cast<int32_t>(static_cast<int8_t>(p[i])) : p[i];
 #endif
   return out;
 }
 
-inline vi widen_i8(const uint8_t* p) {
-  vi out;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&out, &v, sizeof(out));
-#elif defined(__AVX2__)
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&out, &v, sizeof(out));
-#else
-  for (int i = 0; i < VW; ++i) out[i] = static_cast<int8_t>(p[i]);
-#endif
-  return out;
-}
+inline vi widen_u8(const uint8_t* p) { return widen<false>(p); }
+inline vi widen_i8(const uint8_t* p) { return widen<true>(p); }
 
 // q with bit 4 set in the lanes l whose bit l of `bits` is set.
 inline vi with_bit4(vi q, uint32_t bits) {
