@@ -16,10 +16,8 @@ prose anyone may copy)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import re
 import subprocess
 import time
@@ -114,19 +112,17 @@ def main() -> None:
             row["ratio"] = round(row["netra_jax"]["ppl"] / row["llama_cpp"]["ppl"], 5)
         print(json.dumps(row))
         rows.append(row)
-    import jax
+    from netra_jax.bench.machine import machine_info
+    from netra_jax.bench.results import write_result
 
     result = {
-        "date": datetime.date.today().isoformat(),
         "text": a.text.name,
         "ctx": a.ctx,
         "engine_args": engine_args,
-        "machine": {"cpu": platform.processor() or platform.machine(), "jax": jax.__version__},
+        "machine": machine_info(),
         "results": rows,
     }
-    out = a.out or HERE / "results" / f"{result['date']}-perplexity.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(result, "perplexity", HERE / "results", a.out)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ Usage: .venv/bin/python benchmarks/quantized_load.py FILE.gguf [FILE2.gguf ...] 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -32,6 +30,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from netra_jax.bench.launch import free_port  # noqa: E402
 from netra_jax.bench.machine import describe, machine_info  # noqa: E402
+from netra_jax.bench.results import write_result  # noqa: E402
 
 PROMPT = "The capital of France is"
 BASELINE = "import netra_jax, jax; jax.numpy.zeros(1).block_until_ready()"
@@ -52,8 +51,8 @@ print(json.dumps({"wall_s": round(wall, 2), "baseline_rss_bytes": base, "peak_rs
 
 
 def _child_run(cmd: list[str], env: dict | None = None) -> dict:
-    """Run `cmd` to completion in a fresh child; its wall time and peak RSS (the largest child so far: run one at a
-    time, smallest first, or read it from a wrapper)."""
+    """Run `cmd` to completion under a fresh wrapper process: its wall time, exit status, output tails and peak RSS
+    (the wrapper's RUSAGE_CHILDREN: `cmd` is its only child)."""
     wrapper = (
         "import json, resource, subprocess, sys, time\n"
         "t = time.perf_counter(); p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
@@ -140,18 +139,14 @@ def main() -> None:
             row["llama_cpp"] = llama(a.llama_server, f, a.ctx)
         print(json.dumps(row))
         rows.append(row)
-    out = {
-        "date": datetime.date.today().isoformat(),
+    doc = {
         "machine": describe(machine_info()),
         "baseline": {"cmd": BASELINE, "peak_rss_bytes": base["peak_rss"], "wall_s": round(base["wall_s"], 2)},
         "prompt": PROMPT,
         "max_tokens": 16,
-        "ru_maxrss_self_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "results": rows,
     }
-    path = a.out or HERE / "results" / f"{out['date']}-quantized_load.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(doc, "quantized_load", HERE / "results", a.out)
 
 
 if __name__ == "__main__":
