@@ -15,9 +15,9 @@ Parameter pytree (weights stored [in, out] so activations multiply on the left; 
             router [hidden, experts], optional router_bias [experts] float32,
             experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
             optional experts_gate_up_bias [experts, 2, moe_intermediate], experts_down_bias [experts, hidden].
-Any weight matrix, the embedding and the lm_head may be a `models.quant` quantized weight instead of an array (int8
-with per-channel scales, or a GGUF tensor's GGML blocks): every projection goes through `quant.matmul`, the
-embedding through `quant.embedding_rows`.
+The projections (wq, wk, wv, wo, w_gate_up, w_down), the lm_head and the embedding may be a `models.quant` quantized
+weight instead of an array (int8 or fp8 with per-channel scales, or GGML blocks): the projections and the lm_head go
+through `quant.matmul`, the embedding through `quant.embedding_rows`; expert weights and the router are arrays.
 Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
 
 Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode differentiable (`jax.grad`,

@@ -251,10 +251,10 @@ Getter = Callable[[str], Any]
 
 class WeightReader:
     """Builds the parameter pytree of a checkpoint as `Leaf`s from the family's table: `get(name)` gives a tensor
-        (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
-        slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
-        embedding model, whose checkpoint may have none. `keep_blocks`: Linear weights (gate and up too) and the
-    embedding whose sources offer GGML blocks (a GGUF file's kept formats) become `rd.BlocksLeaf`s, kept quantized."""
+    (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
+    slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
+    embedding model, whose checkpoint may have none. `keep_blocks`: the parameters of KEPT_IN_BLOCKS whose sources
+    offer GGML blocks (a GGUF file's kept formats) become `rd.BlocksLeaf`s, kept quantized."""
 
     def __init__(
         self,
