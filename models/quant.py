@@ -39,10 +39,10 @@ class QuantizedWeight:
 
 @flax.struct.dataclass
 class GGMLWeight:
-    """A GGUF tensor kept in its GGML blocks: data uint8 [rows, row_bytes], each row `k` values in K / QK blocks of
+    """A GGUF tensor kept in its GGML blocks: data uint8 [rows, row_bytes], each row K values in K / QK blocks of
     `qtype` (exactly the file's bytes). It stands for a float parameter of logical `shape`:
-    - transposed=True: a matmul weight [k, *out] (our [in, out] layout; rows = prod(out), the output features);
-    - transposed=False: a table [rows, k] read by rows (the token embedding).
+    - transposed=True: a matmul weight [K, *out] (our [in, out] layout; rows = prod(out), the output features);
+    - transposed=False: a table [rows, K] read by rows (the token embedding).
     `dtype`: the float dtype it de-quantizes to (the model's compute dtype)."""
 
     data: jax.Array  # [rows, row_bytes] uint8
@@ -55,18 +55,14 @@ class GGMLWeight:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def k(self) -> int:
-        return self.shape[0] if self.transposed else self.shape[-1]
-
     def rows(self, idx: jax.Array | None = None) -> jax.Array:
-        """The de-quantized rows [rows, k] (or only rows `idx`, e.g. token ids: [*idx.shape, k]) in `dtype`."""
+        """The de-quantized rows [rows, K] (or only rows `idx`, e.g. token ids: [*idx.shape, K]) in `dtype`."""
         data = self.data if idx is None else self.data[idx]
         return ggml_blocks.dequantize_rows(data, self.qtype, self.dtype)
 
     def dequantize(self) -> jax.Array:
         """The float parameter it stands for, of `shape` (the reference: jnp de-quantization of every block)."""
-        r = self.rows()  # [rows, k]
+        r = self.rows()  # [rows, K]
         return r.T.reshape(self.shape) if self.transposed else r.reshape(self.shape)
 
 
@@ -179,14 +175,14 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
 
 def _ggml_matmul(x: jax.Array, w: GGMLWeight, spec: str | None, preferred_element_type, backend: str) -> jax.Array:
     """x @ w for GGML blocks: the CPU block kernel for few float32 rows in the plain form, else the reference (the
-    blocks de-quantized to x's dtype, then XLA's dot with the rows contracted on their k axis)."""
+    blocks de-quantized to x's dtype, then XLA's dot with the rows contracted on their K axis)."""
     if not w.transposed:
         raise ValueError(f"a {w.qtype} table read by rows (an embedding) is not a matmul weight")
     if _rows_form(spec, x, w):
         if backend == "cpu_rows" and cpu_ggml_matmul.takes(x, w.data, w.qtype):
             y = cpu_ggml_matmul.blocks_matmul(x, w.data, w.qtype)  # [M, rows] float32
         else:
-            r = ggml_blocks.dequantize_rows(w.data, w.qtype, x.dtype)  # [rows, k]
+            r = ggml_blocks.dequantize_rows(w.data, w.qtype, x.dtype)  # [rows, K]
             y = jax.lax.dot_general(x, r, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
         return y.reshape(x.shape[0], *w.shape[1:])
     wf = w.dequantize().astype(x.dtype)

@@ -26,10 +26,6 @@ class BlockFormat:
     qk: int
     block_bytes: int
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.block_bytes / self.qk
-
 
 FORMATS = {
     f.name: f
