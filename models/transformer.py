@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from netra_jax.config import ModelConfig
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
 from netra_jax.models.moe import moe_mlp
-from netra_jax.models.quant import embedding_rows, matmul
 from netra_jax.models.rope import rope
 from netra_jax.ops.attention import (
     AttentionMetadata,
@@ -46,6 +45,7 @@ from netra_jax.ops.attention import (
     write_kv,
 )
 from netra_jax.parallel import head_parallel
+from netra_jax.quant import embedding_rows, matmul
 
 
 @flax.struct.dataclass

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
 from netra_jax.models import weight_reads as rd
-from netra_jax.models.quant import QUANTIZABLE
 from netra_jax.models.weight_reads import Leaf, Reads, Source, WeightError
+from netra_jax.quant import QUANTIZABLE
 
 __all__ = [
     "TP",

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from netra_jax.models.quant import GGMLWeight
+from netra_jax.quant import GGMLWeight
 
 Index = tuple[slice, ...]
 BLOCK_BYTES = 64 << 20  # float32 bytes of one block of a read (its transient copies are a few of these)

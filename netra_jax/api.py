@@ -24,7 +24,6 @@ from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, Sch
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model
 from netra_jax.models.hooks import Hooks
-from netra_jax.models.quant import quantize_params
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
     EmbeddingOutput,
@@ -35,6 +34,7 @@ from netra_jax.pooling import (
     pooler_config_from,
     pooling_spec,
 )
+from netra_jax.quant import quantize_params
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
 from netra_jax.spec import SpeculativeConfig, speculative_config_from

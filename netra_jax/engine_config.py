@@ -119,7 +119,7 @@ class EngineConfig:
     # how float32 matmuls of decode-sized steps run: auto = the CPU few-row kernel (netra_jax/ops/cpu_matmul.py) on
     # CPU when it builds and the weights are not split, XLA's dot otherwise | xla | cpu_rows (the kernel, CPU only)
     matmul_backend: str = "auto"
-    quantization: str | None = None  # None | "int8" | "int4" | "fp8" (weight-only, at load; models/quant.py)
+    quantization: str | None = None  # None | "int8" | "int4" | "fp8" (weight-only, at load; netra_jax/quant/online.py)
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
@@ -140,9 +140,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Check every option now, so a bad one fails with a clear message before any weight is read."""
         from netra_jax.loader import DTYPES, LOAD_FORMATS
-        from netra_jax.models.quant import MATMULS, METHODS
         from netra_jax.ops.attention import BACKENDS
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
+        from netra_jax.quant import MATMULS, METHODS
         from netra_jax.spec.config import SpeculativeConfig
 
         for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer"):

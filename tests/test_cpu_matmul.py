@@ -14,8 +14,8 @@ from conftest import FIXTURES, reference
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
 from netra_jax.engine_config import EngineConfig
-from netra_jax.models.quant import matmul, quantize_weight
 from netra_jax.ops import cpu_kernels, cpu_matmul
+from netra_jax.quant import matmul, quantize_weight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
 

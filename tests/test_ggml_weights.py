@@ -25,9 +25,9 @@ from netra_jax import LLM, SamplingParams
 from netra_jax.loader import CheckpointError, gguf_names, load_model
 from netra_jax.loader.gguf_loader import GGUFFile
 from netra_jax.models import weight_map
-from netra_jax.models.quant import GGMLWeight, embedding_rows, matmul
 from netra_jax.models.transformer import forward_dense
 from netra_jax.ops.ggml_blocks import FORMATS, dequantize_rows, row_bytes
+from netra_jax.quant import GGMLWeight, embedding_rows, matmul
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -12,7 +12,7 @@ from test_gguf_quants import enc_q4_k, enc_q5_k, enc_q6_k, write_gguf
 
 from netra_jax.loader import load_model
 from netra_jax.loader.gguf_loader import GGUFFile
-from netra_jax.models.quant import GGMLWeight
+from netra_jax.quant import GGMLWeight
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 256, 4, 2, 512, 64, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -11,8 +11,8 @@ import pytest
 from conftest import FIXTURES, reference
 
 from netra_jax import LLM, SamplingParams
-from netra_jax.models.quant import GGMLWeight, QuantizedWeight, matmul, quantize_params, quantize_weight
 from netra_jax.ops.ggml_blocks import quantize_rows_q4_0
+from netra_jax.quant import GGMLWeight, PackedIntWeight, QuantizedWeight, matmul, quantize_params, quantize_weight
 
 
 def test_quantize_weight_per_channel():
@@ -97,3 +97,35 @@ def test_int8_smollm2_accuracy_reported(smollm2_path, record_property):
     record_property("int8_max_logit_err", max(errs))
     record_property("int8_greedy_prefix_agreement", agree)
     assert max(errs) < 3.0 and np.mean(agree) > 0.25
+
+
+@pytest.mark.parametrize(
+    "bits,group,zeros,act_order", [(4, 32, True, False), (4, 64, False, True), (8, 32, True, True)]
+)
+def test_packed_int_weight_dequantizes_gptq_layout(bits, group, zeros, act_order):
+    """PackedIntWeight reads GPTQ's layout (values packed along K into int32 words, low bits first) and equals
+    (q - zero) * scale computed in numpy, for the symmetric and the zero-point forms and an act-order g_idx."""
+    rng = np.random.default_rng(bits + group)
+    k, n = 128, 24
+    q = rng.integers(0, 1 << bits, size=(k, n))  # [K, N] unsigned values
+    per = 32 // bits
+    packed = np.zeros((k // per, n), np.uint32)
+    for j in range(per):
+        packed |= q[j::per].astype(np.uint32) << np.uint32(bits * j)
+    g_idx = rng.permutation(np.arange(k) // group) if act_order else np.arange(k) // group
+    scale = rng.uniform(0.01, 0.1, size=(k // group, n)).astype(np.float16)
+    zero = rng.integers(0, 1 << bits, size=(k // group, n)) if zeros else np.full((k // group, n), 1 << (bits - 1))
+    w = PackedIntWeight(
+        packed=jnp.asarray(packed.view(np.int32)),
+        scale=jnp.asarray(scale),
+        zero=jnp.asarray(zero, jnp.int32) if zeros else None,
+        g_idx=jnp.asarray(g_idx, jnp.int32) if act_order else None,
+        bits=bits,
+        group=group,
+        shape=(k, n),
+    )
+    want = ((q - zero[g_idx]).astype(np.float16) * scale[g_idx]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(w.values()), q)
+    np.testing.assert_array_equal(np.asarray(w.dequantize()), want)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), w)), x @ want, rtol=1e-5, atol=1e-5)

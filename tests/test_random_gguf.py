@@ -18,7 +18,7 @@ import random_gguf  # noqa: E402
 
 from netra_jax import loader  # noqa: E402
 from netra_jax.loader.gguf_loader import GGUFFile, read_gguf_metadata  # noqa: E402
-from netra_jax.models.quant import GGMLWeight  # noqa: E402
+from netra_jax.quant import GGMLWeight  # noqa: E402
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
 

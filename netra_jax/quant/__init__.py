@@ -1,0 +1,33 @@
+"""Quantized weights and the one `matmul` that reads them: pytree weight types (`weights`), online quantization of a
+float checkpoint (`online`), the jnp reference (`reference`) and the backends' kernels behind one entry point
+(`matmul`)."""
+
+from netra_jax.quant.matmul import BACKENDS, MATMULS, matmul
+from netra_jax.quant.online import METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
+from netra_jax.quant.reference import reference_matmul
+from netra_jax.quant.weights import (
+    QUANTIZED_TYPES,
+    GGMLWeight,
+    PackedIntWeight,
+    QuantizedWeight,
+    embedding_rows,
+    is_quantized,
+)
+
+__all__ = [
+    "BACKENDS",
+    "MATMULS",
+    "METHODS",
+    "QUANTIZABLE",
+    "QUANTIZED_TYPES",
+    "GGMLWeight",
+    "PackedIntWeight",
+    "QuantizedWeight",
+    "embedding_rows",
+    "is_quantized",
+    "matmul",
+    "quantize_params",
+    "quantize_q4_0",
+    "quantize_weight",
+    "reference_matmul",
+]

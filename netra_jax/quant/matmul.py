@@ -1,0 +1,34 @@
+"""The one `matmul` every projection runs through, for float and quantized weights alike: the chosen backend's
+kernels first, the jnp reference (`quant.reference`) for any product they do not take."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from netra_jax.quant.cpu_rows import cpu_rows_matmul
+from netra_jax.quant.reference import reference_matmul
+
+# A backend kernel: (x, w, spec, preferred_element_type) -> x @ w, or None when it does not take the product.
+Kernel = Callable[..., jax.Array | None]
+
+# Backend name -> its kernels, tried in order before the reference. "xla": the reference alone (XLA's dot over
+# weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products.
+BACKENDS: dict[str, tuple[Kernel, ...]] = {
+    "xla": (),
+    "cpu_rows": (cpu_rows_matmul,),
+}
+MATMULS = tuple(BACKENDS)
+
+
+def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:
+    """x @ w for a float or quantized weight (`quant.weights`); `spec` is an einsum spec for weights with several
+    output axes; backend: one of MATMULS."""
+    kernels = BACKENDS.get(backend)
+    if kernels is None:
+        raise ValueError(f"unknown matmul backend {backend!r}; available: {', '.join(MATMULS)}")
+    for kernel in kernels:
+        if (y := kernel(x, w, spec, preferred_element_type)) is not None:
+            return y
+    return reference_matmul(x, w, spec, preferred_element_type)
