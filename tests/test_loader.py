@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,6 +283,27 @@ def test_truncated_gguf(tmp_path):
         with pytest.raises(CheckpointError, match=what) as e:
             load_model(bad, cache=False)
         assert str(bad) in str(e.value)
+
+
+def test_gguf_tensor_table_with_wrong_type_or_shape_is_refused(tmp_path):
+    """A tensor whose type or shape was corrupted would read its neighbour's bytes (the file's size still checks
+    out): refused at load naming the tensor."""
+    path = to_gguf(FIXTURES / "tiny-qwen2", tmp_path / "full.gguf")
+    data = path.read_bytes()
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)  # tensor info: name, n_dims u32, dims u64 x n_dims, type u32, offset u64
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == gguf.GGMLQuantizationType.F32
+    for where, value in (  # the type F32 -> F64, the rows doubled
+        (type_at, int(gguf.GGMLQuantizationType.F64).to_bytes(4, "little")),
+        (at + 12, (2 * int.from_bytes(data[at + 12 : at + 20], "little")).to_bytes(8, "little")),
+    ):
+        bad = bytearray(data)
+        bad[where : where + len(value)] = value
+        (tmp_path / "bad.gguf").write_bytes(bad)
+        with pytest.raises(CheckpointError, match="corrupt GGUF tensor table: tensor 'blk.0.attn_q.weight'"):
+            load_model(tmp_path / "bad.gguf", cache=False)
 
 
 def test_unsupported_architectures(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.metadata
+import itertools
 import mmap
 import os
 import struct
@@ -177,6 +178,18 @@ class GGUFFile:
             if name in self.tensors:
                 raise CheckpointError(f"{self.path}: duplicate tensor {name!r}")
             self.tensors[name] = GGUFTensorInfo(name, qtype, shape, data_start + offset, nbytes)
+        self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        """Refuse a tensor table whose tensors overlap: a corrupt type or shape makes a tensor read its neighbour's
+        bytes, a silently wrong model that no size check at the file's end would catch."""
+        by_offset = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for t, nxt in itertools.pairwise(by_offset):
+            if t.offset + t.nbytes > nxt.offset:
+                raise CheckpointError(
+                    f"{self.path}: corrupt GGUF tensor table: tensor {t.name!r} ({t.qtype.name} {list(t.shape)}, "
+                    f"{t.nbytes} bytes) runs into tensor {nxt.name!r}"
+                )
 
     @property
     def architecture(self) -> str | None:
