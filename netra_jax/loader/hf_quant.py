@@ -219,8 +219,8 @@ class QuantizedTensor:
 
     def __getitem__(self, idx) -> np.ndarray:
         raise WeightError(
-            f"tensor {self.stored!r} is {self.qformat}-quantized but read as floats (quantized MoE experts, routers "
-            "and embeddings are not supported, nor tensor parallelism over a quantized checkpoint)"
+            f"tensor {self.stored!r} ({self.qformat}) is quantized where a float tensor is read: quantized MoE "
+            "experts, routers and embeddings are not supported"
         )
 
 
