@@ -207,18 +207,21 @@ def test_an_ignored_module_stored_quantized_is_refused(tmp_path):
         load_model(d, cache=False)
 
 
-def write_random_gptq(d: Path, hidden: int = 1024, layers: int = 4, inter: int = 4096) -> Path:
-    """A Llama-shaped GPTQ (v2, 4-bit, group 128) checkpoint of random words and scales, written with numpy."""
+def write_random_gptq(
+    d: Path, hidden: int = 1024, layers: int = 4, inter: int = 4096, bits: int = 4, group: int = 128, fmt="gptq_v2"
+) -> Path:
+    """A Llama-shaped GPTQ checkpoint (`bits`, `group`, checkpoint_format `fmt`) of random words and scales, written
+    with numpy."""
     rng = np.random.default_rng(0)
     d.mkdir()
     cfg = json.loads((FIXTURES / "gptq" / "config.json").read_text())
     cfg |= {"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 8}
     cfg |= {"num_key_value_heads": 4, "head_dim": hidden // 8}
-    cfg["quantization_config"] |= {"group_size": 128, "desc_act": False, "checkpoint_format": "gptq_v2"}
+    cfg["quantization_config"] |= {"bits": bits, "group_size": group, "desc_act": False, "checkpoint_format": fmt}
     (d / "config.json").write_text(json.dumps(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "gptq" / f, d / f)
-    kv = hidden // 2
+    kv, per = hidden // 2, 32 // bits
     shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv)}
     shapes |= {"self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter)}
     shapes |= {"mlp.down_proj": (inter, hidden)}  # [K, N]
@@ -229,13 +232,34 @@ def write_random_gptq(d: Path, hidden: int = 1024, layers: int = 4, inter: int =
         tensors |= {p + "input_layernorm.weight": np.ones(hidden, np.float16)}
         tensors |= {p + "post_attention_layernorm.weight": np.ones(hidden, np.float16)}
         for proj, (k, n) in shapes.items():
-            m = p + proj + "."
-            tensors[m + "qweight"] = rng.integers(-(2**31), 2**31, size=(k // 8, n), dtype=np.int32)
-            tensors[m + "qzeros"] = rng.integers(-(2**31), 2**31, size=(k // 128, n // 8), dtype=np.int32)
-            tensors[m + "scales"] = rng.uniform(0.001, 0.01, size=(k // 128, n)).astype(np.float16)
-            tensors[m + "g_idx"] = (np.arange(k) // 128).astype(np.int32)
+            m, size = p + proj + ".", k if group == -1 else group
+            tensors[m + "qweight"] = rng.integers(-(2**31), 2**31, size=(k // per, n), dtype=np.int32)
+            tensors[m + "qzeros"] = rng.integers(-(2**31), 2**31, size=(k // size, n // per), dtype=np.int32)
+            tensors[m + "scales"] = rng.uniform(0.001, 0.01, size=(k // size, n)).astype(np.float16)
+            tensors[m + "g_idx"] = (np.arange(k) // size).astype(np.int32)
     save_file(tensors, d / "model.safetensors")
     return d
+
+
+@pytest.mark.parametrize("bits,group,fmt", [(8, -1, "gptq"), (8, 64, "gptq_v2"), (4, -1, "gptq")])
+def test_gptq_bit_widths_and_groups_follow_the_format(tmp_path, bits, group, fmt):
+    """8-bit and per-channel (group -1) GPTQ, v1 and v2 zero points, against numpy's reading of the stored words:
+    value j of a word at bits [bits * j, bits * (j + 1)), w = (q - z) * scale in fp16, z stored minus 1 in v1."""
+    d = write_random_gptq(tmp_path / "g", hidden=128, layers=1, inter=256, bits=bits, group=group, fmt=fmt)
+    _, params = load_model(d, dtype="float32", cache=False)
+    raw = load_file(d / "model.safetensors")
+    m, per, mask = "model.layers.0.mlp.down_proj.", 32 // bits, (1 << bits) - 1
+    words, zeros = raw[m + "qweight"].view(np.uint32), raw[m + "qzeros"].view(np.uint32)
+    k, n = words.shape[0] * per, words.shape[1]
+    q = np.empty((k, n), np.int64)
+    z = np.empty((zeros.shape[0], n), np.int64)
+    for j in range(per):
+        q[j::per] = (words >> (bits * j)) & mask
+        z[:, j::per] = (zeros >> (bits * j)) & mask
+    z += 1 if fmt == "gptq" else 0
+    g = np.arange(k) // (k if group == -1 else group)
+    want = ((q - z[g]).astype(np.float16) * raw[m + "scales"][g]).astype(np.float32)  # numpy rounds fp16 once
+    np.testing.assert_array_equal(dequantized(params["layers"][0]["w_down"]), want)
 
 
 def test_a_quantized_load_holds_about_the_quantized_bytes_once(tmp_path):
