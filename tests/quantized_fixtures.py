@@ -6,7 +6,8 @@ files are all weights): the library's own de-quantization of every quantized wei
 greedy tokens (`greedy_ids`) for the fixed `prompt_ids`, computed on the model holding those de-quantized weights.
 
 Run once, with an interpreter that has torch (CPU), transformers, compressed-tensors, autoawq and gptqmodel (the tests
-need none of them):
+need none of them; the committed files were made with torch 2.14.1, transformers 5.24.0, compressed-tensors 0.20.1,
+autoawq 0.2.9 and gptqmodel 7.7.0, all from PyPI):
     PEER_PYTHON tests/quantized_fixtures.py [--out tests/fixtures/quantized]
 
 Which library makes each format (weights drawn at random; the scales are min-max, the formats' layouts are the point):
