@@ -41,7 +41,8 @@ VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, els
 # transforms (models.weight_reads)
 COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
-# the parameters a GGUF file's GGML blocks are kept for (read through models.quant.matmul / embedding_rows)
+# the parameters kept quantized: a GGUF file's GGML blocks, a quantized checkpoint's weights (read through
+# netra_jax.quant.matmul / embedding_rows)
 KEPT_IN_BLOCKS = (*QUANTIZABLE, "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
@@ -253,8 +254,9 @@ class WeightReader:
     """Builds the parameter pytree of a checkpoint as `Leaf`s from the family's table: `get(name)` gives a tensor
     (numpy array or sliceable view) by HF name, `has(name)` says whether the checkpoint has it. `reads` logs every
     slice read (see `weight_reads.Reads`). `without`: parameters left out (never read), e.g. ("lm_head",) for an
-    embedding model, whose checkpoint may have none. `keep_blocks`: the parameters of KEPT_IN_BLOCKS whose sources
-    offer GGML blocks (a GGUF file's kept formats) become `rd.BlocksLeaf`s, kept quantized."""
+    embedding model, whose checkpoint may have none. `keep_quantized`: the parameters of KEPT_IN_BLOCKS whose
+    sources offer GGML blocks (a GGUF file's kept formats) or a quantized form (`loader.hf_quant`) become
+    `rd.KeptLeaf`s, kept quantized."""
 
     def __init__(
         self,
@@ -263,11 +265,11 @@ class WeightReader:
         has: Callable[[str], bool],
         dtype,
         without: Collection[str] = (),
-        keep_blocks: bool = False,
+        keep_quantized: bool = False,
     ):
         self.cfg, self.get, self.has, self.dtype = cfg, get, has, np.dtype(dtype)
         self.without = frozenset(without)
-        self.keep_blocks = keep_blocks
+        self.keep_quantized = keep_quantized
         self.reads = Reads()
         self._dims = _dims(cfg)
 
@@ -277,7 +279,9 @@ class WeightReader:
         a = self.get(name)
         want = tuple(self._dims[d] for d in shape)
         if tuple(a.shape) != want:
-            raise WeightError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {want}")
+            stored = getattr(a, "stored", name)  # a quantized tensor's size is read from its packed tensor
+            what = f"tensor {name!r}" if stored == name else f"tensor {stored!r} (read as {name!r})"
+            raise WeightError(f"{what} has shape {tuple(a.shape)}, expected {want}")
         return Source(name, a)
 
     def leaf(self, entry: Entry, layer: int | None, kv_map: np.ndarray | None = None) -> Leaf | None:
@@ -298,7 +302,7 @@ class WeightReader:
         out_map = kv_map if entry.kv else None
         one = src[0][0]
         t = entry.transform
-        if self.keep_blocks and out_map is None and (kept := self._blocks(entry, src)) is not None:
+        if self.keep_quantized and out_map is None and (kept := self._kept(entry, src)) is not None:
             return kept
         if t == COPY:
             return rd.copy(one, self.reads, dt, out_map)
@@ -318,13 +322,17 @@ class WeightReader:
             return rd.deinterleave(one, self.reads, dt)
         raise ValueError(f"unknown transform {t!r}")
 
-    def _blocks(self, entry: Entry, src: list[list[Source]]) -> rd.BlocksLeaf | None:
-        """The entry kept in GGML blocks when it is a Linear weight, gate and up, or the embedding table, and its
-        sources offer blocks of one format; else None (read as floats)."""
+    def _kept(self, entry: Entry, src: list[list[Source]]) -> rd.KeptLeaf | None:
+        """The entry kept quantized when it is a Linear weight, gate and up, or the embedding table (GGML blocks
+        only), and its sources offer GGML blocks or a quantized form of one format; else None (read as floats)."""
         flat = [s for group in src for s in group]
-        if entry.param not in KEPT_IN_BLOCKS or not rd.has_blocks(flat):
+        if entry.param not in KEPT_IN_BLOCKS:
             return None  # e.g. a MoE router: read as floats by the router's own dot
         rows, k = flat[0].a.shape
+        if rd.has_quantized(flat) and entry.transform in (LINEAR, GATE_UP):
+            return rd.quantized(flat, self.reads, (k, rows) if entry.transform == LINEAR else (k, 2, rows), self.dtype)
+        if not rd.has_blocks(flat):
+            return None
         if entry.transform == LINEAR:
             return rd.blocks(flat, self.reads, (k, rows), True, self.dtype)
         if entry.transform == GATE_UP:

@@ -10,7 +10,9 @@ one block's, not the whole parameter's (gpt-oss-120b's MXFP4 gate_up is 8.5 GB i
 (tensor name, shape read, bytes) per read, so tests can check that a device reads its slice and nothing more.
 
 Sources in a GGML block format kept quantized (GGUF tensors offering raw `blocks`) can instead be read whole into a
-`models.quant.GGMLWeight` (`blocks`: a Linear, gate and up, or the embedding table), their bytes copied as they are."""
+`models.quant.GGMLWeight` (`blocks`: a Linear, gate and up, or the embedding table), their bytes copied as they are;
+quantized checkpoint tensors offering `quantized(dtype)` (`loader.hf_quant`) into their `netra_jax.quant` weight
+(`quantized`: a Linear, or gate and up fused along their outputs)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
-from netra_jax.quant import GGMLWeight
+from netra_jax.quant import GGMLWeight, concatenate_outputs
 
 Index = tuple[slice, ...]
 BLOCK_BYTES = 64 << 20  # float32 bytes of one block of a read (its transient copies are a few of these)
@@ -208,14 +211,15 @@ def has_blocks(sources: Sequence[Source]) -> bool:
 
 
 @dataclass
-class BlocksLeaf:
-    """A parameter kept in GGML blocks: its logical (float) shape and `read_all() -> GGMLWeight` over numpy data."""
+class KeptLeaf:
+    """A parameter kept quantized: its logical (float) shape and `read_all()` -> its `netra_jax.quant` weight
+    (GGML blocks, grouped integers, fp8) over numpy data."""
 
     shape: tuple[int, ...]
-    read_all: Callable[[], GGMLWeight]
+    read_all: Callable[[], Any]
 
 
-def blocks(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], transposed: bool, dtype) -> BlocksLeaf:
+def blocks(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], transposed: bool, dtype) -> KeptLeaf:
     """The sources' raw rows stacked ([rows, row_bytes]: a Linear's output rows, gate's then up's, or a table's
     rows) as a `GGMLWeight` of logical `shape` (see its docstring for `transposed`) de-quantizing to `dtype`. One
     source's rows are handed over as the source gives them (a view of a memory map: the caller copies them once, to
@@ -227,7 +231,28 @@ def blocks(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], tran
         data = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return GGMLWeight(data, sources[0].a.qtype, tuple(shape), transposed, np.dtype(dtype))
 
-    return BlocksLeaf(tuple(shape), read_all)
+    return KeptLeaf(tuple(shape), read_all)
+
+
+def has_quantized(sources: Sequence[Source]) -> bool:
+    """Whether every source is a quantized checkpoint tensor (offering `quantized(dtype)`), all of one format."""
+    return all(callable(getattr(s.a, "quantized", None)) for s in sources) and len({s.a.qformat for s in sources}) == 1
+
+
+def quantized(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], dtype) -> KeptLeaf:
+    """The sources' quantized weights ([in, out_i] each: a Linear, or gate then up) as one weight of logical `shape`
+    de-quantizing to `dtype`, fused along the outputs as they are stored (`quant.concatenate_outputs`)."""
+
+    def read_all():
+        parts = [s.a.quantized(dtype) for s in sources]
+        for s, p in zip(sources, parts, strict=True):
+            reads.log.append((s.name, tuple(s.a.shape), sum(a.nbytes for a in jax.tree.leaves(p))))
+        try:
+            return concatenate_outputs(parts, tuple(shape))
+        except ValueError as e:
+            raise WeightError(f"{', '.join(s.name for s in sources)}: {e}") from None
+
+    return KeptLeaf(tuple(shape), read_all)
 
 
 def kv_row_map(num_kv_heads: int, head_dim: int, replicas: int) -> np.ndarray | None:

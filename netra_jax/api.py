@@ -17,12 +17,13 @@ import jax
 import numpy as np
 
 from netra_jax import assets, parallel
+from netra_jax.config import ConfigError
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine.runner import claim_gpu_memory
 from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
-from netra_jax.loader import load_config, load_model
+from netra_jax.loader import load_config, load_model, quantization_method
 from netra_jax.models.hooks import Hooks
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
@@ -78,6 +79,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     remote = config.trust_remote_code
     header_cfg = load_config(path, trust_remote_code=remote)  # path, format and architecture from headers alone,
     config.check_model(header_cfg)
+    quantization = _quantization_at_load(config.quantization, quantization_method(path), path)
     tokenizer = _load_tokenizer(config, path, header_cfg.vocab_size)  # then the tokenizer: all before the weights
     pooling = None
     if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
@@ -89,16 +91,30 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         load_format=config.load_format,
         task=config.task,
         trust_remote_code=remote,
-        keep_quantized=not config.quantization,
+        keep_quantized=not quantization,
     )
-    if config.quantization:
-        params = quantize_params(params, config.quantization)
+    if quantization:
+        params = quantize_params(params, quantization)
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
     if config.warmup:
         engine.warmup()
     return engine
+
+
+def _quantization_at_load(asked: str | None, stored: str | None, path: str) -> str | None:
+    """The method to quantize the loaded weights by: the one asked for, or None for a checkpoint already quantized
+    (read as stored). As vLLM, asking for a method other than the checkpoint's own is an error; asking for its own
+    ("fp8" of an FP8 checkpoint) changes nothing."""
+    if asked is None or stored is None:
+        return asked
+    if asked != stored:
+        raise ConfigError(
+            f"{path} is quantized by {stored}, which is served as stored; quantization={asked!r} differs from it "
+            "(leave quantization unset)"
+        )
+    return None
 
 
 def _load_tokenizer(config: EngineConfig, model_path: str, vocab_size: int) -> Tokenizer:
@@ -166,7 +182,9 @@ class LLM:
         matmul_backend: "auto" | "xla" | "cpu_rows": how float32 matmuls of decode-sized steps run; "auto" runs the
             CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split.
         quantization: None, or a weight-only method applied at load: "int8" or "fp8" (per-output-channel scales),
-            "int4" (llama.cpp's Q4_0 blocks of 32); a GGUF file's quantized blocks are kept as they are anyway.
+            "int4" (llama.cpp's Q4_0 blocks of 32); a GGUF file's quantized blocks are kept as they are anyway. A
+            Hugging Face FP8 / AWQ / GPTQ / compressed-tensors checkpoint is served as stored: another method here is
+            a ConfigError, its own ("fp8" of an FP8 checkpoint) changes nothing.
         seed: Seeds the requests that give no seed.
         warmup: Compile every reachable program before returning (minutes on CPU for a large token budget); False:
             compile each on first use.

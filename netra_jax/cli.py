@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=["int8", "int4", "fp8"],
-        help="quantize a float checkpoint's weights at load: int8 / fp8 with per-channel scales, int4 as Q4_0 blocks",
+        help="quantize a float checkpoint's weights at load: int8 / fp8 with per-channel scales, int4 as Q4_0 blocks "
+        "(FP8, AWQ, GPTQ and compressed-tensors checkpoints are served as stored: leave it unset)",
     )
     p.add_argument(
         "--task",

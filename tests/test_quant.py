@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import gguf
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.ops.ggml_blocks import quantize_rows_q4_0
-from netra_jax.quant import GGMLWeight, PackedIntWeight, QuantizedWeight, matmul, quantize_params, quantize_weight
+from netra_jax.quant import (
+    BlockFP8Weight,
+    GGMLWeight,
+    PackedIntWeight,
+    QuantizedWeight,
+    concatenate_outputs,
+    matmul,
+    quantize_params,
+    quantize_weight,
+)
 
 
 def test_quantize_weight_per_channel():
@@ -129,3 +139,45 @@ def test_packed_int_weight_dequantizes_gptq_layout(bits, group, zeros, act_order
     np.testing.assert_array_equal(np.asarray(w.dequantize()), want)
     x = rng.standard_normal((3, k)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), w)), x @ want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_fp8_weight_scales_each_tile_partial_ones_included():
+    """w[k, n] = q[k, n] * scale[k // bk, n // bn] against float64 numpy, with partial last tiles on both axes."""
+    rng = np.random.default_rng(3)
+    k, n, (bk, bn) = 200, 72, (64, 32)
+    q = rng.standard_normal((k, n)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, size=(4, 3)).astype(np.float32)  # ceil(200 / 64), ceil(72 / 32)
+    w = BlockFP8Weight(jnp.asarray(q), jnp.asarray(scale), (bk, bn), (k, n))
+    want = q.astype(np.float64) * scale[np.arange(k)[:, None] // bk, np.arange(n)[None, :] // bn]
+    np.testing.assert_allclose(np.asarray(w.dequantize()), want, rtol=1e-7)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), w)), x @ want, rtol=1e-5, atol=1e-4)
+
+
+def _packed(rng, k: int, n: int, g_idx: np.ndarray) -> PackedIntWeight:
+    q = rng.integers(0, 16, size=(k, n))
+    packed = np.zeros((k // 8, n), np.uint32)
+    for j in range(8):
+        packed |= q[j::8].astype(np.uint32) << np.uint32(4 * j)
+    scale = rng.uniform(0.01, 0.1, size=(k // 32, n)).astype(np.float16)
+    zero = rng.integers(0, 16, size=(k // 32, n)).astype(np.int32)
+    return PackedIntWeight(packed.view(np.int32), scale, zero, g_idx, 4, 32, (k, n))
+
+
+def test_concatenate_outputs_fuses_exactly_and_refuses_what_cannot_share_a_layout():
+    rng = np.random.default_rng(4)
+    g_idx = rng.permutation(np.arange(128) // 32).astype(np.int32)
+    gate, up = _packed(rng, 128, 24, g_idx), _packed(rng, 128, 24, g_idx)
+    fused = concatenate_outputs([gate, up], (128, 2, 24))
+    want = np.stack([np.asarray(gate.dequantize()), np.asarray(up.dequantize())], axis=1)  # [K, 2, N]
+    np.testing.assert_array_equal(np.asarray(fused.dequantize()), want)
+    q8 = np.ones((16, 8), ml_dtypes.float8_e4m3fn)
+    fused = concatenate_outputs([QuantizedWeight(q8, np.full(8, 2.0, np.float32))] * 2, (16, 2, 8))
+    assert fused.q.shape == (16, 2, 8) and fused.scale.shape == (2, 8)
+    with pytest.raises(ValueError, match="g_idx differ"):
+        concatenate_outputs([gate, _packed(rng, 128, 24, np.roll(g_idx, 1))], (128, 48))
+    tiles = BlockFP8Weight(np.ones((64, 48), ml_dtypes.float8_e4m3fn), np.ones((1, 2), np.float32), (64, 32), (64, 48))
+    with pytest.raises(ValueError, match="not whole tiles"):
+        concatenate_outputs([tiles, tiles], (64, 2, 48))
+    with pytest.raises(ValueError, match="different types"):
+        concatenate_outputs([gate, tiles], (128, 72))

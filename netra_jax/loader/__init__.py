@@ -15,7 +15,11 @@ and then placed on the mesh, each device receiving its slice.
 GGUF quantization: on one device, the Linear weights and the embedding of a GGUF file stay in their GGML blocks
 when their type is one the runtime reads as it is (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
 `ops.ggml_blocks`), as `models.quant.GGMLWeight`s, read tensor by tensor without the parameter cache; the other
-tensors (norms, other types, MoE experts) are de-quantized to the dtype. "dtype" is then the compute dtype."""
+tensors (norms, other types, MoE experts) are de-quantized to the dtype. "dtype" is then the compute dtype.
+
+Hugging Face quantized checkpoints (`quantization_config` of FP8, AWQ, GPTQ or compressed-tensors: `loader.hf_quant`)
+are read the same way, on one device and without the parameter cache: each quantized Linear weight (and lm_head)
+kept as stored, in its `netra_jax.quant` weight, the other tensors read as floats in the dtype."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.engine_config import TASKS
 from netra_jax.loader import cache as param_cache
-from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, mxfp4
+from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, hf_quant, mxfp4
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
 from netra_jax.loader.hf import CheckpointError, HFCheckpoint, stored_float_dtype
@@ -44,6 +48,7 @@ __all__ = [
     "ConfigError",
     "load_model",
     "load_config",
+    "quantization_method",
     "read_gguf_metadata",
     "DTYPES",
     "LOAD_FORMATS",
@@ -83,7 +88,7 @@ def _open_source(
     if p.is_dir():
         cfg = ModelConfig.from_hf_dir(p, trust_remote_code=trust_remote_code)
         d = json.loads((p / "config.json").read_text())
-        _check_quantization_config(p, d.get("quantization_config"))
+        hf_quant.scheme(d.get("quantization_config"), p)  # a method or option not read fails here, in one line
         files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
         if (p / "model.safetensors.index.json").is_file():
             files.append(p / "model.safetensors.index.json")
@@ -96,20 +101,20 @@ def _open_source(
     return config_from_gguf_metadata(gf.metadata, shapes, rope_freqs), gf, [p]
 
 
-def _load_gguf_kept(gf: GGUFFile, cfg: ModelConfig, dtype, without: tuple[str, ...]) -> dict[str, Any]:
-    """The parameters of a GGUF file whose Linear weights and embedding keep their GGML blocks (`GGMLWeight`; the
-    other tensors de-quantized to `dtype`), read tensor by tensor: each parameter goes to the device as soon as it is
-    read and the file's pages it touched are dropped, so the process holds about the file's bytes once. A tied
-    lm_head shares the embedding's blocks."""
-    get, has = gguf_names.hf_view(gf, cfg)
-    leaves = weight_map.WeightReader(cfg, get, has, dtype, without, keep_blocks=True).leaves()
-    kept = weight_reads.BlocksLeaf
+def _load_kept(get, has, cfg: ModelConfig, dtype, without: tuple[str, ...], drop_pages) -> dict[str, Any]:
+    """The parameters whose quantized weights (a GGUF file's GGML blocks in the kept formats, a quantized
+    checkpoint's Linear weights) stay as stored (`weight_reads.KeptLeaf`; the other tensors read as floats in
+    `dtype`), read tensor by tensor: each parameter goes to the device as soon as it is read and the file pages it
+    touched are dropped (`drop_pages`), so the process holds about the quantized bytes once. A tied lm_head shares
+    a kept embedding's blocks."""
+    leaves = weight_map.WeightReader(cfg, get, has, dtype, without, keep_quantized=True).leaves()
+    kept = weight_reads.KeptLeaf
     tied = cfg.tie_word_embeddings and isinstance(leaves.get("embed"), kept) and isinstance(leaves.get("lm_head"), kept)
     head = leaves.pop("lm_head") if tied else None  # the table's blocks, read once
 
     def put(leaf):
         value = jax.tree.map(jax.numpy.asarray, leaf.read_all())  # one copy: the file's pages to the device
-        gf.drop_pages()
+        drop_pages()
         return value
 
     params = jax.tree.map(put, leaves, is_leaf=lambda x: isinstance(x, (weight_reads.Leaf, kept)))
@@ -118,21 +123,14 @@ def _load_gguf_kept(gf: GGUFFile, cfg: ModelConfig, dtype, without: tuple[str, .
     return params
 
 
-HF_QUANT_METHODS = ("mxfp4",)  # quantization_config.quant_method values read (de-quantized at load: loader.mxfp4)
-
-
-def _check_quantization_config(path: Path, qc: Any) -> None:
-    """A Hugging Face checkpoint's `quantization_config` names a method this loader reads, else CheckpointError in
-    one line naming it (its weights would otherwise be read as something they are not)."""
-    if qc is None:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method not in HF_QUANT_METHODS:
-        raise CheckpointError(
-            f"{path}: quantization_config.quant_method {method!r} is not supported (supported: "
-            f"{', '.join(HF_QUANT_METHODS)}); serve the unquantized checkpoint, optionally with --quantization int8, "
-            "int4 or fp8"
-        )
+def quantization_method(path: str | Path) -> str | None:
+    """The `quant_method` of a Hugging Face checkpoint read as it is stored (one of `hf_quant.METHODS`), else None
+    (a float checkpoint, gpt-oss's mxfp4 experts, a GGUF file); CheckpointError for a method that is not read."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return None
+    sch = hf_quant.scheme(json.loads((p / "config.json").read_text()).get("quantization_config"), p)
+    return None if sch is None else sch.method
 
 
 def load_config(path: str | Path, *, trust_remote_code: bool = False) -> ModelConfig:
@@ -163,7 +161,8 @@ def load_model(
     states never need it; not with a mesh yet). trust_remote_code: load a checkpoint whose config.json has an
     auto_map with the native implementation of its architecture (see `ModelConfig.from_hf_dict`).
     keep_quantized: keep a GGUF file's GGML blocks in the kept formats (see the module docstring); False
-    de-quantizes every tensor to `dtype`, as for a file of other types (e.g. to quantize the model another way)."""
+    de-quantizes every tensor to `dtype`, as for a file of other types (e.g. to quantize the model another way).
+    A quantized Hugging Face checkpoint is always read as stored (False is refused)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if task not in TASKS:
@@ -184,6 +183,19 @@ def load_model(
         params = dummy.random_params(cfg, _NP_DTYPES[dt], mesh, optional=dummy.attention_biases(cfg, source))
         log.info("random (dummy) %s parameters for %s in %.2fs", dt, path, time.perf_counter() - t0)
         return cfg, params
+    scheme = None if is_gguf else hf_quant.scheme(source.get("quantization_config"), path)
+    if scheme is not None:
+        if not keep_quantized:
+            raise CheckpointError(f"{path} is a {scheme.method} checkpoint, read as stored; it is not de-quantized")
+        if mesh is not None:
+            raise CheckpointError(f"{path}: a {scheme.method} checkpoint is not supported with tensor parallelism yet")
+        ck = HFCheckpoint(path)
+        get, has = hf_quant.view(ck, scheme)
+        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, ck.drop_pages)
+        log.info(
+            "loaded %s (%s, %s weights kept quantized) in %.2fs", path, dt, scheme.describe(), time.perf_counter() - t0
+        )
+        return cfg, params
     if mesh is not None:
         parallel.check_tp(cfg, parallel.tp_size(mesh))
         if not is_gguf:
@@ -194,7 +206,8 @@ def load_model(
             )
             return cfg, params
     if is_gguf and keep_quantized and mesh is None and source.kept_tensors():
-        params = _load_gguf_kept(source, cfg, _NP_DTYPES[dt], without)
+        get, has = gguf_names.hf_view(source, cfg)
+        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, source.drop_pages)
         log.info("loaded %s (%s, GGML blocks kept quantized) in %.2fs", path, dt, time.perf_counter() - t0)
         return cfg, params
     root = key = None

@@ -8,8 +8,6 @@ Q2_K..Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4 and whatever else that library impl
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.metadata
 import itertools
 import mmap
@@ -22,20 +20,9 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from netra_jax.loader.hf import CheckpointError
+from netra_jax.loader.hf import CheckpointError, release_pages
 from netra_jax.ops.ggml_blocks import FORMATS
 
-
-def _libc():
-    """glibc, for malloc_trim (None elsewhere: musl, macOS)."""
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return lib if hasattr(lib, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 GGUF_MAGIC = b"GGUF"
 _GGUF_VERSION = importlib.metadata.version("gguf")
 _SCALARS = {  # GGUF value type -> struct format (little endian)
@@ -209,9 +196,7 @@ class GGUFFile:
         """Drop the file's pages from this process's memory (they stay in the OS page cache) and hand the heap's
         free pages back: after tensors were copied out, so reading a file tensor by tensor holds one tensor's pages
         and transients at a time, not the whole file's (glibc keeps freed blocks of up to 32 MB in its heap)."""
-        self._mm.madvise(mmap.MADV_DONTNEED)
-        if _LIBC is not None:
-            _LIBC.malloc_trim(0)
+        release_pages(self._mm)
 
     def tensor(self, name: str) -> np.ndarray:
         """De-quantized float32 copy-or-view of a tensor, numpy shape (GGUF dims reversed)."""

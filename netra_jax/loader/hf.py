@@ -5,7 +5,10 @@ de-quantizing only the slice asked for."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -24,7 +27,29 @@ _DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 checkpoints' weights (loader.hf_quant)
 }
+
+
+def _libc():
+    """glibc, for malloc_trim (None elsewhere: musl, macOS)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return lib if hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_pages(mm: mmap.mmap) -> None:
+    """Drop a memory-mapped file's pages from this process's memory (they stay in the OS page cache) and hand the
+    heap's free pages back: after tensors were copied out, so reading a file tensor by tensor holds one tensor's pages
+    and transients at a time, not the whole file's (glibc keeps freed blocks of up to 32 MB in its heap)."""
+    mm.madvise(mmap.MADV_DONTNEED)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -67,7 +92,8 @@ class SafetensorsShard:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         self._base = 8 + n
-        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as fh:
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self._meta = {k: header[k] for k in names}
 
     def keys(self):
@@ -78,8 +104,11 @@ class SafetensorsShard:
         if m["dtype"] not in _DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {m['dtype']}")
         a, b = m["data_offsets"]
-        raw = self._mm[self._base + a : self._base + b]
+        raw = np.frombuffer(self._mm, np.uint8, count=b - a, offset=self._base + a)  # a read-only view
         return raw.view(_DTYPES[m["dtype"]]).reshape(m["shape"])
+
+    def drop_pages(self) -> None:
+        release_pages(self._mm)
 
 
 class Mxfp4Experts:
@@ -160,3 +189,8 @@ class HFCheckpoint:
 
     def keys(self):
         return self._where.keys()
+
+    def drop_pages(self) -> None:
+        """Drop every shard's pages from this process's memory (`release_pages`)."""
+        for shard in self.shards:
+            shard.drop_pages()

@@ -7,9 +7,11 @@ from netra_jax.quant.online import METHODS, QUANTIZABLE, quantize_params, quanti
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import (
     QUANTIZED_TYPES,
+    BlockFP8Weight,
     GGMLWeight,
     PackedIntWeight,
     QuantizedWeight,
+    concatenate_outputs,
     embedding_rows,
     is_quantized,
 )
@@ -20,9 +22,11 @@ __all__ = [
     "METHODS",
     "QUANTIZABLE",
     "QUANTIZED_TYPES",
+    "BlockFP8Weight",
     "GGMLWeight",
     "PackedIntWeight",
     "QuantizedWeight",
+    "concatenate_outputs",
     "embedding_rows",
     "is_quantized",
     "matmul",

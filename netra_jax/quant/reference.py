@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from netra_jax.ops import ggml_blocks
-from netra_jax.quant.weights import GGMLWeight, PackedIntWeight, QuantizedWeight
+from netra_jax.quant.weights import BlockFP8Weight, GGMLWeight, PackedIntWeight, QuantizedWeight
 
 
 def rows_form(spec: str | None, x: jax.Array, w) -> bool:
@@ -37,7 +37,7 @@ def reference_matmul(x: jax.Array, w, spec: str | None = None, preferred_element
         return y * w.scale.astype(y.dtype)
     if isinstance(w, GGMLWeight):
         return _ggml_reference(x, w, spec, preferred_element_type)
-    if isinstance(w, PackedIntWeight):
+    if isinstance(w, (PackedIntWeight, BlockFP8Weight)):
         return dot(x, w.dequantize(), spec, preferred_element_type)
     return dot(x, w, spec, preferred_element_type)
 
