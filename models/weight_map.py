@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from netra_jax.config import ModelConfig
 from netra_jax.models import weight_reads as rd
 from netra_jax.models.weight_reads import Leaf, Reads, Source, WeightError
-from netra_jax.quant import QUANTIZABLE
+from netra_jax.quant import QUANTIZABLE, shard_specs
 
 __all__ = [
     "TP",
@@ -41,7 +41,7 @@ VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, els
 # transforms (models.weight_reads)
 COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
-# the parameters a GGUF file's GGML blocks are kept for (read through models.quant.matmul / embedding_rows)
+# the parameters a GGUF file's GGML blocks are kept for (read through quant.matmul, embedding_rows, models.moe)
 KEPT_IN_BLOCKS = (*QUANTIZABLE, "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
@@ -232,21 +232,34 @@ def kv_params(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def param_specs(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`), from the table."""
+    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`), from the table. A quantized
+    weight (or a `weight_reads.BlocksLeaf` to become one) gets its arrays' specs (`quant.shard_specs`: WeightError
+    naming it when its blocks cannot be split so)."""
     vocab = TP if cfg.vocab_size % tp == 0 else None
     specs = {e.param: P(*(vocab if s == VOCAB else s for s in e.spec)) for e in table(cfg)}
 
-    def spec(name: str) -> P:
+    def spec(name: str, value, path: str):
         if name not in specs:
             raise WeightError(f"parameter {name!r} is not in the {cfg.family} weight map")
-        return specs[name]
+        weight = value.template if isinstance(value, rd.BlocksLeaf) else value
+        try:
+            return shard_specs(weight, specs[name], tp, path)
+        except ValueError as e:
+            raise WeightError(str(e)) from None
 
-    out: dict[str, Any] = {k: spec(k) for k in params if k != "layers"}
-    out["layers"] = [{k: spec(k) for k in lp} for lp in params["layers"]]
+    out: dict[str, Any] = {k: spec(k, v, k) for k, v in params.items() if k != "layers"}
+    out["layers"] = [{k: spec(k, v, f"layers.{i}.{k}") for k, v in lp.items()} for i, lp in enumerate(params["layers"])]
     return out
 
 
 Getter = Callable[[str], Any]
+
+
+def _grid(sources: list[Source], shape: tuple[int, ...]) -> np.ndarray:
+    """`sources` as a numpy object array of `shape` (-1: as many as there are), for `weight_reads.blocks`."""
+    grid = np.empty(len(sources), object)
+    grid[:] = sources
+    return grid.reshape(shape)
 
 
 class WeightReader:
@@ -319,19 +332,22 @@ class WeightReader:
         raise ValueError(f"unknown transform {t!r}")
 
     def _blocks(self, entry: Entry, src: list[list[Source]]) -> rd.BlocksLeaf | None:
-        """The entry kept in GGML blocks when it is a Linear weight, gate and up, or the embedding table, and its
-        sources offer blocks of one format; else None (read as floats)."""
-        flat = [s for group in src for s in group]
-        if entry.param not in KEPT_IN_BLOCKS or not rd.has_blocks(flat):
+        """The entry kept in GGML blocks when it is a Linear weight, gate and up, per-expert Linear weights or the
+        embedding table, and its sources offer blocks of one format; else None (read as floats)."""
+        if entry.param not in KEPT_IN_BLOCKS or not rd.has_blocks([s for group in src for s in group]):
             return None  # e.g. a MoE router: read as floats by the router's own dot
-        rows, k = flat[0].a.shape
-        if entry.transform == LINEAR:
-            return rd.blocks(flat, self.reads, (k, rows), True, self.dtype)
-        if entry.transform == GATE_UP:
-            return rd.blocks(flat, self.reads, (k, 2, rows), True, self.dtype)
+        grids = {  # the sources' layout, leading the data's rows: its output axes (and experts) before each row
+            LINEAR: lambda: _grid([src[0][0]], ()),
+            GATE_UP: lambda: _grid([src[0][0], src[1][0]], (2,)),
+            EXPERTS_GATE_UP: lambda: _grid([s for pair in zip(src[0], src[1], strict=True) for s in pair], (-1, 2)),
+            EXPERTS_DOWN: lambda: _grid(src[0], (-1,)),
+        }
         if entry.param == "embed":
-            return rd.blocks(flat, self.reads, (rows, k), False, self.dtype)
-        return None
+            return rd.blocks(_grid([src[0][0]], ()), self.reads, False, self.dtype)
+        if entry.transform not in grids:
+            return None
+        batch_dims = 1 if entry.transform in (EXPERTS_GATE_UP, EXPERTS_DOWN) else 0
+        return rd.blocks(grids[entry.transform](), self.reads, True, self.dtype, batch_dims)
 
     def leaves(self, kv_replicas: int = 1) -> dict:
         """The `Leaf` pytree {embed, lm_head, final_norm, layers: [dict, ...]}; KV heads repeated `kv_replicas`

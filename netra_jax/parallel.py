@@ -30,6 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.models.weight_map import TP, Leaf, WeightReader, kv_params, param_specs
+from netra_jax.models.weight_reads import BlocksLeaf
+
+LEAVES = (Leaf, BlocksLeaf)  # what a reader's pytree holds: floats read by slices, or GGML blocks
 
 HEADS = P(None, TP, None)  # [T, heads, head_dim] activations
 KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
@@ -150,17 +153,27 @@ def sharded_leaves(get, has, cfg: ModelConfig, dtype, tp: int) -> tuple[WeightRe
     return reader, reader.leaves(kv_replicas(cfg, tp))
 
 
-def place_leaves(leaves: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """The `Leaf` pytree as jax arrays placed with their NamedShardings on `mesh`: each device's callback reads
-    only its slice from the memory maps."""
-    specs = param_specs(leaves, cfg, tp_size(mesh))
-
-    def build(leaf: Leaf, spec: P) -> jax.Array:
-        return jax.make_array_from_callback(
-            leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
+def place_leaf(leaf: Leaf | BlocksLeaf, spec, mesh: Mesh):
+    """One `Leaf` as a jax array placed with its NamedSharding on `mesh` (each device's callback reads only its
+    slice from the memory maps), or a `BlocksLeaf` as a `GGMLWeight` whose blocks are placed so (`spec`: the
+    GGMLWeight of its data's spec, from `param_specs`)."""
+    if isinstance(leaf, BlocksLeaf):
+        shape = leaf.template.data.shape
+        data = jax.make_array_from_callback(
+            shape, NamedSharding(mesh, spec.data), lambda idx: leaf.read(_norm_index(idx, shape))
         )
+        return leaf.build(data)
+    return jax.make_array_from_callback(
+        leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
+    )
 
-    return jax.tree.map(build, leaves, specs, is_leaf=lambda x: isinstance(x, Leaf))
+
+def place_leaves(leaves: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The `Leaf` (and `BlocksLeaf`) pytree placed on `mesh` by `place_leaf`."""
+    specs = param_specs(leaves, cfg, tp_size(mesh))
+    return jax.tree.map(
+        lambda leaf, spec: place_leaf(leaf, spec, mesh), leaves, specs, is_leaf=lambda x: isinstance(x, LEAVES)
+    )
 
 
 def load_hf_sharded(get, has, cfg: ModelConfig, dtype, mesh: Mesh) -> dict:
