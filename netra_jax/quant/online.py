@@ -61,18 +61,27 @@ def _quantizer(method: str, batch_dims: int):
 
 
 def _quantize(name: str, w, method: str, batch_dims: int):
-    """`w` quantized by `method`; a weight split over a mesh (a NamedSharding of more than one device) is quantized
-    shard by shard into arrays split the same way (`shard_specs`: ValueError naming it when its blocks cannot be)."""
-    fn = _quantizer(method, batch_dims)
+    """`w` quantized by `method` (None: kept in float); a weight split over a mesh is quantized by
+    `sharded_quantizer`, each device its own shard."""
     sharding = getattr(w, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
-        return fn(w)
+        return _quantizer(method, batch_dims)(w)
+    fn = sharded_quantizer(name, w, method, batch_dims)
+    return w if fn is None else fn(w)
+
+
+def sharded_quantizer(name: str, w: jax.Array, method: str, batch_dims: int = 0):
+    """The jitted quantizer of `w`, an array split over a mesh by a NamedSharding, whose outputs are split the same
+    way (`shard_specs`: scales with the output axes, blocks by rows or whole blocks along K; ValueError naming
+    `name` when the blocks cannot be): elementwise per shard, plus one all-reduce of the per-channel maxima when the
+    input axis is split; the weight is never gathered. None when the method keeps it in float."""
+    fn = _quantizer(method, batch_dims)
     abstract = jax.eval_shape(fn, w)
     if abstract is None:
-        return w
-    specs = shard_specs(abstract, sharding.spec, sharding.mesh.size, name)
-    out = jax.tree.map(lambda s: NamedSharding(sharding.mesh, s), specs)
-    return jax.jit(fn, out_shardings=out)(w)
+        return None
+    mesh, spec = w.sharding.mesh, w.sharding.spec
+    specs = shard_specs(abstract, spec, mesh.size, name)
+    return jax.jit(fn, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
 def quantize_params(params: dict, method: str = "int8") -> dict:
