@@ -159,7 +159,10 @@ def expert_matmul(rows: jax.Array, w, group_sizes: jax.Array, expert: jax.Array,
 def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
     """The product of a block of `block` rows with group g of quantized experts: int8/fp8 values [E, K, N] widened
     to `dtype`, or GGML blocks [E, N, row_bytes] read by the CPU kernel (mb "cpu_rows", float32 rows it takes:
-    `ops.cpu_ggml_matmul`, de-quantizing in registers) or else de-quantized to [N, K] and contracted on K."""
+    `ops.cpu_ggml_matmul`, de-quantizing in registers) or else de-quantized to [N, K] and contracted on K.
+    The kernel pays at every block size the loop uses (8-64 rows): Q4_0 gate/up of 32 experts of 2048 x 1536, 8
+    experts a token, on a shared 2-core Xeon, kernel / de-quantized per expert / float32 experts: 1 token 16 / 66 /
+    87 ms, 8 tokens 92 / 310 / 266 ms, 64 tokens 208 / 820 / 689 ms, 512 tokens 1520 / 1704 / 1664 ms."""
     if not isinstance(w, GGMLWeight):
 
         def widened(g):
@@ -168,12 +171,12 @@ def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
 
         return widened
     data, qtype = w.data, w.qtype
-    x, dg = jax.ShapeDtypeStruct((block, w.k), dtype), jax.ShapeDtypeStruct(data.shape[1:], data.dtype)
-    if mb == "cpu_rows" and cpu_ggml_matmul.takes(x, dg, qtype):
+    x, one = jax.ShapeDtypeStruct((block, w.k), dtype), jax.ShapeDtypeStruct(data.shape[1:], data.dtype)
+    if mb == "cpu_rows" and cpu_ggml_matmul.takes(x, one, qtype):
 
         def kernel(g):
-            dg = jax.lax.dynamic_index_in_dim(data, g, keepdims=False)  # [N, row_bytes]
-            return lambda x: cpu_ggml_matmul.blocks_matmul(x, dg, qtype)
+            blocks = jax.lax.dynamic_index_in_dim(data, g, keepdims=False)  # [N, row_bytes], only this group's
+            return lambda x: cpu_ggml_matmul.blocks_matmul(x, blocks, qtype)
 
         return kernel
 

@@ -14,6 +14,9 @@ Layout (weights are stored [in, out], see `models.transformer`):
     all-gathered), replicated when the vocabulary does not divide by tp; norms, q/k norms and the wo bias:
     replicated. KV cache [pages, page_size, kv_heads, head_dim]: split on kv_heads, so attention runs per device on
     its own heads without moving KV.
+Quantized weights split as the float parameters they stand for (`quant.shard_specs`): scales with the output axes,
+GGML blocks by rows (an output axis split) or by whole blocks along K (K / tp a multiple of the format's block, else
+refused naming the weight); `place_leaf` reads each device's rows or blocks of a GGUF file.
 When num_kv_heads < tp (tp a multiple of it) every KV head is replicated tp / num_kv_heads times, as vLLM does:
 the parameters and cache carry tp "expanded" KV heads (`shard_config`), one per device, each a copy of the head its
 query heads use, so a device stores one KV head instead of all of them.

@@ -156,7 +156,8 @@ def shard_specs(w, spec: P, tp: int = 1, name: str = "weight"):
             if w.k % (tp * qk):
                 raise ValueError(
                     f"{name}: its {w.qtype} rows of {w.k} values split {tp} ways into {w.k / tp:g}, not a multiple "
-                    f"of the format's {qk}-value blocks; load it with another tensor_parallel_size or de-quantized"
+                    f"of the format's {qk}-value blocks; use another tensor_parallel_size, or --quantization int8 "
+                    "or fp8"
                 )
         rest = axes[:k_axis] + axes[k_axis + 1 :]  # the data's leading axes, in order
         return w.replace(data=P(*rest, axes[k_axis]))
