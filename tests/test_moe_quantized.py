@@ -154,3 +154,22 @@ def test_online_quantization_covers_the_experts(name, method):
 
 def _dequantized(name: str, w):
     return w.dequantize() if name.startswith("experts_") and hasattr(w, "dequantize") else w
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_lower_for_gpu_as_the_per_expert_loop(method):
+    """Lowered for an (abstract) H200, quantized experts run the loop over the experts that have rows (their blocks
+    or values de-quantized there): neither XLA's ragged dot over every expert nor a CPU kernel."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from netra_jax.models.moe import moe_mlp
+
+    cfg, params = load_model(FIXTURES / "tiny-qwen3-moe", "float32", cache=False)
+    lp = _moe_layer(quantize_params(params, method))
+    gpu = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    x = jax.ShapeDtypeStruct((16, cfg.hidden_size), jnp.float32)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=gpu)):
+        lowered = jax.jit(moe_mlp, static_argnums=2).trace(x, lp, cfg).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "ragged_dot" not in text and "netra_ggml_matmul_f32" not in text
+    assert "stablehlo.while" in text
