@@ -161,8 +161,7 @@ class EngineConfig:
         check_choice("matmul_backend", self.matmul_backend, ("auto", *MATMULS))
         if self.matmul_backend == "cpu_rows" and self.tensor_parallel_size > 1:
             raise ConfigError(
-                "matmul_backend 'cpu_rows' runs FFI kernels XLA cannot split over devices; with "
-                "tensor_parallel_size > 1 use 'auto' or 'xla'"
+                "matmul_backend 'cpu_rows' takes whole weights; with tensor_parallel_size > 1 use 'auto' or 'xla'"
             )
         check_choice("quantization", self.quantization, METHODS, optional=True)
         if not _is_int(self.seed):
