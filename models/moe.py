@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
 from netra_jax.models.weight_map import TP, param_specs
-from netra_jax.ops import cpu_ggml_matmul, ggml_blocks
+from netra_jax.ops import cpu_ggml_matmul, cpu_matmul, ggml_blocks
 from netra_jax.ops.grouped_matmul_triton import grouped_matmul_triton
 from netra_jax.quant import GGMLWeight, QuantizedWeight
 
@@ -158,15 +158,21 @@ def expert_matmul(rows: jax.Array, w, group_sizes: jax.Array, expert: jax.Array,
 
 def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
     """The product of a block of `block` rows with group g of quantized experts: int8/fp8 values [E, K, N] widened
-    to `dtype`, or GGML blocks [E, N, row_bytes] read by the CPU kernel (mb "cpu_rows", float32 rows it takes:
+    to `dtype` (with mb "cpu_rows", int8 times float32 blocks of up to 32 rows on `ops.cpu_matmul`'s few-row
+    kernel), or GGML blocks [E, N, row_bytes] read by the CPU kernel (mb "cpu_rows", float32 rows it takes:
     `ops.cpu_ggml_matmul`, de-quantizing in registers) or else de-quantized to [N, K] and contracted on K.
-    The kernel pays at every block size the loop uses (8-64 rows): Q4_0 gate/up of 32 experts of 2048 x 1536, 8
-    experts a token, on a shared 2-core Xeon, kernel / de-quantized per expert / float32 experts: 1 token 16 / 66 /
-    87 ms, 8 tokens 92 / 310 / 266 ms, 64 tokens 208 / 820 / 689 ms, 512 tokens 1520 / 1704 / 1664 ms."""
+    The kernels pay at every block size the loop uses (8-64 rows). Gate/up of 32 experts of 2048 x 1536, 8 experts
+    a token, on a shared 2-core Xeon (one run each, noisy), Q4_0 kernel / Q4_0 de-quantized per expert / float32
+    experts: 1 token 16 / 66 / 87 ms, 8 tokens 92 / 310 / 266 ms, 64 tokens 208 / 820 / 689 ms, 512 tokens 1520 /
+    1704 / 1664 ms; int8 kernel / widened per expert: 1 token 6.1 / 38.7 ms, 8 tokens 39 / 142 ms, 64 tokens 76 /
+    231 ms."""
     if not isinstance(w, GGMLWeight):
 
         def widened(g):
-            wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False).astype(dtype)  # [K, N], only this group's
+            wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], only this group's
+            if mb == "cpu_rows":  # int8 values on the few-row kernel when it takes the block, else widened
+                return lambda x: cpu_matmul.rows_matmul(x, wg)
+            wg = wg.astype(dtype)
             return lambda x: jnp.dot(x, wg)
 
         return widened

@@ -79,17 +79,18 @@ def test_grouped_matmul_over_quantized_experts_equals_float64(experts, kind):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
-def test_cpu_rows_reads_expert_blocks_on_the_kernel(experts):
+def test_cpu_rows_reads_expert_blocks_and_int8_on_the_kernels(experts):
     rows, _, quantized = experts
     gs = jnp.asarray(SIZES, jnp.int32)
     expert = jnp.repeat(jnp.arange(E), gs, total_repeat_length=R)
 
-    def hlo(mb):
+    def hlo(kind, mb):
         fn = jax.jit(expert_matmul, static_argnums=4)
-        return fn.lower(jnp.asarray(rows), quantized["Q4_0"], gs, expert, mb).as_text()
+        return fn.lower(jnp.asarray(rows), quantized[kind], gs, expert, mb).as_text()
 
-    assert "netra_ggml_matmul_f32" in hlo("cpu_rows")
-    assert "netra_ggml_matmul_f32" not in hlo("xla")
+    for kind, target in (("Q4_0", "netra_ggml_matmul_f32"), ("int8", "netra_small_matmul_i8")):
+        assert target in hlo(kind, "cpu_rows")
+        assert target not in hlo(kind, "xla")
 
 
 def _moe_layer(params):
