@@ -3,13 +3,15 @@ run as grouped matmuls (`grouped_matmul`: a blocked loop on CPU, a Pallas kernel
 rows sorted by expert, with static shapes.
 
 Parameters of a MoE layer (see `models.transformer`): router [hidden, experts], optional router_bias [experts],
-experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden], optional
+experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden] (float, or
+quantized per expert: `quant.QuantizedWeight` / `quant.GGMLWeight` with the experts as their batch axis), optional
 experts_gate_up_bias [experts, 2, moe_intermediate] and experts_down_bias [experts, hidden].
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
 from netra_jax.models.weight_map import TP, param_specs
+from netra_jax.ops import cpu_ggml_matmul, cpu_matmul, ggml_blocks
 from netra_jax.ops.grouped_matmul_triton import grouped_matmul_triton
+from netra_jax.quant import GGMLWeight, QuantizedWeight
 
 MOE_KEYS = ("router", "router_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 
@@ -86,57 +90,149 @@ def _block_rows(rows: int, groups: int) -> int:
     return min(64, max(8, 1 << (share - 1).bit_length()))
 
 
+# A group's product: group index -> (block of rows [B, K] -> [B, N]), prepared once per group that has rows.
+GroupProduct = Callable[[jax.Array], Callable[[jax.Array], jax.Array]]
+
+
 def _grouped_matmul_blocks(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """grouped_matmul as a loop over groups and, inside, over blocks of the group's rows: each block is one
-    [B, K] @ [K, N] dot with the group's matrix, so the work follows the rows each group has (a group without rows
+    """grouped_matmul of a float w [G, K, N] on `_grouped_blocks`: each block a dot with the group's matrix."""
+
+    def product(g):
+        wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], taken once for all the group's blocks
+        return lambda x: jnp.dot(x, wg)
+
+    return _grouped_blocks(rows, group_sizes, w.shape[0], w.shape[2], product)
+
+
+def _grouped_blocks(rows: jax.Array, group_sizes: jax.Array, groups: int, n: int, product: GroupProduct) -> jax.Array:
+    """The grouped product as a loop over groups and, inside, over blocks of the group's rows: each block is one
+    [B, K] -> [B, N] `product` of the group, so the work follows the rows each group has (a group without rows
     is skipped, its matrix not even read). Both loops are `fori_loop`s with data trip counts: the shapes stay
     static and the program's size does not grow with the number of groups (unrolled over 128 experts, one layer
     took 6 s to compile; as a loop 0.3 s, and it runs as fast)."""
     R, K = rows.shape
-    G, _, N = w.shape
-    B = _block_rows(R, G)
+    B = _block_rows(R, groups)
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G] first row of each group
     padded = jnp.concatenate([rows, jnp.zeros((B, K), rows.dtype)])  # [R + B, K]: a block never reads past the end
-    out = jnp.zeros((R + B, N), rows.dtype)
+    out = jnp.zeros((R + B, n), rows.dtype)
 
     def group(g, out):  # in group order: rows a block writes past its group's end belong to later groups
         def run(out):
-            wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], taken once for all the group's blocks
+            mul = product(g)
 
             def block(b, out):
                 r = starts[g] + b * B
-                y = jnp.dot(jax.lax.dynamic_slice_in_dim(padded, r, B), wg)  # [B, N]
+                y = mul(jax.lax.dynamic_slice_in_dim(padded, r, B))  # [B, N]
                 return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), r, 0)
 
             return jax.lax.fori_loop(0, (group_sizes[g] + B - 1) // B, block, out)
 
         return jax.lax.cond(group_sizes[g] > 0, run, lambda out: out, out)
 
-    return jax.lax.fori_loop(0, G, group, out)[:R]
+    return jax.lax.fori_loop(0, groups, group, out)[:R]
 
 
-def _grouped_experts(rows: jax.Array, expert: jax.Array, group_sizes: jax.Array, lp: dict, cfg) -> jax.Array:
+def _flat_experts(w):
+    """An expert weight [E, K, *out] (float or quantized) with its output axes flattened: [E, K, N]."""
+    if isinstance(w, QuantizedWeight):
+        E, K = w.q.shape[:2]
+        return w.replace(q=w.q.reshape(E, K, -1), scale=w.scale.reshape(E, -1))
+    if isinstance(w, GGMLWeight):
+        return w.replace(data=w.data.reshape(w.data.shape[0], -1, w.data.shape[-1]))  # [E, N, row_bytes]
+    return w.reshape(*w.shape[:2], -1)
+
+
+def expert_matmul(rows: jax.Array, w, group_sizes: jax.Array, expert: jax.Array, mb: str = "xla") -> jax.Array:
+    """rows [R, K] sorted by expert times each row's expert's matrix of w [E, K, N]: a float array (`grouped_matmul`)
+    or a quantized weight with one batch axis, the experts (`quant.QuantizedWeight`: its int8/fp8 values widened per
+    group, the per-expert scales of each row's expert applied after the grouped matmul; `quant.GGMLWeight`: each
+    group's blocks de-quantized, or read by the CPU kernel when mb is "cpu_rows", see `_grouped_quantized`).
+    expert: [R] each row's expert. Returns [R, N] in rows' dtype."""
+    if isinstance(w, QuantizedWeight):
+        y = _grouped_quantized(rows, w.q, group_sizes, mb)  # [R, N]
+        return y * w.scale[expert].astype(y.dtype)
+    if isinstance(w, GGMLWeight):
+        return _grouped_quantized(rows, w, group_sizes, mb)
+    return grouped_matmul(rows, w.astype(rows.dtype), group_sizes)
+
+
+def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
+    """The product of a block of `block` rows with group g of quantized experts: int8/fp8 values [E, K, N] widened
+    to `dtype` (with mb "cpu_rows", int8 times float32 blocks of up to 32 rows on `ops.cpu_matmul`'s few-row
+    kernel), or GGML blocks [E, N, row_bytes] read by the CPU kernel (mb "cpu_rows", float32 rows it takes:
+    `ops.cpu_ggml_matmul`, de-quantizing in registers) or else de-quantized to [N, K] and contracted on K.
+    The kernels pay at every block size the loop uses (8-64 rows). Gate/up of 32 experts of 2048 x 1536, 8 experts
+    a token, on a shared 2-core Xeon (one run each, noisy), Q4_0 kernel / Q4_0 de-quantized per expert / float32
+    experts: 1 token 16 / 66 / 87 ms, 8 tokens 92 / 310 / 266 ms, 64 tokens 208 / 820 / 689 ms, 512 tokens 1520 /
+    1704 / 1664 ms; int8 kernel / widened per expert: 1 token 6.1 / 38.7 ms, 8 tokens 39 / 142 ms, 64 tokens 76 /
+    231 ms."""
+    if not isinstance(w, GGMLWeight):
+
+        def widened(g):
+            wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], only this group's
+            if mb == "cpu_rows":  # int8 values on the few-row kernel when it takes the block, else widened
+                return lambda x: cpu_matmul.rows_matmul(x, wg)
+            wg = wg.astype(dtype)
+            return lambda x: jnp.dot(x, wg)
+
+        return widened
+    data, qtype = w.data, w.qtype
+    x, one = jax.ShapeDtypeStruct((block, w.k), dtype), jax.ShapeDtypeStruct(data.shape[1:], data.dtype)
+    if mb == "cpu_rows" and cpu_ggml_matmul.takes(x, one, qtype):
+
+        def kernel(g):
+            blocks = jax.lax.dynamic_index_in_dim(data, g, keepdims=False)  # [N, row_bytes], only this group's
+            return lambda x: cpu_ggml_matmul.blocks_matmul(x, blocks, qtype)
+
+        return kernel
+
+    def dequantized(g):
+        r = ggml_blocks.dequantize_rows(jax.lax.dynamic_index_in_dim(data, g, keepdims=False), qtype, dtype)  # [N, K]
+        return lambda x: jax.lax.dot_general(x, r, (((1,), (1,)), ((), ())))
+
+    return dequantized
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _grouped_quantized(rows: jax.Array, w, group_sizes: jax.Array, mb: str) -> jax.Array:
+    """rows [R, K] times each group's matrix of quantized experts w (int8/fp8 values [E, K, N] or GGML blocks with
+    data [E, N, row_bytes]) on `_grouped_blocks` on every platform: only the experts that have rows are read and
+    de-quantized (this is also the reference the CPU kernel's path is tested against). Differentiable in rows
+    (forward and reverse: the tangent is ragged_dot's with the de-quantized weights, linear in rows), not in w."""
+    groups = w.data.shape[0] if isinstance(w, GGMLWeight) else w.shape[0]
+    n = w.data.shape[1] if isinstance(w, GGMLWeight) else w.shape[2]
+    block = _block_rows(rows.shape[0], groups)
+    return _grouped_blocks(rows, group_sizes, groups, n, _group_product(w, rows.dtype, mb, block))
+
+
+@_grouped_quantized.defjvp
+def _grouped_quantized_jvp(mb, primals, tangents):
+    rows, w, group_sizes = primals
+    dense = w.dequantize() if isinstance(w, GGMLWeight) else w  # [E, K, N]
+    tangent = jax.lax.ragged_dot(tangents[0], dense.astype(rows.dtype), group_sizes)
+    return _grouped_quantized(rows, w, group_sizes, mb), tangent
+
+
+def _grouped_experts(rows, expert, group_sizes, lp: dict, cfg, mb: str = "xla") -> jax.Array:
     """Every expert's MLP on its rows, without the down-projection bias. rows: [R, hidden] sorted by expert;
-    expert: [R] each row's expert; group_sizes: [experts] rows per expert. Returns [R, hidden] (partial sums over
-    this device's slice of the intermediate axis when the weights are split)."""
-    w_gu = lp["experts_gate_up"]  # [experts, hidden, 2, inter]
-    E, H, _, inter = w_gu.shape
-    gu = grouped_matmul(rows, w_gu.reshape(E, H, 2 * inter).astype(rows.dtype), group_sizes)  # [R, 2 * inter]
-    gu = gu.reshape(-1, 2, inter)
+    expert: [R] each row's expert; group_sizes: [experts] rows per expert; mb: the matmul backend. Returns
+    [R, hidden] (partial sums over this device's slice of the intermediate axis when the weights are split)."""
+    gu = expert_matmul(rows, _flat_experts(lp["experts_gate_up"]), group_sizes, expert, mb)  # [R, 2 * inter]
+    gu = gu.reshape(gu.shape[0], 2, -1)  # [R, 2, inter]
     if "experts_gate_up_bias" in lp:
         gu = gu + lp["experts_gate_up_bias"].astype(gu.dtype)[expert]  # [R, 2, inter]
     h = expert_activation(gu[:, 0], gu[:, 1], cfg)  # [R, inter]
-    return grouped_matmul(h, lp["experts_down"].astype(h.dtype), group_sizes)  # [R, hidden]
+    return expert_matmul(h, _flat_experts(lp["experts_down"]), group_sizes, expert, mb)  # [R, hidden]
 
 
-def _moe(x: jax.Array, lp: dict, cfg: ModelConfig, axis: str | None) -> jax.Array:
+def _moe(x: jax.Array, lp: dict, cfg: ModelConfig, axis: str | None, mb: str = "xla") -> jax.Array:
     """moe_mlp on one device; `axis` names the mesh axis the intermediate dims are split over (None: unsplit)."""
     T, k = x.shape[0], cfg.num_experts_per_tok
     weights, experts = route(x, lp, cfg)  # [T, k]
     flat = experts.reshape(-1)  # [T * k], row j = (token j // k, rank j % k)
     order = jnp.argsort(flat, stable=True)  # [T * k] sorted row -> (token, rank) row
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # [experts]
-    y = _grouped_experts(x[order // k], flat[order], group_sizes, lp, cfg)  # [T * k, hidden]
+    y = _grouped_experts(x[order // k], flat[order], group_sizes, lp, cfg, mb)  # [T * k, hidden]
     # back to (token, rank) order by the inverse permutation, then each token's k outputs summed in rank order:
     # a gather and a fixed-order sum, so a token's result does not depend on the other tokens (no scatter-add race)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
@@ -150,20 +246,23 @@ def _moe(x: jax.Array, lp: dict, cfg: ModelConfig, axis: str | None) -> jax.Arra
     return out.astype(x.dtype)
 
 
-def moe_mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+def moe_mlp(
+    x: jax.Array, lp: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, mb: str = "xla"
+) -> jax.Array:
     """The mixture-of-experts MLP of one layer. x: [T, hidden] -> [T, hidden].
 
     Routes every token (`route`), sorts the T * k (token, expert) rows by expert, runs gate/up and down as two
     grouped matmuls (`grouped_matmul`; group sizes = rows per expert), applies the routing weights and sums each
     token's k rows. All shapes depend on T only, so a new routing never compiles anything.
     mesh: a tensor-parallel ("tp",) mesh: each device runs its slice of every expert's intermediate axis inside a
-    shard_map (routing replicated) and the partial outputs are summed with one psum of [T, hidden]."""
+    shard_map (routing replicated) and the partial outputs are summed with one psum of [T, hidden].
+    mb: the matmul backend ("cpu_rows": quantized experts' GGML blocks on the CPU kernel, see `expert_matmul`)."""
     moe = {key: lp[key] for key in MOE_KEYS if key in lp}
     if mesh is None or mesh.shape[TP] == 1:
-        return _moe(x, moe, cfg, None)
+        return _moe(x, moe, cfg, None, mb)
     specs = param_specs({"layers": [moe]}, cfg, mesh.shape[TP])["layers"][0]  # the weight map's split
     fn = jax.shard_map(
-        functools.partial(_moe, cfg=cfg, axis=TP),
+        functools.partial(_moe, cfg=cfg, axis=TP, mb=mb),
         mesh=mesh,
         in_specs=(P(), specs),
         out_specs=P(),

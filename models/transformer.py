@@ -15,15 +15,17 @@ Parameter pytree (weights stored [in, out] so activations multiply on the left; 
             router [hidden, experts], optional router_bias [experts] float32,
             experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
             optional experts_gate_up_bias [experts, 2, moe_intermediate], experts_down_bias [experts, hidden].
-The projections (wq, wk, wv, wo, w_gate_up, w_down), the lm_head and the embedding may be a `models.quant` quantized
-weight instead of an array (int8 or fp8 with per-channel scales, or GGML blocks): the projections and the lm_head go
-through `quant.matmul`, the embedding through `quant.embedding_rows`; expert weights and the router are arrays.
+The projections (wq, wk, wv, wo, w_gate_up, w_down), the expert weights, the lm_head and the embedding may be a
+`netra_jax.quant` quantized weight instead of an array (int8 or fp8 with per-channel scales, or GGML blocks): the
+projections and the lm_head go through `quant.matmul`, the experts through `models.moe.expert_matmul`, the
+embedding through `quant.embedding_rows`; the router is an array.
 Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
 
 Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode differentiable (`jax.grad`,
 `jax.vjp`) in the parameters and in `input_embeds`, on every attention backend: attention's backward is a dense jnp
 reference (`netra_jax.ops.attention.paged_attention_dense`, memory T x block-table keys per layer), the experts'
-grouped matmul's is `jax.lax.ragged_dot`'s. Forward mode (`jax.jvp`) is not provided.
+grouped matmul's is `jax.lax.ragged_dot`'s (quantized experts: in the activations, not the weights). Forward
+mode (`jax.jvp`) is not provided.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def _layer(
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     x = point("resid_mid", x + point("attn_out", h))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = moe_mlp(h, lp, cfg, mesh) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb)
+    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
     x = point("resid_post", x + point("mlp_out", h))

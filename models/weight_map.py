@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from netra_jax.config import ModelConfig
 from netra_jax.models import weight_reads as rd
 from netra_jax.models.weight_reads import Leaf, Reads, Source, WeightError
-from netra_jax.quant import QUANTIZABLE
+from netra_jax.quant import QUANTIZABLE, shard_specs
 
 __all__ = [
     "TP",
@@ -42,7 +42,7 @@ VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, els
 COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
 # the parameters kept quantized: a GGUF file's GGML blocks, a quantized checkpoint's weights (read through
-# netra_jax.quant.matmul / embedding_rows)
+# quant.matmul, embedding_rows, models.moe)
 KEPT_IN_BLOCKS = (*QUANTIZABLE, "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
@@ -233,21 +233,34 @@ def kv_params(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def param_specs(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`), from the table."""
+    """PartitionSpec of every leaf of a parameter pytree (same structure as `params`), from the table. A quantized
+    weight (or a `weight_reads.BlocksLeaf` to become one) gets its arrays' specs (`quant.shard_specs`: WeightError
+    naming it when its blocks cannot be split so)."""
     vocab = TP if cfg.vocab_size % tp == 0 else None
     specs = {e.param: P(*(vocab if s == VOCAB else s for s in e.spec)) for e in table(cfg)}
 
-    def spec(name: str) -> P:
+    def spec(name: str, value, path: str):
         if name not in specs:
             raise WeightError(f"parameter {name!r} is not in the {cfg.family} weight map")
-        return specs[name]
+        weight = value.template if isinstance(value, rd.BlocksLeaf) else value
+        try:
+            return shard_specs(weight, specs[name], tp, path)
+        except ValueError as e:
+            raise WeightError(str(e)) from None
 
-    out: dict[str, Any] = {k: spec(k) for k in params if k != "layers"}
-    out["layers"] = [{k: spec(k) for k in lp} for lp in params["layers"]]
+    out: dict[str, Any] = {k: spec(k, v, k) for k, v in params.items() if k != "layers"}
+    out["layers"] = [{k: spec(k, v, f"layers.{i}.{k}") for k, v in lp.items()} for i, lp in enumerate(params["layers"])]
     return out
 
 
 Getter = Callable[[str], Any]
+
+
+def _grid(sources: list[Source], shape: tuple[int, ...]) -> np.ndarray:
+    """`sources` as a numpy object array of `shape` (-1: as many as there are), for `weight_reads.blocks`."""
+    grid = np.empty(len(sources), object)
+    grid[:] = sources
+    return grid.reshape(shape)
 
 
 class WeightReader:
@@ -322,24 +335,31 @@ class WeightReader:
             return rd.deinterleave(one, self.reads, dt)
         raise ValueError(f"unknown transform {t!r}")
 
-    def _kept(self, entry: Entry, src: list[list[Source]]) -> rd.KeptLeaf | None:
-        """The entry kept quantized when it is a Linear weight, gate and up, or the embedding table (GGML blocks
-        only), and its sources offer GGML blocks or a quantized form of one format; else None (read as floats)."""
+    def _kept(self, entry: Entry, src: list[list[Source]]) -> rd.KeptLeaf | rd.BlocksLeaf | None:
+        """The entry kept quantized, or None (read as floats): a Linear weight or gate and up whose sources offer a
+        quantized checkpoint's form of one format (`rd.quantized`), or a Linear weight, gate and up, per-expert
+        Linear weights or the embedding table whose sources offer GGML blocks of one format (`rd.blocks`)."""
         flat = [s for group in src for s in group]
         if entry.param not in KEPT_IN_BLOCKS:
             return None  # e.g. a MoE router: read as floats by the router's own dot
-        rows, k = flat[0].a.shape
         if rd.has_quantized(flat) and entry.transform in (LINEAR, GATE_UP):
-            return rd.quantized(flat, self.reads, (k, rows) if entry.transform == LINEAR else (k, 2, rows), self.dtype)
+            rows, k = flat[0].a.shape
+            shape = (k, rows) if entry.transform == LINEAR else (k, 2, rows)
+            return rd.quantized(flat, self.reads, shape, self.dtype)
         if not rd.has_blocks(flat):
             return None
-        if entry.transform == LINEAR:
-            return rd.blocks(flat, self.reads, (k, rows), True, self.dtype)
-        if entry.transform == GATE_UP:
-            return rd.blocks(flat, self.reads, (k, 2, rows), True, self.dtype)
+        grids = {  # the sources' layout, leading the data's rows: its output axes (and experts) before each row
+            LINEAR: lambda: _grid([src[0][0]], ()),
+            GATE_UP: lambda: _grid([src[0][0], src[1][0]], (2,)),
+            EXPERTS_GATE_UP: lambda: _grid([s for pair in zip(src[0], src[1], strict=True) for s in pair], (-1, 2)),
+            EXPERTS_DOWN: lambda: _grid(src[0], (-1,)),
+        }
         if entry.param == "embed":
-            return rd.blocks(flat, self.reads, (rows, k), False, self.dtype)
-        return None
+            return rd.blocks(_grid([src[0][0]], ()), self.reads, False, self.dtype)
+        if entry.transform not in grids:
+            return None
+        batch_dims = 1 if entry.transform in (EXPERTS_GATE_UP, EXPERTS_DOWN) else 0
+        return rd.blocks(grids[entry.transform](), self.reads, True, self.dtype, batch_dims)
 
     def leaves(self, kv_replicas: int = 1) -> dict:
         """The `Leaf` pytree {embed, lm_head, final_norm, layers: [dict, ...]}; KV heads repeated `kv_replicas`

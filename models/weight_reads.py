@@ -9,10 +9,11 @@ preallocated array of the parameter's dtype, so its transient copies (de-quantiz
 one block's, not the whole parameter's (gpt-oss-120b's MXFP4 gate_up is 8.5 GB in float32 per layer). `Reads` logs
 (tensor name, shape read, bytes) per read, so tests can check that a device reads its slice and nothing more.
 
-Sources in a GGML block format kept quantized (GGUF tensors offering raw `blocks`) can instead be read whole into a
-`models.quant.GGMLWeight` (`blocks`: a Linear, gate and up, or the embedding table), their bytes copied as they are;
-quantized checkpoint tensors offering `quantized(dtype)` (`loader.hf_quant`) into their `netra_jax.quant` weight
-(`quantized`: a Linear, or gate and up fused along their outputs)."""
+Sources in a GGML block format kept quantized (GGUF tensors offering raw `blocks`) can instead be read into a
+`quant.GGMLWeight` (`blocks`: a Linear, gate and up, experts, or the embedding table), their bytes copied as they
+are, whole or any device's slice of them; quantized checkpoint tensors offering `quantized(dtype)`
+(`loader.hf_quant`) whole into their `netra_jax.quant` weight (`quantized`: a Linear, or gate and up fused along
+their outputs)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from netra_jax.ops import ggml_blocks
 from netra_jax.quant import GGMLWeight, concatenate_outputs
 
 Index = tuple[slice, ...]
@@ -219,19 +221,57 @@ class KeptLeaf:
     read_all: Callable[[], Any]
 
 
-def blocks(sources: Sequence[Source], reads: Reads, shape: tuple[int, ...], transposed: bool, dtype) -> KeptLeaf:
-    """The sources' raw rows stacked ([rows, row_bytes]: a Linear's output rows, gate's then up's, or a table's
-    rows) as a `GGMLWeight` of logical `shape` (see its docstring for `transposed`) de-quantizing to `dtype`. One
-    source's rows are handed over as the source gives them (a view of a memory map: the caller copies them once, to
-    the device); several are concatenated."""
+@dataclass
+class BlocksLeaf:
+    """A parameter kept in GGML blocks: `template`, the `GGMLWeight` it becomes with a `jax.ShapeDtypeStruct` for its
+    data (logical shape, format, layout), and `read(index) -> numpy uint8` of any slice of that data (one step-1
+    slice per data axis; a slice of the last, byte axis covers whole blocks)."""
 
-    def read_all() -> GGMLWeight:
-        parts = [s.a.blocks(slice(0, s.a.shape[0])) for s in sources]
-        reads.log.extend((s.name, p.shape, p.nbytes) for s, p in zip(sources, parts, strict=True))
-        data = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return GGMLWeight(data, sources[0].a.qtype, tuple(shape), transposed, np.dtype(dtype))
+    template: GGMLWeight
+    read: Callable[[Index], np.ndarray]
 
-    return KeptLeaf(tuple(shape), read_all)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.template.shape
+
+    def build(self, data) -> GGMLWeight:
+        """The weight over `data` (all of it, or a device's shards as one jax.Array)."""
+        return self.template.replace(data=data)
+
+    def read_all(self) -> GGMLWeight:
+        return self.build(self.read(tuple(slice(0, n) for n in self.template.data.shape)))
+
+
+def blocks(grid: np.ndarray, reads: Reads, transposed: bool, dtype, batch_dims: int = 0) -> BlocksLeaf:
+    """Sources offering raw GGML rows [rows, row_bytes] laid out in `grid` (a numpy object array of `Source`s: () for
+    a Linear or a table, (2,) for gate and up, (E, 2) or (E,) for experts) as one `GGMLWeight` with data
+    [*grid.shape, rows, row_bytes] (see its docstring for `transposed` and `batch_dims`) de-quantizing to `dtype`.
+    A read of one source's whole rows hands them over as the source gives them (a view of a memory map: the caller
+    copies them once, to the device); other reads copy their slice of each source."""
+    first = grid.flat[0].a
+    rows, k = first.shape
+    row_bytes = ggml_blocks.row_bytes(first.qtype, k)
+    data = jax.ShapeDtypeStruct((*grid.shape, rows, row_bytes), np.uint8)
+    template = GGMLWeight(data, first.qtype, transposed, np.dtype(dtype), batch_dims)
+
+    def take(src: Source, r: slice, b: slice) -> np.ndarray:
+        part = src.a.blocks(r)
+        whole = b.start == 0 and b.stop == row_bytes
+        out = part if whole else np.ascontiguousarray(part[:, b])
+        reads.log.append((src.name, out.shape, out.nbytes))
+        return out
+
+    def read(idx: Index) -> np.ndarray:
+        *lead, r, b = idx
+        if not lead:
+            return take(grid[()], r, b)
+        out = np.empty((*(s.stop - s.start for s in lead), r.stop - r.start, b.stop - b.start), np.uint8)
+        sub = grid[tuple(lead)]
+        for pos in np.ndindex(*sub.shape):
+            out[pos] = take(sub[pos], r, b)
+        return out
+
+    return BlocksLeaf(template, read)
 
 
 def has_quantized(sources: Sequence[Source]) -> bool:

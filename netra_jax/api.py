@@ -181,10 +181,12 @@ class LLM:
         tensor_parallel_size: Devices the weights and KV heads are split over.
         matmul_backend: "auto" | "xla" | "cpu_rows": how float32 matmuls of decode-sized steps run; "auto" runs the
             CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split.
-        quantization: None, or a weight-only method applied at load: "int8" or "fp8" (per-output-channel scales),
-            "int4" (llama.cpp's Q4_0 blocks of 32); a GGUF file's quantized blocks are kept as they are anyway. A
-            Hugging Face FP8 / AWQ / GPTQ / compressed-tensors checkpoint is served as stored: another method here is
-            a ConfigError, its own ("fp8" of an FP8 checkpoint) changes nothing.
+        quantization: None, or a weight-only method applied at load to the projections, the lm_head and the MoE
+            experts (per expert): "int8" or "fp8" (per-output-channel scales), "int4" (llama.cpp's Q4_0 blocks of
+            32); under tensor parallelism each device quantizes its own shard. A GGUF file's quantized blocks are
+            kept as they are anyway (sliced per device under tensor parallelism). A Hugging Face FP8 / AWQ / GPTQ /
+            compressed-tensors checkpoint is served as stored: another method here is a ConfigError, its own ("fp8"
+            of an FP8 checkpoint) changes nothing.
         seed: Seeds the requests that give no seed.
         warmup: Compile every reachable program before returning (minutes on CPU for a large token budget); False:
             compile each on first use.

@@ -164,8 +164,6 @@ class EngineConfig:
                 "matmul_backend 'cpu_rows' takes whole weights; with tensor_parallel_size > 1 use 'auto' or 'xla'"
             )
         check_choice("quantization", self.quantization, METHODS, optional=True)
-        if self.quantization and self.tensor_parallel_size > 1:
-            raise ConfigError("quantization is not supported together with tensor parallelism yet")
         if not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         for name in ("warmup", "async_scheduling", "trust_remote_code"):

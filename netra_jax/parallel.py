@@ -14,6 +14,9 @@ Layout (weights are stored [in, out], see `models.transformer`):
     all-gathered), replicated when the vocabulary does not divide by tp; norms, q/k norms and the wo bias:
     replicated. KV cache [pages, page_size, kv_heads, head_dim]: split on kv_heads, so attention runs per device on
     its own heads without moving KV.
+Quantized weights split as the float parameters they stand for (`quant.shard_specs`): scales with the output axes,
+GGML blocks by rows (an output axis split) or by whole blocks along K (K / tp a multiple of the format's block, else
+refused naming the weight); `place_leaf` reads each device's rows or blocks of a GGUF file.
 When num_kv_heads < tp (tp a multiple of it) every KV head is replicated tp / num_kv_heads times, as vLLM does:
 the parameters and cache carry tp "expanded" KV heads (`shard_config`), one per device, each a copy of the head its
 query heads use, so a device stores one KV head instead of all of them.
@@ -30,6 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.models.weight_map import TP, Leaf, WeightReader, kv_params, param_specs
+from netra_jax.models.weight_reads import BlocksLeaf, KeptLeaf
+
+LEAVES = (Leaf, BlocksLeaf, KeptLeaf)  # what a reader's pytree holds: floats read by slices, GGML blocks, or a
+# quantized checkpoint's weights (read whole, on one device)
 
 HEADS = P(None, TP, None)  # [T, heads, head_dim] activations
 KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
@@ -150,17 +157,27 @@ def sharded_leaves(get, has, cfg: ModelConfig, dtype, tp: int) -> tuple[WeightRe
     return reader, reader.leaves(kv_replicas(cfg, tp))
 
 
-def place_leaves(leaves: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """The `Leaf` pytree as jax arrays placed with their NamedShardings on `mesh`: each device's callback reads
-    only its slice from the memory maps."""
-    specs = param_specs(leaves, cfg, tp_size(mesh))
-
-    def build(leaf: Leaf, spec: P) -> jax.Array:
-        return jax.make_array_from_callback(
-            leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
+def place_leaf(leaf: Leaf | BlocksLeaf, spec, mesh: Mesh):
+    """One `Leaf` as a jax array placed with its NamedSharding on `mesh` (each device's callback reads only its
+    slice from the memory maps), or a `BlocksLeaf` as a `GGMLWeight` whose blocks are placed so (`spec`: the
+    GGMLWeight of its data's spec, from `param_specs`)."""
+    if isinstance(leaf, BlocksLeaf):
+        shape = leaf.template.data.shape
+        data = jax.make_array_from_callback(
+            shape, NamedSharding(mesh, spec.data), lambda idx: leaf.read(_norm_index(idx, shape))
         )
+        return leaf.build(data)
+    return jax.make_array_from_callback(
+        leaf.shape, NamedSharding(mesh, spec), lambda idx: leaf.read(_norm_index(idx, leaf.shape))
+    )
 
-    return jax.tree.map(build, leaves, specs, is_leaf=lambda x: isinstance(x, Leaf))
+
+def place_leaves(leaves: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The `Leaf` (and `BlocksLeaf`) pytree placed on `mesh` by `place_leaf`."""
+    specs = param_specs(leaves, cfg, tp_size(mesh))
+    return jax.tree.map(
+        lambda leaf, spec: place_leaf(leaf, spec, mesh), leaves, specs, is_leaf=lambda x: isinstance(x, LEAVES)
+    )
 
 
 def load_hf_sharded(get, has, cfg: ModelConfig, dtype, mesh: Mesh) -> dict:

@@ -1,7 +1,8 @@
 """Hugging Face fixture -> GGUF file written the way llama.cpp's convert_hf_to_gguf.py writes it: its tensor names and
 metadata keys, Llama-arch Q/K rows permuted, Gemma norms + 1, experts merged into `ffn_{gate,up,down}_exps`
 [E, out, in] (gpt-oss: gate/up de-interleaved, optionally fused gate-then-up into `ffn_gate_up_exps`, MXFP4 experts
-repacked into GGML's MXFP4 blocks), so tests can load both and compare."""
+repacked into GGML's MXFP4 blocks), so tests can load both and compare; `requantized` rewrites a GGUF file's
+tensors in one quantized type."""
 
 from __future__ import annotations
 
@@ -181,3 +182,30 @@ def to_gguf(model_dir: Path, out: Path, fuse_gate_up: bool = False, per_expert_t
         fused = _gpt_oss_experts(f"model.layers.{i}.mlp.experts.", get, set(ck.keys()), fuse_gate_up)
         tensors |= {f"blk.{i}.{k}": v for k, v in fused.items()}
     return write_gguf(out, arch, _meta(d, arch), tensors)
+
+
+def requantized(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
+    """`src` with every tensor of rows of a multiple of 32 values (routers and 3-D experts too) in `qtype` (one
+    `gguf.quants` can quantize: Q4_0, Q8_0, ...), the rest in F32; "F32": every tensor de-quantized (the model a
+    quantized file stands for)."""
+    import gguf
+
+    kind = GGMLQuantizationType[qtype]
+    reader = gguf.GGUFReader(src, "r")
+    writer = gguf.GGUFWriter(dst, reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if qtype != "F32" and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, compiled_jits
 from gguf import GGMLQuantizationType as Q
+from hf_to_gguf import requantized
 from test_gguf_quants import ENCODERS
 
 from netra_jax import LLM, SamplingParams
@@ -62,17 +63,18 @@ def test_matmul_einsum_and_embedding_equal_float(qtype):
     qk = FORMATS[qtype].qk
     k, inter = 2 * max(qk, 64), 48
     data, w = encoded(qtype, 2 * inter, k)  # gate rows then up rows: [2 * inter, k]
-    gate_up = GGMLWeight(jnp.asarray(data), qtype, (k, 2, inter))
+    gate_up = GGMLWeight(jnp.asarray(data).reshape(2, inter, -1), qtype)  # [2, inter, row_bytes]: logical [k, 2, inter]
+    assert gate_up.shape == (k, 2, inter)
     x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
     want = np.einsum("th,kih->tki", x.astype(np.float64), w.reshape(2, inter, k).astype(np.float64))
     for backend in ("xla", "cpu_rows"):
         got = matmul(jnp.asarray(x), gate_up, "th,hki->tki", backend=backend)
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    linear = GGMLWeight(jnp.asarray(data), qtype, (k, 2 * inter))
+    linear = GGMLWeight(jnp.asarray(data), qtype)
     np.testing.assert_allclose(
         np.asarray(matmul(jnp.asarray(x), linear)), want.reshape(5, -1), rtol=2e-5, atol=2e-5 * np.abs(want).max()
     )
-    table = GGMLWeight(jnp.asarray(data), qtype, (2 * inter, k), transposed=False)
+    table = GGMLWeight(jnp.asarray(data), qtype, transposed=False)
     ids = jnp.asarray([3, 0, 95, 3], jnp.int32)
     np.testing.assert_array_equal(np.asarray(embedding_rows(table, ids)), w[np.asarray(ids)])
     np.testing.assert_array_equal(np.asarray(table.dequantize()), w)
@@ -174,38 +176,18 @@ def test_a_checkpoint_quantized_by_an_unread_method_fails_in_one_line(tmp_path, 
     assert "\n" not in str(e.value)
 
 
-def _as_q8_0(src: Path, dst: Path) -> Path:
-    """`src` with every tensor of rows of a multiple of 32 values (routers and 3-D experts too) in Q8_0."""
-    import gguf
-
-    reader = gguf.GGUFReader(src, "r")
-    writer = gguf.GGUFWriter(dst, reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    for f in reader.fields.values():
-        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if data.ndim >= 2 and data.shape[-1] % 32 == 0:
-            writer.add_tensor(t.name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=Q.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
-def test_moe_file_keeps_attention_blocks_and_reads_router_and_experts_as_floats(tmp_path):
-    path = _as_q8_0(REPO / "tests" / "fixtures" / "llamacpp-gguf" / "tiny-qwen3-moe.gguf", tmp_path / "moe-q8.gguf")
+def test_moe_file_keeps_attention_and_expert_blocks_and_reads_the_router_as_floats(tmp_path):
+    path = requantized(REPO / "tests" / "fixtures" / "llamacpp-gguf" / "tiny-qwen3-moe.gguf", tmp_path / "moe-q8.gguf")
     assert {t.qtype for n, t in GGUFFile(path).tensors.items() if "ffn_gate_inp" in n or "_exps" in n} == {Q.Q8_0}
     cfg, kept = load_model(path, cache=False)
     _, floats = load_model(path, cache=False, keep_quantized=False)
     moe = next(lp for lp in kept["layers"] if "router" in lp)
     assert isinstance(moe["wq"], GGMLWeight) and moe["wq"].qtype == "Q8_0"
-    assert not any(isinstance(moe[k], GGMLWeight) for k in ("router", "experts_gate_up", "experts_down"))
+    assert not isinstance(moe["router"], GGMLWeight)
+    for k in ("experts_gate_up", "experts_down"):  # per expert, the experts their batch axis
+        w, f = moe[k], next(lp for lp in floats["layers"] if "router" in lp)[k]
+        assert isinstance(w, GGMLWeight) and w.batch_dims == 1 and w.shape == f.shape
+        np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(f))
     ids = jnp.arange(24, dtype=jnp.int32) * 7 % cfg.vocab_size
     a, b = forward_dense(kept, cfg, ids), forward_dense(floats, cfg, ids)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))

@@ -43,7 +43,6 @@ def llm() -> LLM:
         ({"max_model_len": 513}, "max_model_len=513 is longer than the model's context of 512"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
         ({"max_logprobs": 21}, r"max_logprobs must be an integer in \[0, 20\]"),
-        ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization is not supported together"),
         ({"pooler_config": {"pooling_type": "MEAN"}}, "pooler_config applies to task 'embed'"),
         ({"warmup": True, "enforce_eager": True}, "enforce_eager=True compiles nothing ahead of time"),
     ],

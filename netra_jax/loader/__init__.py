@@ -9,13 +9,15 @@ Norm weights are always float32.
 
 Tensor parallel (`mesh` given): a HF directory is read straight onto the mesh, each device reading only its slices
 from the memory maps (`parallel.load_hf_sharded`; the parameter cache is bypassed, as there is no conversion to
-save). A GGUF file is de-quantized whole (through the cache as usual; quantized blocks do not slice per device)
-and then placed on the mesh, each device receiving its slice.
+save). A GGUF file's kept blocks are sliced per device the same way (output rows, or whole blocks along K); a file
+without kept blocks, or loaded with keep_quantized=False, is de-quantized whole (through the cache as usual) and
+then placed on the mesh, each device receiving its slice.
 
-GGUF quantization: on one device, the Linear weights and the embedding of a GGUF file stay in their GGML blocks
-when their type is one the runtime reads as it is (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
-`ops.ggml_blocks`), as `models.quant.GGMLWeight`s, read tensor by tensor without the parameter cache; the other
-tensors (norms, other types, MoE experts) are de-quantized to the dtype. "dtype" is then the compute dtype.
+GGUF quantization: the Linear weights, the per-expert MoE weights and the embedding of a GGUF file stay in their
+GGML blocks when their type is one the runtime reads as it is (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+`ops.ggml_blocks`), as `quant.GGMLWeight`s, read tensor by tensor without the parameter cache; the other tensors
+(norms, the router, other types, gpt-oss's fused experts) are de-quantized to the dtype. "dtype" is then the compute
+dtype.
 
 Hugging Face quantized checkpoints (`quantization_config` of FP8, AWQ, GPTQ or compressed-tensors: `loader.hf_quant`)
 are read the same way, on one device and without the parameter cache: each quantized Linear weight (and lm_head)
@@ -101,25 +103,39 @@ def _open_source(
     return config_from_gguf_metadata(gf.metadata, shapes, rope_freqs), gf, [p]
 
 
-def _load_kept(get, has, cfg: ModelConfig, dtype, without: tuple[str, ...], drop_pages) -> dict[str, Any]:
-    """The parameters whose quantized weights (a GGUF file's GGML blocks in the kept formats, a quantized
-    checkpoint's Linear weights) stay as stored (`weight_reads.KeptLeaf`; the other tensors read as floats in
-    `dtype`), read tensor by tensor: each parameter goes to the device as soon as it is read and the file pages it
-    touched are dropped (`drop_pages`), so the process holds about the quantized bytes once. A tied lm_head shares
-    a kept embedding's blocks."""
-    leaves = weight_map.WeightReader(cfg, get, has, dtype, without, keep_quantized=True).leaves()
-    kept = weight_reads.KeptLeaf
+def _load_kept(
+    get, has, cfg: ModelConfig, dtype, without: tuple[str, ...], drop_pages, mesh: jax.sharding.Mesh | None = None
+) -> dict[str, Any]:
+    """The parameters whose quantized weights (a GGUF file's GGML blocks in the kept formats: Linear weights, experts
+    and the embedding; a quantized checkpoint's Linear weights) stay as stored (`weight_reads.BlocksLeaf` /
+    `KeptLeaf`; the other tensors read as floats in `dtype`), read tensor by tensor: each parameter goes to the
+    device as soon as it is read and the file pages it touched are dropped (`drop_pages`), so the process holds about
+    the quantized bytes once. A tied lm_head shares a kept embedding's blocks. mesh: each device receives only its
+    slice of every parameter (blocks sliced by rows or by whole blocks along K, see `quant.shard_specs`; KV heads
+    replicated as `parallel.shard_params` does)."""
+    tp = parallel.tp_size(mesh)
+    reader = weight_map.WeightReader(cfg, get, has, dtype, without, keep_quantized=True)
+    leaves = reader.leaves(parallel.kv_replicas(cfg, tp))
+    kept = weight_reads.BlocksLeaf
     tied = cfg.tie_word_embeddings and isinstance(leaves.get("embed"), kept) and isinstance(leaves.get("lm_head"), kept)
-    head = leaves.pop("lm_head") if tied else None  # the table's blocks, read once
+    if tied:  # the table's blocks, read once (on a mesh the head's split is the table's: vocab rows, K whole)
+        leaves.pop("lm_head")
 
-    def put(leaf):
-        value = jax.tree.map(jax.numpy.asarray, leaf.read_all())  # one copy: the file's pages to the device
+    def put(leaf, spec=None):
+        if mesh is not None:
+            value = parallel.place_leaf(leaf, spec, mesh)
+        else:
+            value = jax.tree.map(jax.numpy.asarray, leaf.read_all())  # one copy: the file's pages to the device
         drop_pages()
         return value
 
-    params = jax.tree.map(put, leaves, is_leaf=lambda x: isinstance(x, (weight_reads.Leaf, kept)))
-    if head is not None:
-        params["lm_head"] = params["embed"].replace(shape=head.shape, transposed=True)  # the same buffer
+    is_leaf = lambda x: isinstance(x, parallel.LEAVES)  # noqa: E731
+    if mesh is None:
+        params = jax.tree.map(put, leaves, is_leaf=is_leaf)
+    else:  # the specs first: a split the blocks cannot take is refused before anything is read
+        params = jax.tree.map(put, leaves, weight_map.param_specs(leaves, cfg, tp), is_leaf=is_leaf)
+    if tied:
+        params["lm_head"] = params["embed"].replace(transposed=True)  # the same buffer
     return params
 
 
@@ -205,10 +221,11 @@ def load_model(
                 "loaded %s (%s) sharded %d ways in %.2fs", path, dt, parallel.tp_size(mesh), time.perf_counter() - t0
             )
             return cfg, params
-    if is_gguf and keep_quantized and mesh is None and source.kept_tensors():
+    if is_gguf and keep_quantized and source.kept_tensors():
         get, has = gguf_names.hf_view(source, cfg)
-        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, source.drop_pages)
-        log.info("loaded %s (%s, GGML blocks kept quantized) in %.2fs", path, dt, time.perf_counter() - t0)
+        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, source.drop_pages, mesh)
+        how = "" if mesh is None else f", sharded {parallel.tp_size(mesh)} ways"
+        log.info("loaded %s (%s, GGML blocks kept quantized%s) in %.2fs", path, dt, how, time.perf_counter() - t0)
         return cfg, params
     root = key = None
     if cache:

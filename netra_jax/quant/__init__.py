@@ -3,7 +3,7 @@ float checkpoint (`online`), the jnp reference (`reference`) and the backends' k
 (`matmul`)."""
 
 from netra_jax.quant.matmul import BACKENDS, MATMULS, matmul
-from netra_jax.quant.online import METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
+from netra_jax.quant.online import BATCH_DIMS, METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import (
     QUANTIZED_TYPES,
@@ -14,10 +14,12 @@ from netra_jax.quant.weights import (
     concatenate_outputs,
     embedding_rows,
     is_quantized,
+    shard_specs,
 )
 
 __all__ = [
     "BACKENDS",
+    "BATCH_DIMS",
     "MATMULS",
     "METHODS",
     "QUANTIZABLE",
@@ -34,4 +36,5 @@ __all__ = [
     "quantize_q4_0",
     "quantize_weight",
     "reference_matmul",
+    "shard_specs",
 ]

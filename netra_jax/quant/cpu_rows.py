@@ -17,11 +17,12 @@ def cpu_rows_matmul(x: jax.Array, w, spec: str | None, preferred_element_type) -
     if not rows_form(spec, x, w):
         return None
     if isinstance(w, GGMLWeight):
-        if not (w.transposed and cpu_ggml_matmul.takes(x, w.data, w.qtype)):
+        rows = w.data.reshape(-1, w.data.shape[-1])  # [N, row_bytes]: the output axes flattened
+        if not (w.transposed and w.batch_dims == 0 and cpu_ggml_matmul.takes(x, rows, w.qtype)):
             return None
-        y = cpu_ggml_matmul.blocks_matmul(x, w.data, w.qtype)  # [M, N] float32
+        y = cpu_ggml_matmul.blocks_matmul(x, rows, w.qtype)  # [M, N] float32
         return y.reshape(x.shape[0], *w.shape[1:])
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedWeight) and w.batch_dims == 0:
         y = _few_rows(x, w.q)
         return None if y is None else y * w.scale  # the int8 weights read as they are
     if is_quantized(w):  # no CPU kernel for its format

@@ -32,23 +32,23 @@ def dot(x: jax.Array, w: jax.Array, spec: str | None, preferred_element_type) ->
 
 def reference_matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None) -> jax.Array:
     """x @ w for a float or quantized weight, by de-quantizing in jnp (per-channel scales applied after the dot)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedWeight) and w.batch_dims == 0:
         y = dot(x, w.q, spec, preferred_element_type)
         return y * w.scale.astype(y.dtype)
     if isinstance(w, GGMLWeight):
         return _ggml_reference(x, w, spec, preferred_element_type)
-    if isinstance(w, (PackedIntWeight, BlockFP8Weight)):
+    if isinstance(w, (QuantizedWeight, PackedIntWeight, BlockFP8Weight)):
         return dot(x, w.dequantize(), spec, preferred_element_type)
     return dot(x, w, spec, preferred_element_type)
 
 
 def _ggml_reference(x: jax.Array, w: GGMLWeight, spec: str | None, preferred_element_type) -> jax.Array:
-    """GGML blocks de-quantized to x's dtype; in the plain form the rows [N, K] are contracted on their K axis as they
-    are (no transpose of the de-quantized weight)."""
+    """GGML blocks de-quantized to x's dtype; in the plain form the rows [*out, K] are contracted on their K axis as
+    they are (no transpose of the de-quantized weight, no reshape of a split output axis)."""
     if not w.transposed:
         raise ValueError(f"a {w.qtype} table read by rows (an embedding) is not a matmul weight")
-    if rows_form(spec, x, w):
-        r = ggml_blocks.dequantize_rows(w.data, w.qtype, x.dtype)  # [N, K]
-        y = jax.lax.dot_general(x, r, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
-        return y.reshape(x.shape[0], *w.shape[1:])
+    if rows_form(spec, x, w) and w.batch_dims == 0:
+        r = ggml_blocks.dequantize_rows(w.data, w.qtype, x.dtype)  # [*out, K]
+        contract = (((1,), (r.ndim - 1,)), ((), ()))
+        return jax.lax.dot_general(x, r, contract, preferred_element_type=preferred_element_type)  # [M, *out]
     return dot(x, w.dequantize(), spec, preferred_element_type)

@@ -1,9 +1,10 @@
 """Quantized weights as registered pytree nodes that sit in the parameter tree where the float arrays they stand for
 would: per-channel int8/fp8 (`QuantizedWeight`), a GGUF file's blocks as they are (`GGMLWeight`), grouped integer
 weights (`PackedIntWeight`: AWQ, GPTQ, compressed-tensors pack-quantized) and fp8 with a scale per 2-D tile
-(`BlockFP8Weight`: DeepSeek / Qwen FP8 checkpoints). Each knows its logical shape and its jnp de-quantization, the
-ground truth every matmul kernel is tested against; `concatenate_outputs` fuses weights of one input axis along
-their outputs (gate and up) without de-quantizing them."""
+(`BlockFP8Weight`: DeepSeek / Qwen FP8 checkpoints). Each knows its logical shape, its jnp de-quantization (the
+ground truth every matmul kernel is tested against) and how a tensor-parallel split of the parameter splits its
+arrays (`shard_specs`); `concatenate_outputs` fuses weights of one input axis along their outputs (gate and up)
+without de-quantizing them."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from netra_jax.ops import ggml_blocks
 
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """Per-output-channel symmetric weight: w[k, *n] = q[k, *n] * scale[*n]."""
+    """Per-output-channel symmetric weight: w[*b, k, *n] = q[*b, k, *n] * scale[*b, *n], with `batch_dims` leading
+    axes (*b: the expert axis of MoE experts, one scale per expert and output channel) before the input axis k."""
 
-    q: jax.Array  # [in, *out] int8 or float8_e4m3fn
-    scale: jax.Array  # [*out] float32, one per output channel
+    q: jax.Array  # [*batch, in, *out] int8 or float8_e4m3fn
+    scale: jax.Array  # [*batch, *out] float32, one per output channel
+    batch_dims: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self):
@@ -31,36 +35,55 @@ class QuantizedWeight:
         return self.q.ndim
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+        scale = jnp.expand_dims(self.scale, self.batch_dims)  # [*batch, 1, *out]
+        return (self.q.astype(jnp.float32) * scale).astype(dtype)
 
 
 @flax.struct.dataclass
 class GGMLWeight:
-    """A GGUF tensor kept in its GGML blocks: data uint8 [rows, row_bytes], each row K values in K / QK blocks of
-    `qtype` (exactly the file's bytes). It stands for a float parameter of logical `shape`:
-    - transposed=True: a matmul weight [K, *out] (our [in, out] layout; rows = prod(out), the output features);
-    - transposed=False: a table [rows, K] read by rows (the token embedding).
+    """A GGUF tensor kept in its GGML blocks: data uint8 [*lead, row_bytes], each row K values in K / QK blocks of
+    `qtype` (exactly the file's bytes, the rows shaped by the parameter's other axes). It stands for a float
+    parameter whose logical `shape` follows from the data's:
+    - transposed=True: a matmul weight [*batch, K, *out] (our [in, out] layout, `batch_dims` leading axes such as
+      the experts of a MoE layer) with data [*batch, *out, row_bytes]: a row per output feature;
+    - transposed=False: a table [*rows, K] read by rows (the token embedding) with data [*rows, row_bytes].
+    Keeping the output axes in the data lets a split of any of them be a split of the data (tensor parallelism).
     `dtype`: the float dtype it de-quantizes to (the model's compute dtype)."""
 
-    data: jax.Array  # [rows, row_bytes] uint8
+    data: jax.Array  # [*batch, *out, row_bytes] or [*rows, row_bytes] uint8
     qtype: str = flax.struct.field(pytree_node=False)
-    shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
     transposed: bool = flax.struct.field(pytree_node=False, default=True)
     dtype: jnp.dtype = flax.struct.field(pytree_node=False, default=jnp.dtype(jnp.float32))
+    batch_dims: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def k(self) -> int:
+        """Values per row (the input size of a matmul weight)."""
+        f = ggml_blocks.FORMATS[self.qtype]
+        return self.data.shape[-1] // f.block_bytes * f.qk
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        lead = tuple(self.data.shape[:-1])
+        if not self.transposed:
+            return (*lead, self.k)
+        b = self.batch_dims
+        return (*lead[:b], self.k, *lead[b:])
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def rows(self, idx: jax.Array | None = None) -> jax.Array:
-        """The de-quantized rows [rows, K] (or only rows `idx`, e.g. token ids: [*idx.shape, K]) in `dtype`."""
+        """The de-quantized rows [*lead, K] (or only rows `idx` of a table, e.g. token ids: [*idx.shape, K]) in
+        `dtype`."""
         data = self.data if idx is None else self.data[idx]
         return ggml_blocks.dequantize_rows(data, self.qtype, self.dtype)
 
     def dequantize(self) -> jax.Array:
         """The float parameter it stands for, of `shape` (the reference: jnp de-quantization of every block)."""
-        r = self.rows()  # [rows, K]
-        return r.T.reshape(self.shape) if self.transposed else r.reshape(self.shape)
+        r = self.rows()  # [*lead, K]
+        return jnp.moveaxis(r, -1, self.batch_dims) if self.transposed else r
 
 
 @flax.struct.dataclass
@@ -184,3 +207,31 @@ def concatenate_outputs(parts: list, shape: tuple[int, ...]):
             shape=tuple(shape),
         )
     raise ValueError(f"cannot fuse weights of type {type(first).__name__}")
+
+
+def shard_specs(w, spec: P, tp: int = 1, name: str = "weight"):
+    """The PartitionSpecs of w's arrays (a pytree shaped like w) when the float parameter it stands for is split by
+    `spec` over `tp` devices: a per-channel weight's scales split with its output axes; GGML blocks split along their
+    output axes by rows and along K by whole blocks, which needs K / tp to be a multiple of the format's QK
+    (ValueError naming `name` otherwise). A float parameter (or its stand-in) keeps `spec`."""
+    if not is_quantized(w):
+        return spec
+    axes = (*spec, *(None,) * (w.ndim - len(spec)))  # one entry per logical axis
+    if isinstance(w, QuantizedWeight):
+        b = w.batch_dims
+        return w.replace(q=P(*axes), scale=P(*axes[:b], *axes[b + 1 :]))
+    if isinstance(w, GGMLWeight):
+        k_axis = w.batch_dims if w.transposed else w.ndim - 1
+        if axes[k_axis] is not None:
+            qk = ggml_blocks.FORMATS[w.qtype].qk
+            if w.k % (tp * qk):
+                raise ValueError(
+                    f"{name}: its {w.qtype} rows of {w.k} values split {tp} ways into {w.k / tp:g}, not a multiple "
+                    f"of the format's {qk}-value blocks; use another tensor_parallel_size, or --quantization int8 "
+                    "or fp8"
+                )
+        rest = axes[:k_axis] + axes[k_axis + 1 :]  # the data's leading axes, in order
+        return w.replace(data=P(*rest, axes[k_axis]))
+    if any(a is not None for a in axes):
+        raise ValueError(f"{name}: a {type(w).__name__} cannot be split for tensor parallelism")
+    return jax.tree.map(lambda _: P(), w)
