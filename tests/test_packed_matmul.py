@@ -87,8 +87,8 @@ def test_out_dtype_float32_from_bf16():
 
 def test_choose_config():
     assert choose_config(1, 4096, 4096) == PackedMatmulConfig(16, 64, 128)  # decode: more, narrower programs
-    assert choose_config(64, 4096, 14336) == PackedMatmulConfig(64, 128, 64)
-    assert choose_config(3, 4096, 4096, itemsize=4).block_k == 64  # float32 dots run on FMA units
+    assert choose_config(64, 4096, 14336) == PackedMatmulConfig(64, 128, 32)
+    assert choose_config(3, 4096, 4096, itemsize=4) == PackedMatmulConfig(16, 64, 32)  # float32 dots on FMA units
     assert choose_config(1, 32, 24) == PackedMatmulConfig(16, 32, 32)  # never wider than the product
 
 

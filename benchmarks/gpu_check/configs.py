@@ -16,6 +16,7 @@ import numpy as np
 
 from gpu_check import engine_settings
 from gpu_check.model_dir import LLAMA3_8B
+from gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
 from netra_jax.ops import grouped_matmul_triton as gmm
 from netra_jax.ops import paged_attention_mosaic as mosaic
 from netra_jax.ops import paged_attention_triton as triton
@@ -111,8 +112,12 @@ STEPS = (
 )
 
 # kernels each target compiles: Mosaic GPU exists on Hopper only; Triton is the fallback everywhere (and a choice);
-# the grouped matmul (Triton) runs the experts of MoE models on every CUDA GPU
-TARGET_KERNELS = {"h200": ("mosaic", "triton", "grouped_matmul"), "a100": ("triton", "grouped_matmul")}
+# the grouped matmul (Triton) runs the experts of MoE models on every CUDA GPU, the packed matmul (Triton) the W4A16 /
+# W8A16 weights; fp8 weights run XLA's fp8 dot on Hopper and the W8A16 reference on the A100 (gpu_check.quant_configs)
+TARGET_KERNELS = {
+    "h200": ("mosaic", "triton", "grouped_matmul", "packed_matmul", "fp8"),
+    "a100": ("triton", "grouped_matmul", "packed_matmul", "fp8"),
+}
 
 
 @dataclass(frozen=True)
@@ -267,12 +272,13 @@ def _attention_cases(kernel: str):
 
 
 @functools.cache
-def kernel_cases(target: str) -> tuple[KernelCase | MatmulCase, ...]:
+def kernel_cases(target: str) -> tuple[KernelCase | MatmulCase | PackedCase | Fp8Case, ...]:
     """Every kernel configuration `target` ("h200" | "a100") can be asked to run, one case per distinct kernel body
     (`key`: the first case met stands for the others)."""
     out, seen = [], set()
+    listed = {"grouped_matmul": matmul_cases, "packed_matmul": packed_cases, "fp8": lambda: fp8_cases(target)}
     for kernel in TARGET_KERNELS[target]:
-        for case in matmul_cases() if kernel == "grouped_matmul" else _attention_cases(kernel):
+        for case in listed[kernel]() if kernel in listed else _attention_cases(kernel):
             if case.key not in seen:
                 seen.add(case.key)
                 out.append(case)

@@ -18,7 +18,10 @@ KERNELS = {
     "mosaic": ("ragged_paged_attention_mgpu", "netra_jax.ops.paged_attention_mosaic"),
     "triton": ("ragged_paged_attention_m", "netra_jax.ops.paged_attention_triton"),
     "grouped_matmul": ("grouped_matmul_m", "netra_jax.ops.grouped_matmul_triton"),
+    "packed_matmul": ("packed_matmul_w", "netra_jax.ops.packed_matmul_triton"),
 }
+# products XLA compiles itself (no Pallas kernel, no budget): judged by their compiled HLO (`judge_gemm`)
+XLA_PRODUCTS = ("fp8",)
 PALLAS_PREFIXES = tuple(prefix for prefix, _ in KERNELS.values())
 
 
@@ -32,6 +35,10 @@ def _error(e: BaseException, text: str) -> str:
     msg = f"{type(e).__name__}: {str(e)[:1200]}"
     detail = capture.errors_in(text)
     return f"{msg}\n{detail}" if detail and detail not in msg else msg
+
+
+def _asdict(config) -> dict | None:
+    return None if config is None else dataclasses.asdict(config)
 
 
 def compile_kernel(target: str, case, dump_dir: str) -> dict:
@@ -48,7 +55,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
         return fn(*args)
 
     assert kernel_case.__name__ == DUMPED_MODULE
-    row = {"case": case.name, "kernel": case.kernel, "dtype": case.dtype, "config": dataclasses.asdict(case.config)}
+    row = {"case": case.name, "kernel": case.kernel, "dtype": case.dtype, "config": _asdict(case.config)}
     row |= case.describe()
     before = capture.dumped(dump_dir)
     t0 = time.perf_counter()
@@ -58,7 +65,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
             with jax.default_device(dev):  # Pallas' Triton lowering looks for a GPU among the default devices
                 lowered = jax.jit(kernel_case).lower(*case.abstract_args(sharding))
                 t1 = time.perf_counter()
-                lowered.compile()
+                compiled = lowered.compile()
             failure = None
         except Exception as e:  # a compile error is this case's result
             failure = e
@@ -66,6 +73,8 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
         row["problems"] = [f"does not compile: {_error(failure, out.text)}"]
         return row
     row["lower_s"], row["compile_s"] = round(t1 - t0, 2), round(time.perf_counter() - t1, 2)
+    if case.kernel in XLA_PRODUCTS:
+        return row | judge_gemm(case, compiled)
     prefix = KERNELS[case.kernel][0]
     reports = [k for k in capture.ptxas_reports(out.text) if k.name.startswith(prefix)]
     if case.kernel == "mosaic":
@@ -87,6 +96,29 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
         problems.append(f"{rep.smem_bytes} bytes of shared memory > the target's {smem_cap}")
     row["budget"] = dataclasses.asdict(limit)
     row["problems"] = problems
+    return row
+
+
+def judge_gemm(case, compiled) -> dict:
+    """An fp8-weight product (gpu_check.quant_configs.Fp8Case) as XLA compiled it: its GEMMs' operand types and the
+    buffers it writes. It fails when the weight is copied into a buffer of its own outside the GEMM (widened or
+    transposed: every call would write and re-read it), except on GPUs without fp8 (the W8A16 fallback, where XLA
+    widens it: reported), and, where fp8 is native, when no GEMM multiplies in fp8 at a step of 16 rows or more (one
+    decode row is a matrix-vector product, run on its fp8 loads widened in registers)."""
+    import math
+
+    hlo = compiled.as_text()
+    gemms = [list(g) for g in capture.gemms(hlo)]
+    buffers = capture.entry_buffers(hlo)
+    copies = [f"{name} {dtype}{list(dims)}" for name, dtype, dims, _ in buffers if math.prod(dims) == case.k * case.n]
+    fp8 = [g for g in gemms if g[1] == g[2] == "f8e4m3fn"]
+    row = {"gemms": gemms, "weight_copies": copies, "fp8_gemm": fp8[0][0] if fp8 else None, "problems": []}
+    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    if case.native:
+        if copies:
+            row["problems"].append(f"the fp8 weight is copied outside the GEMM: {copies}")
+        if case.m >= 16 and not fp8:
+            row["problems"].append(f"no GEMM multiplies in fp8: {gemms}")
     return row
 
 

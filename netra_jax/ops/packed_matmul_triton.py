@@ -51,13 +51,16 @@ def _pow2(n: int) -> int:
 
 
 def choose_config(m: int, k: int, n: int, itemsize: int = 2) -> PackedMatmulConfig:
-    """16-row blocks up to 64 (decode steps have a few rows: one block), 64-wide column tiles for up to 16 rows (more
-    programs for a bandwidth-bound product: 64 for N = 4096 on 132 SMs, against 32 of 128 wide) and 128 for more,
-    128-deep K steps (64 for float32, whose dots run on FMA units, and for 64-row blocks of 128 columns)."""
+    """16-row blocks up to 64 (decode steps have a few rows: one block). 16-row blocks: 64-wide column tiles (more
+    programs for a bandwidth-bound product: 64 for N = 4096 on 132 SMs, against 32 of 128 wide), 128 deep; more
+    rows: 128 x 32 tiles; float32 (dots on FMA units): 64 x 32, and 32 x 32 for more than 16 rows. Each step holds
+    [K step, N tile] words, scales and zero points: larger tiles spilled registers on sm_80 and sm_90a (GPU compile
+    check)."""
     block_m = min(64, max(16, _pow2(m)))
-    block_n = min(64 if block_m <= 16 else 128, max(16, _pow2(n)))
-    deep = 128 if itemsize <= 2 and block_m * block_n <= 32 * 128 else 64
-    block_k = min(deep, max(16, _pow2(k)))
+    bf16 = itemsize <= 2
+    wide = 128 if bf16 else 32  # the column tile of blocks of more than 16 rows
+    block_n = min(64 if block_m <= 16 else wide, max(16, _pow2(n)))
+    block_k = min(128 if bf16 and block_m <= 16 else 32, max(16, _pow2(k)))
     return PackedMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k)
 
 
