@@ -116,8 +116,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | reference | triton | ...
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
-    # how float32 matmuls of decode-sized steps run: auto = the CPU few-row kernel (netra_jax/ops/cpu_matmul.py) on
-    # CPU when it builds and the weights are not split, XLA's dot otherwise | xla | cpu_rows (the kernel, CPU only)
+    # how matmuls run (netra_jax/quant/matmul.py BACKENDS): auto = the CPU few-row kernel (netra_jax/ops/cpu_matmul.py)
+    # on CPU when it builds, the GPU kernels of quantized weights on CUDA ("gpu": W4A16 / W8A16 Pallas, fp8 W8A8), XLA's
+    # dot otherwise and whenever the weights are split | xla | cpu_rows (CPU only) | gpu (CUDA only) | gpu_interpret
     matmul_backend: str = "auto"
     quantization: str | None = None  # None | "int8" | "int4" | "fp8" (weight-only, at load; netra_jax/quant/online.py)
     seed: int = 0  # seeds requests that give none
@@ -159,9 +160,10 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, BACKENDS)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("matmul_backend", self.matmul_backend, ("auto", *MATMULS))
-        if self.matmul_backend == "cpu_rows" and self.tensor_parallel_size > 1:
+        if self.matmul_backend in ("cpu_rows", "gpu", "gpu_interpret") and self.tensor_parallel_size > 1:
             raise ConfigError(
-                "matmul_backend 'cpu_rows' takes whole weights; with tensor_parallel_size > 1 use 'auto' or 'xla'"
+                f"matmul_backend {self.matmul_backend!r} takes whole weights; with tensor_parallel_size > 1 use 'auto' "
+                "or 'xla'"
             )
         check_choice("quantization", self.quantization, METHODS, optional=True)
         if self.quantization and self.tensor_parallel_size > 1:
@@ -217,7 +219,8 @@ class EngineConfig:
 
     def resolved_matmul_backend(self, platform: str | None = None) -> str:
         """The matmul backend the steps run on `platform` (jax.default_backend() when None), building the CPU kernel
-        when it is wanted; ConfigError for "cpu_rows" off CPU or when the kernel cannot be built."""
+        when it is wanted; ConfigError for "cpu_rows" off CPU or when the kernel cannot be built, and for "gpu" off
+        GPU."""
         import jax
 
         from netra_jax.ops import cpu_kernels
@@ -229,6 +232,14 @@ class EngineConfig:
             if not cpu_kernels.available():
                 raise ConfigError(f"matmul_backend 'cpu_rows': {cpu_kernels.unavailable_reason()}")
             return "cpu_rows"
-        if self.matmul_backend == "xla" or platform != "cpu" or self.tensor_parallel_size > 1:
+        if self.matmul_backend == "gpu" and platform != "gpu":
+            raise ConfigError(
+                f"matmul_backend 'gpu' needs a GPU (this platform is {platform}); use 'auto', 'xla' or 'gpu_interpret'"
+            )
+        if self.matmul_backend != "auto":
+            return self.matmul_backend
+        if self.tensor_parallel_size > 1 or platform not in ("cpu", "gpu"):
             return "xla"
+        if platform == "gpu":
+            return "gpu"
         return "cpu_rows" if cpu_kernels.available() else "xla"
