@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check import engine_settings
+from gpu_check import engine_settings, quant_configs
 from gpu_check.model_dir import LLAMA3_8B
 from gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
 from netra_jax.ops import grouped_matmul_triton as gmm
+from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.ops import paged_attention_mosaic as mosaic
 from netra_jax.ops import paged_attention_triton as triton
 from netra_jax.ops.attention import AttentionMetadata, paged_attention_reference
@@ -395,7 +396,10 @@ def dry_cases() -> tuple[KernelCase | MatmulCase, ...]:
         for kernel in ("mosaic", "triton")
     ]
     matmul = MatmulCase("grouped_matmul", moe, "gate_up", 32, 32, "float32", step, gmm.choose_config(24, 4, 32, 32, 4))
-    return (*attention, matmul)
+    q4 = quant_configs.FORMATS[3]  # zero points and act-order: every branch of the kernel
+    packed = PackedCase("packed_matmul", q4, "dry", 5, 256, 48, "float32", "dry", pmm.choose_config(5, 256, 48, 4))
+    fp8 = Fp8Case("fp8", True, "dry", 5, 64, 48, "dry")  # the W8A8 path: XLA's CPU runs the fp8 dot too
+    return (*attention, matmul, packed, fp8)
 
 
 # ------------------------------------------------------------------ step programs
