@@ -164,10 +164,11 @@ class LLM:
         attention_backend: "auto" | "reference" | "triton" | "mosaic" (GPU kernels) | "triton_interpret" |
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
-        matmul_backend: "auto" | "xla" | "cpu_rows" | "gpu" | "gpu_interpret": how matmuls run; "auto" runs the
-            CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split, the
-            GPU kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16 kernel, fp8
-            W8A8 on XLA's fp8 dot) when the weights are not split, XLA's dot otherwise.
+        matmul_backend: "auto" | "xla" | "cpu_rows" | "gpu" | "gpu_sm80" | "gpu_interpret": how matmuls run;
+            "auto" runs the CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are
+            not split, the GPU kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16
+            kernel; fp8 as W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the
+            weights are not split, XLA's dot otherwise.
         quantization: None, or a weight-only method applied at load: "int8" or "fp8" (per-output-channel scales),
             "int4" (llama.cpp's Q4_0 blocks of 32); a GGUF file's quantized blocks are kept as they are anyway.
         seed: Seeds the requests that give no seed.

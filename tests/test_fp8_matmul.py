@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from netra_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_reference, native_fp8, quantize_rows_e4m3
+from netra_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_reference, has_fp8, quantize_rows_e4m3
 
 
 def e4m3_round(v: np.ndarray) -> np.ndarray:
@@ -82,5 +82,6 @@ def test_bad_weight_is_refused():
         fp8_matmul(jnp.ones((2, 32)), jnp.ones((32, 8), jnp.int8), jnp.ones(8))
 
 
-def test_cpu_has_no_native_fp8():
-    assert not native_fp8()
+def test_fp8_capable_gpus():
+    assert has_fp8("9.0") and has_fp8("8.9") and has_fp8("10.0")
+    assert not has_fp8("8.0") and not has_fp8("8.6") and not has_fp8(None)

@@ -243,6 +243,15 @@ def test_every_step_program_fits_the_memory_sizing(compile_check):
                 assert any(k.startswith("ragged_paged_attention") for k in kernels)
                 if "moe" in model:  # the experts on the grouped-matmul kernel, not XLA's masked ragged dot
                     assert any(k.startswith("grouped_matmul") for k in kernels)
+        for model, methods in configs.QUANT_STEPS.items():  # the quantized weights reach their GPU kernels
+            for method in methods:
+                mine = [s for s in steps if s["model"] == f"{model}+{method}"]
+                assert len(mine) == 2 and all(not s["problems"] for s in mine), mine
+                assert {s["matmul_backend"] for s in mine} == {"gpu" if target == "h200" else "gpu_sm80"}
+                if method == "int4":
+                    assert all(any(k.startswith("packed_matmul_w4") for k in s["pallas_kernels"]) for s in mine)
+                elif target == "h200":  # W8A8 at the prefill step
+                    assert "f8e4m3fn x f8e4m3fn" in max(mine, key=lambda s: s["num_tokens"])["gemm_operands"]
         backends = {s["backend"] for s in steps}
         assert backends == ({"mosaic"} if target == "h200" else {"triton"})
 

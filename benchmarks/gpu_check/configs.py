@@ -27,6 +27,7 @@ __all__ = [
     "SHAPES",
     "STEPS",
     "STEP_MODELS",
+    "QUANT_STEPS",
     "TARGET_KERNELS",
     "AttentionShape",
     "KernelCase",
@@ -432,3 +433,5 @@ QWEN3_MOE_30B_A3B = {
 }
 # the models whose step programs are compiled, at the device run's engine settings (gpu_check.engine_settings)
 STEP_MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-moe-30b-a3b": QWEN3_MOE_30B_A3B}
+# and quantized at load by these methods (the device run's `quant` section), at their smallest and largest step
+QUANT_STEPS = {"llama3-8b": ("int4", "fp8")}

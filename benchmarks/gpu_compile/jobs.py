@@ -126,11 +126,14 @@ def judge_gemm(case, compiled) -> dict:
 
 
 @functools.cache
-def step_runner(target: str, model: str, depth: int | None = None):
+def step_runner(target: str, model: str, depth: int | None = None, quantization: str | None = None):
     """The engine's runner for `model` (gpu_check.configs.STEP_MODELS) at the device run's engine settings, built
     for `target`'s compile-only device: abstract bf16 weights (the dummy loader's layout), nothing allocated, the
-    attention backend "auto" resolves to on that target. depth: keep the model's first `depth` layers only (every
-    layer is the same program, so its kernels and its temporaries are the full model's; the compile is shorter)."""
+    attention and matmul backends "auto" resolves to on that target. depth: keep the model's first `depth` layers
+    only (every layer is the same program, so its kernels and its temporaries are the full model's; the compile is
+    shorter). quantization: the weights quantized at load by that method (abstract too) and laid out for the matmul
+    backend, as the engine does."""
+    import jax
     import jax.numpy as jnp
     from gpu_check import configs, engine_settings
 
@@ -140,6 +143,7 @@ def step_runner(target: str, model: str, depth: int | None = None):
     from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
     from netra_jax.loader import dummy
     from netra_jax.ops.attention import auto_backend
+    from netra_jax.quant import GPU_BACKENDS, quantize_params, weight_layout
 
     s = engine_settings.settings(False)
     hf = configs.STEP_MODELS[model]
@@ -167,7 +171,12 @@ def step_runner(target: str, model: str, depth: int | None = None):
             head_dim=cfg.head_dim,
             page_size=config.cache.page_size,
         )
+    if opts["matmul_backend"] in GPU_BACKENDS:  # what "auto" picks on the target (fp8 or not)
+        opts["matmul_backend"] = config.resolved_matmul_backend("gpu", targets.TARGETS[target].compute_capability)
     params = dummy.param_layout(cfg, dtype, optional=dummy.attention_biases(cfg, hf))
+    if quantization:
+        layout = functools.partial(weight_layout, backend=opts["matmul_backend"])
+        params = jax.eval_shape(lambda p: layout(quantize_params(p, quantization)), params)
     runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
     return runner
@@ -207,15 +216,19 @@ def sizing(target: str, runner) -> dict:
     }
 
 
-def compile_step(target: str, model: str, index: int, depth: int | None = None) -> dict:
-    """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers: see `step_runner`): compile
-    time, memory analysis against the full model's sizing, the Pallas kernels ptxas compiled in it and any kernel
-    that spills."""
+def compile_step(
+    target: str, model: str, index: int, depth: int | None = None, quantization: str | None = None
+) -> dict:
+    """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers and weights quantized by
+    `quantization`: see `step_runner`): compile time, memory analysis against the full model's sizing, the Pallas
+    kernels ptxas compiled in it, any kernel that spills, and the matmul backend with its GEMMs' operand types."""
     import jax
 
-    runner = step_runner(target, model, depth)
+    runner = step_runner(target, model, depth, quantization)
     shape = step_shapes(target, model)[index]
-    row = {"model": model, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    name = f"{model}+{quantization}" if quantization else model
+    row = {"model": name, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    row["matmul_backend"] = runner.matmul_backend
     row["layers"] = runner.cfg.num_layers
     row |= {"prompt_rows": shape.prompt_rows, "logit_rows": shape.num_rows}
     t0 = time.perf_counter()
@@ -240,7 +253,7 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
         "alias_bytes": int(mem.alias_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
     }
-    row["sizing"] = sizing(target, step_runner(target, model))  # the full model's weights and KV cache
+    row["sizing"] = sizing(target, step_runner(target, model, None, quantization))  # the full model's weights, KV
     if row["memory"]["temp_bytes"] > row["sizing"]["activation_margin_bytes"]:
         row.setdefault("problems", []).append(
             f"temporaries of {row['memory']['temp_bytes'] / 2**30:.2f} GiB exceed the memory sizing's activation "
@@ -251,6 +264,8 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
     reports = capture.ptxas_reports(out.text)
     row["pallas_kernels"] = sorted({k.name for k in reports if k.name.startswith(PALLAS_PREFIXES)})
     row["spilling_kernels"] = sorted({f"{k.name} ({k.spill_bytes} B)" for k in reports if k.spill_bytes})
+    if quantization:  # which GEMMs the quantized weights reached (fp8 operands: W8A8)
+        row["gemm_operands"] = sorted({f"{a} x {b}" for _, a, b in capture.gemms(compiled.as_text())})
     spills = [f"a Pallas kernel spills: {k}" for k in row["spilling_kernels"] if k.startswith(PALLAS_PREFIXES)]
     row["problems"] = row.get("problems", []) + spills
     del compiled, lowered
@@ -259,7 +274,7 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
 
 def run_job(job: tuple, dump_dir: str) -> dict:
     """One job: ("kernel", target, case index), ("broken", target, index of a `selftest.broken_cases` case) or
-    ("step", target, model, shape index, depth); an unexpected failure is the job's result."""
+    ("step", target, model, shape index, depth[, quantization]); an unexpected failure is the job's result."""
     from gpu_check import configs
 
     from gpu_compile import selftest

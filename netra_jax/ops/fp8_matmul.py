@@ -1,7 +1,7 @@
 """FP8 W8A8 matmul through XLA's native fp8 dot, vLLM's dynamic per-token scheme: x's rows quantized to e4m3 with a
 scale each, the dot in fp8 with a float32 accumulator, the row and the weight's per-channel scales applied after.
 On sm89+ XLA's GEMM rewriter turns the dot into cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`, checked by the GPU
-compile check); GPUs without fp8 tensor cores (sm80) take the weight-only W8A16 product instead (`native_fp8`)."""
+compile check); GPUs without fp8 tensor cores (sm80) take the weight-only W8A16 product instead (`has_fp8`)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ from jax import lax
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def native_fp8(device=None) -> bool:
-    """Whether `device` (the first device when None) multiplies in fp8: compute capability 8.9 (Ada) or above.
-    Compile-only devices report none: False (the compile check picks the path itself)."""
-    dev = device or jax.devices()[0]
-    cc = getattr(dev, "compute_capability", None)
-    if cc is None:
+def has_fp8(compute_capability: str | None) -> bool:
+    """Whether a GPU of `compute_capability` ("9.0") multiplies in fp8: 8.9 (Ada) and above; None: no."""
+    if not compute_capability:
         return False
-    major, minor = (int(v) for v in str(cc).split(".")[:2])
+    major, minor = (int(v) for v in str(compute_capability).split(".")[:2])
     return (major, minor) >= (8, 9)
 
 
@@ -52,4 +49,4 @@ def fp8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype
     return jnp.dot(xr, w, precision=lax.Precision.HIGHEST).astype(out_dtype)
 
 
-__all__ = ["E4M3_MAX", "fp8_matmul", "fp8_matmul_reference", "native_fp8", "quantize_rows_e4m3"]
+__all__ = ["E4M3_MAX", "fp8_matmul", "fp8_matmul_reference", "has_fp8", "quantize_rows_e4m3"]

@@ -1,7 +1,8 @@
-"""The "gpu" matmul backend: PackedIntWeight products on the Pallas W4A16 / W8A16 kernel (`ops.packed_matmul_triton`)
-and fp8 weights as W8A8 on XLA's fp8 dot where the GPU multiplies in fp8 (`ops.fp8_matmul`; elsewhere the reference's
-W8A16). Returns None for a product they do not take (the entry point then runs the reference). "gpu_interpret" runs
-the same kernel in the Pallas interpreter (CPU tests)."""
+"""The GPU matmul backends' kernels: PackedIntWeight products on the Pallas W4A16 / W8A16 kernel
+(`ops.packed_matmul_triton`; backends "gpu" and "gpu_sm80", "gpu_interpret" runs it in the Pallas interpreter for CPU
+tests) and fp8 weights as W8A8 on XLA's fp8 dot ("gpu", for GPUs with fp8 tensor cores: `ops.fp8_matmul`; "gpu_sm80"
+leaves them to the reference's W8A16). Each returns None for a product it does not take (the entry point then runs
+the reference)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,8 @@ def packed_matmul_interpret(x: jax.Array, w, spec: str | None, preferred_element
 
 
 def fp8_w8a8_matmul(x: jax.Array, w, spec: str | None, preferred_element_type):
-    """x @ w as W8A8 for an fp8 QuantizedWeight in the plain form on a GPU with fp8 tensor cores, else None."""
+    """x @ w as W8A8 for an fp8 QuantizedWeight in the plain form (for GPUs with fp8 tensor cores), else None."""
     if not (isinstance(w, QuantizedWeight) and w.q.dtype == jnp.float8_e4m3fn and rows_form(spec, x, w)):
-        return None
-    if not fp8.native_fp8():
         return None
     q = w.q.reshape(w.shape[0], -1)  # [K, N]
     y = fp8.fp8_matmul(x, q, w.scale.reshape(-1), out_dtype=preferred_element_type or x.dtype)
