@@ -35,6 +35,8 @@ def write(result: dict, out_dir: Path) -> Path:
 
 
 def _cfg(row: dict) -> str:
+    if "gemms" in row:  # a product XLA compiled: what its GEMM reads instead of a Pallas configuration
+        return kernel_line(row)
     c = row.get("config") or {}
     if row.get("kernel") == "mosaic":
         p = ", P in regs" if c.get("p_in_registers") else ""
