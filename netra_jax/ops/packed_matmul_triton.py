@@ -2,11 +2,11 @@
 `quant.weights.PackedIntWeight`) de-quantized tile by tile in registers, so a step reads the packed bytes only.
 
 Layout: grid = (cdiv(M, BM), cdiv(N, BN)); each program accumulates its [BM, BN] tile in float32 over K in BK steps.
-A step loads the [BK, BN] words holding its BK input rows (word k // per of row k, per = 32 / bits values a word,
-each word read per times from L1), shifts and masks each row's value out ((k % per) * bits), gathers each row's
-scale (and zero point) row by its group (k // group, or g_idx[k] for GPTQ act-order weights: taken here, no
-permutation of x or of the weight), de-quantizes (q - zero) * scale in the scale's dtype (the reference's
-arithmetic) and multiplies in x's dtype. Works on sm80 and sm90 (Triton's lowering picks mma or wgmma).
+A step loads the [BK / per, BN] words holding its BK input rows once (per = 32 / bits values a word), shifts and
+masks the per values out of each in registers ([BK / per, per, BN], then [BK, BN]: row k is value k % per of word
+k // per), gathers each row's scale (and zero point) row by its group (k // group, or g_idx[k] for GPTQ act-order
+weights: taken here, no permutation of x or of the weight), de-quantizes (q - zero) * scale in the scale's dtype
+(the reference's arithmetic) and multiplies in x's dtype. Works on sm80 and sm90 (Triton's lowering picks mma or wgmma).
 
 No Mosaic GPU version: decode (M <= 64) reads each weight byte once and is bandwidth-bound, where this kernel's
 loads already are the packed bytes; wgmma would need the de-quantized tile stored to shared memory first (its B
@@ -54,8 +54,8 @@ def choose_config(m: int, k: int, n: int, itemsize: int = 2) -> PackedMatmulConf
     """16-row blocks up to 64 (decode steps have a few rows: one block). 16-row blocks: 64-wide column tiles (more
     programs for a bandwidth-bound product: 64 for N = 4096 on 132 SMs, against 32 of 128 wide), 128 deep; more
     rows: 128 x 32 tiles; float32 (dots on FMA units): 64 x 32, and 32 x 32 for more than 16 rows. Each step holds
-    [K step, N tile] words, scales and zero points: larger tiles spilled registers on sm_80 and sm_90a (GPU compile
-    check)."""
+    [K step, N tile] values, scales and zero points: 64 x 128 x 64 tiles spilled registers on sm_80 and sm_90a (GPU
+    compile check)."""
     block_m = min(64, max(16, _pow2(m)))
     bf16 = itemsize <= 2
     wide = 128 if bf16 else 32  # the column tile of blocks of more than 16 rows
@@ -76,7 +76,7 @@ def _kernel(*refs, bits: int, group: int, has_zero: bool, has_g_idx: bool, cfg: 
     i, j = pl.program_id(0), pl.program_id(1)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     M, K = x_ref.shape
-    N = packed_ref.shape[1]
+    KW, N = packed_ref.shape
     per = 32 // bits
     rows = i * BM + jnp.arange(BM, dtype=jnp.int32)  # [BM]
     row_ok = rows < M
@@ -90,9 +90,11 @@ def _kernel(*refs, bits: int, group: int, has_zero: bool, has_g_idx: bool, cfg: 
         k_ok = ks < K
         ks_c = jnp.minimum(ks, K - 1)
         x = plgpu.load(x_ref.at[rows_c[:, None], ks_c[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-        words = plgpu.load(packed_ref.at[(ks_c // per)[:, None], cols_c[None, :]])  # [BK, BN] int32
-        shift = ((ks_c % per) * bits)[:, None]  # [BK, 1]
-        q = (words >> shift) & ((1 << bits) - 1)  # [BK, BN] unsigned values
+        wi = jnp.minimum(kk * (BK // per) + jnp.arange(BK // per, dtype=jnp.int32), KW - 1)  # [BK / per] word rows
+        words = plgpu.load(packed_ref.at[wi[:, None], cols_c[None, :]])  # [BK / per, BN] int32, each word once
+        shifts = jnp.arange(per, dtype=jnp.int32) * bits  # [per]
+        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)  # [BK / per, per, BN]
+        q = q.reshape(BK, BN)  # unsigned values, row k = word k // per, value k % per
         g = plgpu.load(g_idx_ref.at[ks_c]) if has_g_idx else ks_c // group  # [BK] each row's group
         scale = plgpu.load(scale_ref.at[g[:, None], cols_c[None, :]])  # [BK, BN]
         zero = plgpu.load(zero_ref.at[g[:, None], cols_c[None, :]]) if has_zero else 1 << (bits - 1)
