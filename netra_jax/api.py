@@ -35,7 +35,7 @@ from netra_jax.pooling import (
     pooler_config_from,
     pooling_spec,
 )
-from netra_jax.quant import quantize_params
+from netra_jax.quant import quantize_params, weight_layout
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
 from netra_jax.spec import SpeculativeConfig, speculative_config_from
@@ -95,6 +95,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     )
     if quantization:
         params = quantize_params(params, quantization)
+    params = weight_layout(params, config.resolved_matmul_backend())  # GGUF Q4_0 / Q8_0 and int8 packed for "gpu"
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
@@ -179,8 +180,11 @@ class LLM:
         attention_backend: "auto" | "reference" | "triton" | "mosaic" (GPU kernels) | "triton_interpret" |
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
-        matmul_backend: "auto" | "xla" | "cpu_rows": how float32 matmuls of decode-sized steps run; "auto" runs the
-            CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are not split.
+        matmul_backend: "auto" | "xla" | "cpu_rows" | "gpu" | "gpu_sm80" | "gpu_interpret": how matmuls run;
+            "auto" runs the CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are
+            not split, the GPU kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16
+            kernel; fp8 as W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the
+            weights are not split, XLA's dot otherwise.
         quantization: None, or a weight-only method applied at load to the projections, the lm_head and the MoE
             experts (per expert): "int8" or "fp8" (per-output-channel scales), "int4" (llama.cpp's Q4_0 blocks of
             32); under tensor parallelism each device quantizes its own shard. A GGUF file's quantized blocks are

@@ -116,8 +116,15 @@ def test_failed_build_says_why(monkeypatch, tmp_path):
 def test_engine_option_resolution():
     assert EngineConfig().resolved_matmul_backend("cpu") == "cpu_rows"
     assert EngineConfig(matmul_backend="xla").resolved_matmul_backend("cpu") == "xla"
-    assert EngineConfig().resolved_matmul_backend("gpu") == "xla"
+    assert EngineConfig().resolved_matmul_backend("gpu", "9.0") == "gpu"  # the quantized-weight kernels on CUDA
+    assert EngineConfig().resolved_matmul_backend("gpu", "8.0") == "gpu_sm80"  # no fp8 tensor cores
     assert EngineConfig(tensor_parallel_size=2).resolved_matmul_backend("cpu") == "xla"
+    assert EngineConfig(tensor_parallel_size=2).resolved_matmul_backend("gpu", "9.0") == "xla"
+    assert EngineConfig(matmul_backend="gpu_interpret").resolved_matmul_backend("cpu") == "gpu_interpret"
+    with pytest.raises(ConfigError, match="'gpu_sm80' needs a GPU"):
+        EngineConfig(matmul_backend="gpu_sm80").resolved_matmul_backend("cpu")
+    with pytest.raises(ConfigError, match="'gpu' takes whole weights"):
+        EngineConfig(matmul_backend="gpu", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="is a CPU kernel"):
         EngineConfig(matmul_backend="cpu_rows").resolved_matmul_backend("gpu")
     with pytest.raises(ConfigError, match="takes whole weights"):

@@ -53,7 +53,7 @@ def test_dry_run_measures_every_section(dry_run):
     assert all(c["ok"] and c["rel_err"] < 2e-2 for c in measured)
     assert all("Mosaic GPU attention takes" in c["skipped"] for c in s["correctness"]["results"] if "skipped" in c)
     kernels = s["kernels"]["cases"]  # one small case of each kernel of the compile check's list, interpreted
-    assert {c["kernel"] for c in kernels} == {"mosaic", "triton", "grouped_matmul"}
+    assert {c["kernel"] for c in kernels} == {"mosaic", "triton", "grouped_matmul", "packed_matmul", "fp8"}
     assert all(c["ok"] and c["rel_err"] < 2e-2 for c in kernels)
     decode = {row["impl"]: row for row in s["attention"]["decode"]}
     assert all(decode[i]["us"] > 0 and decode[i]["frac_copy_bw"] > 0 for i in ("mosaic", "triton", "xla_dense"))
@@ -66,8 +66,10 @@ def test_dry_run_measures_every_section(dry_run):
     assert model["ready"]["build_s"] > 0 and 1 <= warm["compiled"] <= warm["step_variants"]
     assert warm["complete"] or warm["estimated_full_s"] > 0
     assert model["compiles_after_warmup"]["total"] >= 0 and s["serve"]["server_warmup"] == warm["complete"]
-    quant = s["quant"]  # int4 (Q4_0 blocks) and fp8 weights through the jnp reference matmuls
+    quant = s["quant"]  # int4 on the packed kernel (interpreted) and fp8 weights
     assert [r["method"] for r in quant["ready"]] == ["int4", "fp8"]
+    assert [r["weights"] for r in quant["ready"]] == ["PackedIntWeight", "QuantizedWeight"]
+    assert {r["matmul_backend"] for r in quant["ready"]} == {"gpu_interpret"}
     assert all(r["weights_gb"] > 0 for r in quant["ready"])
     assert quant["ready"][0]["weights_gb"] < quant["ready"][1]["weights_gb"]  # 4.5 bits per weight against 8
     assert all(b["decode_tok_s"] > 0 and b["mbu"] > 0 for b in quant["batch1"])

@@ -79,6 +79,40 @@ def test_thunk_sequence_gives_dynamic_shared_memory(tmp_path):
     assert capture.thunk_smem(tmp_path, before) == {}  # only what a compile dumped since
 
 
+HLO = """\
+%gemm_fusion_dot_computation (p0: f8e4m3fn[256,4096], p1: f8e4m3fn[4096,1024]) -> f32[256,1024] {
+  %p0 = f8e4m3fn[256,4096]{1,0} parameter(0)
+  %p1 = f8e4m3fn[4096,1024]{1,0} parameter(1)
+  ROOT %dot.1 = f32[256,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.4 (x.1: bf16[256,4096], q.1: f8e4m3fn[4096,1024]) -> f32[256,1024] {
+  %x.1 = bf16[256,4096]{1,0} parameter(0)
+  %q.1 = f8e4m3fn[4096,1024]{1,0} parameter(1)
+  %bitcast.2 = f8e4m3fn[1024,4096]{0,1} bitcast(%q.1)
+  %loop_convert_fusion = f8e4m3fn[256,4096]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_convert
+  %transpose.3 = f8e4m3fn[1024,4096]{1,0} transpose(%q.1), dimensions={1,0}
+  %cublas-gemm.1 = (f32[256,1024]{1,0}, s8[4194304]{0}) custom-call(%loop_convert_fusion, %transpose.3), \
+custom_call_target="__cublas$lt$matmul$f8"
+  ROOT %gemm_fusion_dot.1 = f32[256,1024]{1,0} fusion(%loop_convert_fusion, %q.1), kind=kCustom
+}
+"""
+
+
+def test_hlo_gemms_and_entry_buffers_are_parsed():
+    """The fp8 products' judge reads the GEMMs' operand types (a dot in a fusion, a cuBLAS call) and the buffers
+    the entry computation writes (a transposed weight here; parameters and bitcasts write none)."""
+    assert capture.gemms(HLO) == [
+        ("dot", "f8e4m3fn", "f8e4m3fn"),
+        ("cublas:__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn"),
+    ]
+    assert capture.entry_buffers(HLO) == [
+        ("loop_convert_fusion", "f8e4m3fn", (256, 4096), "fusion"),
+        ("transpose.3", "f8e4m3fn", (1024, 4096), "transpose"),
+        ("gemm_fusion_dot.1", "f32", (256, 1024), "fusion"),
+    ]
+
+
 def test_budget_violations():
     b = GpuBudget(registers=200, smem_bytes=1000)
     assert b.violations(200, 0, 1000) == []
@@ -107,7 +141,7 @@ def test_the_list_covers_every_configuration_the_selection_code_returns(target):
     keys = {c.key for c in cases}
     assert len(keys) == len(cases)
     for kernel in configs.TARGET_KERNELS[target]:
-        if kernel == "grouped_matmul":
+        if kernel in ("grouped_matmul", "packed_matmul", "fp8"):
             continue
         for shape, dtype, page in configs._candidates(kernel):
             if configs._supported(kernel, shape, dtype, page):
@@ -125,7 +159,7 @@ def test_the_list_spans_what_the_kernels_branch_on():
     """Head widths, GQA groups, windows, soft-caps, sinks, page sizes and both dtypes; head_dim 256 on Mosaic with P
     in registers, narrower heads without; the step programs' models among the shapes."""
     h200 = configs.kernel_cases("h200")
-    attention = [c for c in h200 if c.kernel != "grouped_matmul"]
+    attention = [c for c in h200 if c.kernel in ("mosaic", "triton")]
     assert {c.shape.head_dim for c in attention} == {64, 80, 96, 128, 256}
     assert {c.shape.group for c in attention} >= {1, 2, 3, 4, 7, 8, 16}
     mosaic = [c for c in attention if c.kernel == "mosaic"]
@@ -172,8 +206,25 @@ def test_every_kernel_configuration_compiles_within_its_budget(compile_check):
         failed = [f"{k['case']}: {k['problems']}" for k in kernels if k["problems"]]
         assert not failed, failed
         for k in kernels:
+            if k["kernel"] == "fp8":  # XLA's own GEMMs: judged by their HLO (test_fp8_weights_...)
+                continue
             assert k["registers"] > 0 and k["spill_bytes"] == 0 and 0 < k["smem_bytes"] <= k["budget"]["smem_bytes"]
         assert (Path(r.args[-1]) / f"{res['date'][:10]}-gpu_compile-{target}.md").is_file()
+
+
+@needs_cuda
+def test_fp8_weights_multiply_in_fp8_on_hopper_and_are_never_copied_there(compile_check):
+    """H200: every fp8 product of 16 rows or more is a GEMM over fp8 operands (XLA's Triton GEMM or cuBLASLt's fp8
+    call) and no product copies the weight; A100: the W8A16 fallback compiles (XLA widens the weight there)."""
+    _, results = compile_check
+    for target, res in results.items():
+        fp8 = [k for k in res["kernels"] if k["kernel"] == "fp8"]
+        assert len(fp8) == len(configs.fp8_cases(target))
+        for k in fp8:
+            assert not k["problems"], k
+            if target == "h200":
+                assert not k["weight_copies"]
+                assert k["fp8_gemm"] or k["step"] == "decode_1", k
 
 
 @needs_cuda
@@ -192,6 +243,15 @@ def test_every_step_program_fits_the_memory_sizing(compile_check):
                 assert any(k.startswith("ragged_paged_attention") for k in kernels)
                 if "moe" in model:  # the experts on the grouped-matmul kernel, not XLA's masked ragged dot
                     assert any(k.startswith("grouped_matmul") for k in kernels)
+        for model, methods in configs.QUANT_STEPS.items():  # the quantized weights reach their GPU kernels
+            for method in methods:
+                mine = [s for s in steps if s["model"] == f"{model}+{method}"]
+                assert len(mine) == 2 and all(not s["problems"] for s in mine), mine
+                assert {s["matmul_backend"] for s in mine} == {"gpu" if target == "h200" else "gpu_sm80"}
+                if method == "int4":
+                    assert all(any(k.startswith("packed_matmul_w4") for k in s["pallas_kernels"]) for s in mine)
+                elif target == "h200":  # W8A8 at the prefill step
+                    assert "f8e4m3fn x f8e4m3fn" in max(mine, key=lambda s: s["num_tokens"])["gemm_operands"]
         backends = {s["backend"] for s in steps}
         assert backends == ({"mosaic"} if target == "h200" else {"triton"})
 

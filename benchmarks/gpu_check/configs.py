@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check import engine_settings
+from gpu_check import engine_settings, quant_configs
 from gpu_check.model_dir import LLAMA3_8B
+from gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
 from netra_jax.ops import grouped_matmul_triton as gmm
+from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.ops import paged_attention_mosaic as mosaic
 from netra_jax.ops import paged_attention_triton as triton
 from netra_jax.ops.attention import AttentionMetadata, paged_attention_reference
@@ -25,6 +27,7 @@ __all__ = [
     "SHAPES",
     "STEPS",
     "STEP_MODELS",
+    "QUANT_STEPS",
     "TARGET_KERNELS",
     "AttentionShape",
     "KernelCase",
@@ -111,8 +114,12 @@ STEPS = (
 )
 
 # kernels each target compiles: Mosaic GPU exists on Hopper only; Triton is the fallback everywhere (and a choice);
-# the grouped matmul (Triton) runs the experts of MoE models on every CUDA GPU
-TARGET_KERNELS = {"h200": ("mosaic", "triton", "grouped_matmul"), "a100": ("triton", "grouped_matmul")}
+# the grouped matmul (Triton) runs the experts of MoE models on every CUDA GPU, the packed matmul (Triton) the W4A16 /
+# W8A16 weights; fp8 weights run XLA's fp8 dot on Hopper and the W8A16 reference on the A100 (gpu_check.quant_configs)
+TARGET_KERNELS = {
+    "h200": ("mosaic", "triton", "grouped_matmul", "packed_matmul", "fp8"),
+    "a100": ("triton", "grouped_matmul", "packed_matmul", "fp8"),
+}
 
 
 @dataclass(frozen=True)
@@ -267,12 +274,13 @@ def _attention_cases(kernel: str):
 
 
 @functools.cache
-def kernel_cases(target: str) -> tuple[KernelCase | MatmulCase, ...]:
+def kernel_cases(target: str) -> tuple[KernelCase | MatmulCase | PackedCase | Fp8Case, ...]:
     """Every kernel configuration `target` ("h200" | "a100") can be asked to run, one case per distinct kernel body
     (`key`: the first case met stands for the others)."""
     out, seen = [], set()
+    listed = {"grouped_matmul": matmul_cases, "packed_matmul": packed_cases, "fp8": lambda: fp8_cases(target)}
     for kernel in TARGET_KERNELS[target]:
-        for case in matmul_cases() if kernel == "grouped_matmul" else _attention_cases(kernel):
+        for case in listed[kernel]() if kernel in listed else _attention_cases(kernel):
             if case.key not in seen:
                 seen.add(case.key)
                 out.append(case)
@@ -389,7 +397,10 @@ def dry_cases() -> tuple[KernelCase | MatmulCase, ...]:
         for kernel in ("mosaic", "triton")
     ]
     matmul = MatmulCase("grouped_matmul", moe, "gate_up", 32, 32, "float32", step, gmm.choose_config(24, 4, 32, 32, 4))
-    return (*attention, matmul)
+    q4 = quant_configs.FORMATS[3]  # zero points and act-order: every branch of the kernel
+    packed = PackedCase("packed_matmul", q4, "dry", 5, 256, 48, "float32", "dry", pmm.choose_config(5, 256, 48, 4))
+    fp8 = Fp8Case("fp8", True, "dry", 5, 64, 48, "dry")  # the W8A8 path: XLA's CPU runs the fp8 dot too
+    return (*attention, matmul, packed, fp8)
 
 
 # ------------------------------------------------------------------ step programs
@@ -422,3 +433,5 @@ QWEN3_MOE_30B_A3B = {
 }
 # the models whose step programs are compiled, at the device run's engine settings (gpu_check.engine_settings)
 STEP_MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-moe-30b-a3b": QWEN3_MOE_30B_A3B}
+# and quantized at load by these methods (the device run's `quant` section), at their smallest and largest step
+QUANT_STEPS = {"llama3-8b": ("int4", "fp8")}

@@ -3,7 +3,8 @@ attention-kernel and grouped-matmul configuration the selection code returns), c
 case's compile (lowered here, compiled in a thread pool), its time on random inputs of the compiled shapes, and its
 output against the float32 reference on the same inputs. Hopper GPUs run the H200 list, others the A100 one; the
 cases the correctness section does not already cover numerically come first (head_dim 256 with P in registers, the
-grouped matmul, float32 Triton), so a spent budget skips the most covered ones. The dry run takes one small case of
+grouped matmul, the packed W4A16 / W8A16 matmul and the fp8 products, float32 Triton), so a spent budget skips the
+most covered ones. The dry run takes one small case of
 each kernel through the interpreters."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 from gpu_check import configs
 from gpu_check.common import Section, median_time, sig
 
-TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-3}  # relative error, as the correctness section's
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-3}  # relative error, as the correctness section's (fp8: against the
+# same rounding in float32, gpu_check.quant_configs.Fp8Case.reference)
 
 
 def target_of(device) -> str:
@@ -28,8 +30,10 @@ def target_of(device) -> str:
 
 
 def _priority(case) -> int:
-    if getattr(case.config, "p_in_registers", False) or case.kernel == "grouped_matmul":
+    if getattr(case.config, "p_in_registers", False) or case.kernel in ("grouped_matmul", "packed_matmul"):
         return 0
+    if case.kernel == "fp8":  # XLA's own GEMMs: their times, after the Pallas kernels
+        return 1
     return 1 if case.dtype == "float32" else 2
 
 

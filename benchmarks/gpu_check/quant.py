@@ -1,11 +1,11 @@
 """Section `quant`: the Llama-3-8B-shaped model of section `model` with its weights quantized at load
-(`LLM(quantization=...)`: "int4", llama.cpp's Q4_0 blocks, W4A16; "fp8", e4m3 with per-channel scales, W8A16),
-through `LLM.generate`: batch-1 decode tok/s with its memory-bandwidth use against the quantized weights' bytes
-(MBU), and output throughput of 100 sequences generated together.
+(`LLM(quantization=...)`: "int4", llama.cpp's Q4_0 values, W4A16; "fp8", e4m3 with per-channel scales), through
+`LLM.generate` on the GPU matmul backend (`netra_jax.quant.gpu`, what "auto" picks on CUDA): int4 as PackedIntWeight
+on the Pallas W4A16 kernel, fp8 as W8A8 on XLA's fp8 dot on Hopper (the W8A16 reference elsewhere). Measures batch-1
+decode tok/s with its memory-bandwidth use against the quantized weights' bytes (MBU), and output throughput of 100
+sequences generated together. The dry run interprets the same kernel ("gpu_interpret") on the CPU.
 
-No Pallas W4A16 / W8A16 kernel exists yet: on the GPU both run the jnp reference (`models.quant.matmul`: the blocks
-or the fp8 weights de-quantized in XLA, then its dot), so these figures are the baseline such kernels are measured
-against. Each method builds its own engine after the previous one is freed; the warm-up is capped as in `model`."""
+Each method builds its own engine after the previous one is freed; the warm-up is capped as in `model`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from gpu_check.model import batch1, throughput, warm_up
 from gpu_check.model_dir import ensure_model_dir, model_config
 
 METHODS = ("int4", "fp8")
+MATMUL_BACKEND = {False: "auto", True: "gpu_interpret"}  # the device's GPU kernels; the dry run interprets them
 BATCH = {False: 100, True: 4}  # the throughput point: 100 sequences on the device, 4 in the dry run
 
 
@@ -34,7 +35,7 @@ def run(sec: Section) -> None:
 
     path = ensure_model_dir(sec.work, sec.dry)
     cfg = model_config(sec.dry)
-    kwargs = engine_settings.llm_kwargs(sec.dry)
+    kwargs = engine_settings.llm_kwargs(sec.dry) | {"matmul_backend": MATMUL_BACKEND[sec.dry]}
     batch = BATCH[sec.dry]
     sec.set("engine", kwargs | {"methods": METHODS, "throughput_batch": batch})
     for i, method in enumerate(METHODS):
@@ -45,12 +46,15 @@ def run(sec: Section) -> None:
         t = time.perf_counter()
         llm = LLM(str(path), **kwargs, quantization=method)
         build = time.perf_counter() - t
-        held = weight_bytes_held(llm.engine.runner.params)
+        runner = llm.engine.runner
+        held = weight_bytes_held(runner.params)
+        layout = type(runner.params["layers"][0]["wq"]).__name__  # PackedIntWeight for the W4A16 kernel
         cap = 3.0 if sec.dry else max(5.0, 0.4 * share)
         sz = sec.sizes  # the steps of the two measurements first
         first = [1, sz.prompt_len, batch, min(batch * sz.prompt_len, kwargs["max_num_batched_tokens"])]
         warm = warm_up(llm.engine, first, cap)
-        sec.add("ready", {"method": method, "build_s": sig(build), "weights_gb": sig(held / 1e9), "warmup": warm})
+        ready = {"method": method, "matmul_backend": runner.matmul_backend, "weights": layout}
+        sec.add("ready", ready | {"build_s": sig(build), "weights_gb": sig(held / 1e9), "warmup": warm})
         sec.attempt("batch1", {"method": method}, functools.partial(batch1, sec, llm, cfg, held), 2 if sec.dry else 15)
         sec.attempt(
             "throughput", {"method": method}, functools.partial(throughput, sec, llm, cfg, batch), 2 if sec.dry else 15

@@ -231,13 +231,14 @@ def quant_lines(merged: dict) -> list[str]:
     ready = {r.get("method"): r for r in q.get("ready") or []}
     b1 = {r.get("method"): r for r in _rows(merged, "quant", "batch1")}
     tp = {r.get("method"): r for r in _rows(merged, "quant", "throughput")}
-    lines = ["## 3b. The same model quantized at load (jnp reference matmuls: no Pallas W4A16 / W8A16 kernel yet)", ""]
+    lines = ["## 3b. The same model quantized at load (GPU matmul backend: W4A16 Pallas kernel, fp8 W8A8)", ""]
     rows = []
     for m in dict.fromkeys([*ready, *b1, *tp]):
         r, b, t = ready.get(m, {}), b1.get(m, {}), tp.get(m, {})
         rows.append(
             [
                 m,
+                f"{r.get('weights', '-')} on {r.get('matmul_backend', '-')}",
                 r.get("weights_gb"),
                 ready_text({"build_s": r.get("build_s"), "warmup": r.get("warmup") or {}}) if r else "-",
                 b.get("decode_tok_s") or _why(b),
@@ -245,7 +246,15 @@ def quant_lines(merged: dict) -> list[str]:
                 f"{t.get('output_tok_s')} ({t.get('batch')} seqs)" if t.get("output_tok_s") else _why(t),
             ]
         )
-    header = ["method", "weights GB", "ready", "batch-1 decode tok/s", "MBU (quantized bytes)", "output tok/s"]
+    header = [
+        "method",
+        "weights, backend",
+        "weights GB",
+        "ready",
+        "batch-1 decode tok/s",
+        "MBU (quantized bytes)",
+        "output tok/s",
+    ]
     return lines + _table(header, rows)
 
 

@@ -38,6 +38,8 @@ def plan_jobs(pool: cf.Executor, targets: list[str], only: str | None, cases: st
         counts = {(t, m): pool.submit(worker.plan, t, m) for t in targets for m in configs.STEP_MODELS}
         for (t, m), n in counts.items():
             steps += [("step", t, m, i, depth) for i in range(n.result())]
+            for method in configs.QUANT_STEPS.get(m, ()):  # quantized weights: the smallest and the largest step
+                steps += [("step", t, m, i, depth, method) for i in (0, n.result() - 1)]
     if only != "steps":
         for t in targets:
             for i, case in enumerate(configs.kernel_cases(t)):

@@ -166,3 +166,40 @@ def errors_in(text: str, limit: int = 1500) -> str:
     """The compilers' error lines of `text` (ptxas errors, XLA's), for a failed compile's message."""
     lines = [ln for ln in text.splitlines() if re.search(r"error|Error|ERROR|fatal", ln)]
     return "\n".join(lines)[-limit:]
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(?[a-z0-9]+)\[")
+_DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = [^=]*? dot\(%([^,\s)]+), %([^,\s)]+)")
+_CUBLAS = re.compile(r'custom-call\(%([^,\s)]+), %([^,\s)]+).*custom_call_target="(__cublas[^"]*)"')
+
+
+def gemms(hlo: str) -> list[tuple[str, str, str]]:
+    """The matrix products of a compiled HLO module as (where, lhs element type, rhs element type): where is
+    "cublas:<custom-call target>" for a cuBLAS(Lt) call, "dot" for a dot inside a fusion (XLA's Triton GEMMs, whose
+    operands are the fusion's loads: an f8e4m3fn operand there is read as fp8)."""
+    types = {m.group(1): m.group(2).lstrip("(") for line in hlo.splitlines() if (m := _INSTR.match(line))}
+    out = []
+    for line in hlo.splitlines():
+        if m := _CUBLAS.search(line):
+            out.append((f"cublas:{m.group(3)}", types.get(m.group(1), "?"), types.get(m.group(2), "?")))
+        elif m := _DOT.match(line):
+            out.append(("dot", types.get(m.group(1), "?"), types.get(m.group(2), "?")))
+    return out
+
+
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = ([a-z0-9]+)\[([\d,]*)\]\S* ([\w-]+)\(")
+
+
+def entry_buffers(hlo: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """The arrays the ENTRY computation of a compiled HLO module produces (name, element type, dims, op), parameters
+    and bitcasts (no buffer of their own) left out: what its programs write to device memory."""
+    out, inside = [], False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+        elif inside and line.startswith("}"):
+            break
+        elif inside and (m := _ENTRY_OP.match(line)) and m.group(4) not in ("parameter", "bitcast"):
+            dims = tuple(int(d) for d in m.group(3).split(",") if d)
+            out.append((m.group(1), m.group(2), dims, m.group(4)))
+    return out

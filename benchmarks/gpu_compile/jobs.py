@@ -18,7 +18,10 @@ KERNELS = {
     "mosaic": ("ragged_paged_attention_mgpu", "netra_jax.ops.paged_attention_mosaic"),
     "triton": ("ragged_paged_attention_m", "netra_jax.ops.paged_attention_triton"),
     "grouped_matmul": ("grouped_matmul_m", "netra_jax.ops.grouped_matmul_triton"),
+    "packed_matmul": ("packed_matmul_w", "netra_jax.ops.packed_matmul_triton"),
 }
+# products XLA compiles itself (no Pallas kernel, no budget): judged by their compiled HLO (`judge_gemm`)
+XLA_PRODUCTS = ("fp8",)
 PALLAS_PREFIXES = tuple(prefix for prefix, _ in KERNELS.values())
 
 
@@ -32,6 +35,10 @@ def _error(e: BaseException, text: str) -> str:
     msg = f"{type(e).__name__}: {str(e)[:1200]}"
     detail = capture.errors_in(text)
     return f"{msg}\n{detail}" if detail and detail not in msg else msg
+
+
+def _asdict(config) -> dict | None:
+    return None if config is None else dataclasses.asdict(config)
 
 
 def compile_kernel(target: str, case, dump_dir: str) -> dict:
@@ -48,7 +55,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
         return fn(*args)
 
     assert kernel_case.__name__ == DUMPED_MODULE
-    row = {"case": case.name, "kernel": case.kernel, "dtype": case.dtype, "config": dataclasses.asdict(case.config)}
+    row = {"case": case.name, "kernel": case.kernel, "dtype": case.dtype, "config": _asdict(case.config)}
     row |= case.describe()
     before = capture.dumped(dump_dir)
     t0 = time.perf_counter()
@@ -58,7 +65,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
             with jax.default_device(dev):  # Pallas' Triton lowering looks for a GPU among the default devices
                 lowered = jax.jit(kernel_case).lower(*case.abstract_args(sharding))
                 t1 = time.perf_counter()
-                lowered.compile()
+                compiled = lowered.compile()
             failure = None
         except Exception as e:  # a compile error is this case's result
             failure = e
@@ -66,6 +73,8 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
         row["problems"] = [f"does not compile: {_error(failure, out.text)}"]
         return row
     row["lower_s"], row["compile_s"] = round(t1 - t0, 2), round(time.perf_counter() - t1, 2)
+    if case.kernel in XLA_PRODUCTS:
+        return row | judge_gemm(case, compiled)
     prefix = KERNELS[case.kernel][0]
     reports = [k for k in capture.ptxas_reports(out.text) if k.name.startswith(prefix)]
     if case.kernel == "mosaic":
@@ -90,15 +99,41 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
     return row
 
 
+def judge_gemm(case, compiled) -> dict:
+    """An fp8-weight product (gpu_check.quant_configs.Fp8Case) as XLA compiled it: its GEMMs' operand types and the
+    buffers it writes. It fails when the weight is copied into a buffer of its own outside the GEMM (widened or
+    transposed: every call would write and re-read it), except on GPUs without fp8 (the W8A16 fallback, where XLA
+    widens it: reported), and, where fp8 is native, when no GEMM multiplies in fp8 at a step of 16 rows or more (one
+    decode row is a matrix-vector product, run on its fp8 loads widened in registers)."""
+    import math
+
+    hlo = compiled.as_text()
+    gemms = [list(g) for g in capture.gemms(hlo)]
+    buffers = capture.entry_buffers(hlo)
+    copies = [f"{name} {dtype}{list(dims)}" for name, dtype, dims, _ in buffers if math.prod(dims) == case.k * case.n]
+    fp8 = [g for g in gemms if g[1] == g[2] == "f8e4m3fn"]
+    row = {"gemms": gemms, "weight_copies": copies, "fp8_gemm": fp8[0][0] if fp8 else None, "problems": []}
+    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    if case.native:
+        if copies:
+            row["problems"].append(f"the fp8 weight is copied outside the GEMM: {copies}")
+        if case.m >= 16 and not fp8:
+            row["problems"].append(f"no GEMM multiplies in fp8: {gemms}")
+    return row
+
+
 # ------------------------------------------------------------------ step programs
 
 
 @functools.cache
-def step_runner(target: str, model: str, depth: int | None = None):
+def step_runner(target: str, model: str, depth: int | None = None, quantization: str | None = None):
     """The engine's runner for `model` (gpu_check.configs.STEP_MODELS) at the device run's engine settings, built
     for `target`'s compile-only device: abstract bf16 weights (the dummy loader's layout), nothing allocated, the
-    attention backend "auto" resolves to on that target. depth: keep the model's first `depth` layers only (every
-    layer is the same program, so its kernels and its temporaries are the full model's; the compile is shorter)."""
+    attention and matmul backends "auto" resolves to on that target. depth: keep the model's first `depth` layers
+    only (every layer is the same program, so its kernels and its temporaries are the full model's; the compile is
+    shorter). quantization: the weights quantized at load by that method (abstract too) and laid out for the matmul
+    backend, as the engine does."""
+    import jax
     import jax.numpy as jnp
     from gpu_check import configs, engine_settings
 
@@ -108,6 +143,7 @@ def step_runner(target: str, model: str, depth: int | None = None):
     from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
     from netra_jax.loader import dummy
     from netra_jax.ops.attention import auto_backend
+    from netra_jax.quant import GPU_BACKENDS, quantize_params, weight_layout
 
     s = engine_settings.settings(False)
     hf = configs.STEP_MODELS[model]
@@ -135,7 +171,12 @@ def step_runner(target: str, model: str, depth: int | None = None):
             head_dim=cfg.head_dim,
             page_size=config.cache.page_size,
         )
+    if opts["matmul_backend"] in GPU_BACKENDS:  # what "auto" picks on the target (fp8 or not)
+        opts["matmul_backend"] = config.resolved_matmul_backend("gpu", targets.TARGETS[target].compute_capability)
     params = dummy.param_layout(cfg, dtype, optional=dummy.attention_biases(cfg, hf))
+    if quantization:
+        layout = functools.partial(weight_layout, backend=opts["matmul_backend"])
+        params = jax.eval_shape(lambda p: layout(quantize_params(p, quantization)), params)
     runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
     return runner
@@ -175,15 +216,19 @@ def sizing(target: str, runner) -> dict:
     }
 
 
-def compile_step(target: str, model: str, index: int, depth: int | None = None) -> dict:
-    """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers: see `step_runner`): compile
-    time, memory analysis against the full model's sizing, the Pallas kernels ptxas compiled in it and any kernel
-    that spills."""
+def compile_step(
+    target: str, model: str, index: int, depth: int | None = None, quantization: str | None = None
+) -> dict:
+    """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers and weights quantized by
+    `quantization`: see `step_runner`): compile time, memory analysis against the full model's sizing, the Pallas
+    kernels ptxas compiled in it, any kernel that spills, and the matmul backend with its GEMMs' operand types."""
     import jax
 
-    runner = step_runner(target, model, depth)
+    runner = step_runner(target, model, depth, quantization)
     shape = step_shapes(target, model)[index]
-    row = {"model": model, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    name = f"{model}+{quantization}" if quantization else model
+    row = {"model": name, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    row["matmul_backend"] = runner.matmul_backend
     row["layers"] = runner.cfg.num_layers
     row |= {"prompt_rows": shape.prompt_rows, "logit_rows": shape.num_rows}
     t0 = time.perf_counter()
@@ -208,7 +253,7 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
         "alias_bytes": int(mem.alias_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
     }
-    row["sizing"] = sizing(target, step_runner(target, model))  # the full model's weights and KV cache
+    row["sizing"] = sizing(target, step_runner(target, model, None, quantization))  # the full model's weights, KV
     if row["memory"]["temp_bytes"] > row["sizing"]["activation_margin_bytes"]:
         row.setdefault("problems", []).append(
             f"temporaries of {row['memory']['temp_bytes'] / 2**30:.2f} GiB exceed the memory sizing's activation "
@@ -219,6 +264,8 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
     reports = capture.ptxas_reports(out.text)
     row["pallas_kernels"] = sorted({k.name for k in reports if k.name.startswith(PALLAS_PREFIXES)})
     row["spilling_kernels"] = sorted({f"{k.name} ({k.spill_bytes} B)" for k in reports if k.spill_bytes})
+    if quantization:  # which GEMMs the quantized weights reached (fp8 operands: W8A8)
+        row["gemm_operands"] = sorted({f"{a} x {b}" for _, a, b in capture.gemms(compiled.as_text())})
     spills = [f"a Pallas kernel spills: {k}" for k in row["spilling_kernels"] if k.startswith(PALLAS_PREFIXES)]
     row["problems"] = row.get("problems", []) + spills
     del compiled, lowered
@@ -227,7 +274,7 @@ def compile_step(target: str, model: str, index: int, depth: int | None = None) 
 
 def run_job(job: tuple, dump_dir: str) -> dict:
     """One job: ("kernel", target, case index), ("broken", target, index of a `selftest.broken_cases` case) or
-    ("step", target, model, shape index, depth); an unexpected failure is the job's result."""
+    ("step", target, model, shape index, depth[, quantization]); an unexpected failure is the job's result."""
     from gpu_check import configs
 
     from gpu_compile import selftest

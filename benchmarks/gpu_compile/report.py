@@ -35,11 +35,13 @@ def write(result: dict, out_dir: Path) -> Path:
 
 
 def _cfg(row: dict) -> str:
+    if "gemms" in row:  # a product XLA compiled: what its GEMM reads instead of a Pallas configuration
+        return kernel_line(row)
     c = row.get("config") or {}
     if row.get("kernel") == "mosaic":
         p = ", P in regs" if c.get("p_in_registers") else ""
         return f"rows {c['block_rows']}, tile {c['tile']}, {c['num_stages']} stages, {c['num_splits']} splits{p}"
-    if row.get("kernel") == "grouped_matmul":
+    if row.get("kernel") in ("grouped_matmul", "packed_matmul"):
         return f"block {c['block_m']}x{c['block_n']}x{c['block_k']}, {c['num_warps']} warps, {c['num_stages']} stages"
     if c:
         return f"block_m {c['block_m']}, tile {c['tile']}, {c['num_splits']} splits, {c['num_warps']} warps, " + (
@@ -58,6 +60,10 @@ def _gib(x) -> str:
 
 def kernel_line(row: dict) -> str:
     """One case's figures, for progress lines and the table."""
+    if "gemms" in row:  # a product XLA compiled (jobs.judge_gemm)
+        where = row["fp8_gemm"] or "no fp8 GEMM"
+        widened = f", weight copied: {row['weight_copies'][0]}" if row["weight_copies"] else ""
+        return f"{where}, {row['temp_bytes'] / 2**20:.1f} MiB temporaries{widened}"
     if "registers" not in row:
         return _verdict(row)
     smem = "-" if row.get("smem_bytes") is None else f"{row['smem_bytes'] / 1024:.1f} KiB"

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FORMATS", "BlockFormat", "dequantize_rows", "quantize_rows_q4_0", "row_bytes"]
+__all__ = [
+    "FORMATS",
+    "SYMMETRIC",
+    "BlockFormat",
+    "dequantize_rows",
+    "quantize_rows_q4_0",
+    "row_bytes",
+    "symmetric_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -67,13 +75,32 @@ def _bits(qh: jax.Array, n: int) -> jax.Array:
     return ((q >> jnp.arange(8, dtype=jnp.int32)) & 1).reshape(*qh.shape[:-1], n)
 
 
-def _q8_0(b):  # b: [..., 34]
-    return b[..., 2:].view(jnp.int8).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+# the symmetric 32-value formats as unsigned integers around an offset: w = d * (q - offset)
+SYMMETRIC = {"Q4_0": (4, 8), "Q8_0": (8, 128)}  # name -> (bits, offset)
 
 
-def _q4_0(b):  # [..., 18]
+def _symmetric_ints(b: jax.Array, qtype: str) -> jax.Array:
+    """[..., block_bytes] blocks of Q4_0 or Q8_0 -> [..., 32] int32 unsigned values in block order (Q4_0: the 16
+    low nibbles, then the 16 high ones; Q8_0: the int8 values plus 128)."""
+    if qtype == "Q8_0":
+        return b[..., 2:].view(jnp.int8).astype(jnp.int32) + 128
     lo, hi = _nibbles(b[..., 2:])
-    return (jnp.concatenate([lo, hi], -1) - 8).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+    return jnp.concatenate([lo, hi], -1)
+
+
+def _symmetric(qtype: str):
+    offset = SYMMETRIC[qtype][1]
+    return lambda b: (_symmetric_ints(b, qtype) - offset).astype(jnp.float32) * _f16(b[..., 0:2])[..., None]
+
+
+def symmetric_rows(data: jax.Array, qtype: str) -> tuple[jax.Array, jax.Array]:
+    """Rows of Q4_0 or Q8_0 blocks (uint8 [N, row_bytes]) as their integers and scales: (q [N, K] int32 unsigned,
+    d [N, K / 32] float16), w = d * (q - offset) with SYMMETRIC's offset."""
+    f = FORMATS[qtype]
+    b = data.reshape(data.shape[0], -1, f.block_bytes)  # [N, K / 32, bytes]
+    q = _symmetric_ints(b, qtype).reshape(data.shape[0], -1)  # [N, K]
+    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16)  # [N, K / 32]
+    return q, d
 
 
 def _q4_1(b):  # [..., 20]
@@ -143,11 +170,11 @@ def _q6_k(b):  # [..., 210]: ql[128], qh[64], int8 scales[16], d
 
 
 _DEQUANT = {
-    "Q4_0": _q4_0,
+    "Q4_0": _symmetric("Q4_0"),
     "Q4_1": _q4_1,
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
-    "Q8_0": _q8_0,
+    "Q8_0": _symmetric("Q8_0"),
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

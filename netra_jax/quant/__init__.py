@@ -1,8 +1,8 @@
 """Quantized weights and the one `matmul` that reads them: pytree weight types (`weights`), online quantization of a
 float checkpoint (`online`), the jnp reference (`reference`) and the backends' kernels behind one entry point
-(`matmul`)."""
+(`matmul`, with the layout each backend reads the weights in, `repack` for the GPU's)."""
 
-from netra_jax.quant.matmul import BACKENDS, MATMULS, matmul
+from netra_jax.quant.matmul import BACKENDS, GPU_BACKENDS, LAYOUTS, MATMULS, matmul, weight_layout
 from netra_jax.quant.online import BATCH_DIMS, METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import (
@@ -20,6 +20,8 @@ from netra_jax.quant.weights import (
 __all__ = [
     "BACKENDS",
     "BATCH_DIMS",
+    "GPU_BACKENDS",
+    "LAYOUTS",
     "MATMULS",
     "METHODS",
     "QUANTIZABLE",
@@ -37,4 +39,5 @@ __all__ = [
     "quantize_weight",
     "reference_matmul",
     "shard_specs",
+    "weight_layout",
 ]

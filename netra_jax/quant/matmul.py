@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import jax
 
+from netra_jax.quant import gpu, repack
 from netra_jax.quant.cpu_rows import cpu_rows_matmul
 from netra_jax.quant.reference import reference_matmul
 
@@ -14,12 +15,28 @@ from netra_jax.quant.reference import reference_matmul
 Kernel = Callable[..., jax.Array | None]
 
 # Backend name -> its kernels, tried in order before the reference. "xla": the reference alone (XLA's dot over
-# weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products.
+# weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products; "gpu": the
+# Pallas W4A16 / W8A16 kernel for PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights (CUDA GPUs with fp8,
+# sm89+); "gpu_sm80": the Pallas kernel, fp8 weights as W8A16 (the reference); "gpu_interpret": the Pallas kernel in
+# the interpreter (CPU tests).
 BACKENDS: dict[str, tuple[Kernel, ...]] = {
     "xla": (),
     "cpu_rows": (cpu_rows_matmul,),
+    "gpu": (gpu.packed_matmul, gpu.fp8_w8a8_matmul),
+    "gpu_sm80": (gpu.packed_matmul,),
+    "gpu_interpret": (gpu.packed_matmul_interpret,),
 }
+GPU_BACKENDS = ("gpu", "gpu_sm80")  # the backends whose kernels need a CUDA GPU
 MATMULS = tuple(BACKENDS)
+# Backend name -> the layout its kernels read the weights in, applied once at load (`weight_layout`); backends not
+# listed read the weights as loaded.
+LAYOUTS: dict[str, Callable[[dict], dict]] = {name: repack.for_gpu for name in (*GPU_BACKENDS, "gpu_interpret")}
+
+
+def weight_layout(params: dict, backend: str) -> dict:
+    """`params` in the layout `backend`'s kernels read (LAYOUTS; as they are for the others)."""
+    layout = LAYOUTS.get(backend)
+    return params if layout is None else layout(params)
 
 
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:

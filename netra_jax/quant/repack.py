@@ -1,0 +1,77 @@
+"""Weights re-laid for the GPU kernels at load (the engine applies `for_gpu` when the platform is CUDA): GGUF's Q4_0
+and Q8_0 blocks are exactly `PackedIntWeight`s (32-value groups, the file's fp16 d, w = d * (q - 8) or d * q), so
+they become that layout for the Pallas W4A16 / W8A16 kernel, and so do per-channel int8 weights (one group of all
+K rows); the other GGML types have no GPU kernel and are de-quantized to their float dtype."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from netra_jax.ops import ggml_blocks
+from netra_jax.quant.weights import GGMLWeight, PackedIntWeight, QuantizedWeight
+
+__all__ = ["for_gpu", "pack_along_k", "packed_from_ggml", "packed_from_int8"]
+
+
+def pack_along_k(q: jax.Array, bits: int) -> jax.Array:
+    """Unsigned `bits`-bit integers q [K, N] -> int32 words [K * bits / 32, N], value j of word i at bits
+    [bits * j, bits * (j + 1)) for k = i * 32 / bits + j (PackedIntWeight's layout)."""
+    per = 32 // bits
+    k, n = q.shape
+    if k % per:
+        raise ValueError(f"pack_along_k: K={k} is not a multiple of {per} {bits}-bit values a word")
+    lanes = q.astype(jnp.uint32).reshape(k // per, per, n)  # [K / per, per, N]
+    shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)[None, :, None]
+    words = jnp.sum(lanes << shifts, axis=1, dtype=jnp.uint32)  # disjoint bits: the sum is the OR
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one program per shape and type
+def _repack(data: jax.Array, qtype: str) -> tuple[jax.Array, jax.Array]:
+    q, d = ggml_blocks.symmetric_rows(data, qtype)  # [N, K], [N, K / 32]
+    return pack_along_k(q.T, ggml_blocks.SYMMETRIC[qtype][0]), d.T  # [K * bits / 32, N], [K / 32, N]
+
+
+def packed_from_ggml(w: GGMLWeight) -> PackedIntWeight | None:
+    """A Q4_0 or Q8_0 matmul weight as the same values in PackedIntWeight's layout (symmetric, group 32, float16
+    scales: its de-quantization rounds d * (q - offset) to float16, within the bf16 models' own rounding), or None
+    for other types and for embedding tables (read by rows)."""
+    if w.qtype not in ggml_blocks.SYMMETRIC or not w.transposed:
+        return None
+    packed, scale = _repack(w.data, w.qtype)
+    bits = ggml_blocks.SYMMETRIC[w.qtype][0]
+    return PackedIntWeight(packed, scale, None, None, bits=bits, group=32, shape=w.shape, dtype=w.dtype)
+
+
+@jax.jit
+def _repack_int8(q: jax.Array) -> jax.Array:
+    return pack_along_k(q.reshape(q.shape[0], -1).astype(jnp.int32) + 128, 8)  # [K / 4, N]
+
+
+def packed_from_int8(w: QuantizedWeight) -> PackedIntWeight | None:
+    """A per-output-channel int8 weight as PackedIntWeight (8 bits, q + 128 around the symmetric 128, one group of
+    all K rows, its float32 scales: the same arithmetic), or None for fp8 weights (`ops.fp8_matmul` reads them)."""
+    if w.q.dtype != jnp.int8:
+        return None
+    k = w.shape[0]
+    scale = w.scale.reshape(1, -1)  # [1, N]
+    return PackedIntWeight(_repack_int8(w.q), scale, None, None, bits=8, group=k, shape=tuple(w.shape))
+
+
+def for_gpu(params):
+    """`params` with every quantized matmul weight re-laid for the GPU kernels: GGML Q4_0 and Q8_0 and int8 as
+    PackedIntWeight, the other GGML types de-quantized to their float dtype (no kernel of ours reads them on GPU);
+    fp8 weights stay as they are, and GGML embedding tables too (their rows are de-quantized as they are looked up)."""
+
+    def one(w):
+        if isinstance(w, QuantizedWeight):
+            return packed_from_int8(w) or w
+        if not isinstance(w, GGMLWeight) or not w.transposed:
+            return w
+        packed = packed_from_ggml(w)
+        return w.dequantize() if packed is None else packed
+
+    return jax.tree.map(one, params, is_leaf=lambda v: isinstance(v, GGMLWeight | QuantizedWeight))
