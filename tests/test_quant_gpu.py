@@ -33,7 +33,7 @@ def _ggml(w: np.ndarray, qtype: str) -> GGMLWeight:
     """w [K, *out] float32 as llama.cpp's blocks of `qtype` (gguf.quants), rows = output features."""
     rows = w.reshape(w.shape[0], -1).T
     data = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[qtype])
-    return GGMLWeight(jnp.asarray(data), qtype, w.shape, True, jnp.dtype(jnp.float32))
+    return GGMLWeight(jnp.asarray(data).reshape(*w.shape[1:], -1), qtype, True, jnp.dtype(jnp.float32))  # [*out, rb]
 
 
 def _with_float32_scales(p: PackedIntWeight) -> PackedIntWeight:
@@ -55,7 +55,8 @@ def test_ggml_blocks_repack_to_the_same_values(qtype):
     numpy does) and within float16's rounding in PackedIntWeight's own float16 arithmetic."""
     w = np.random.default_rng(1).standard_normal((96, 2, 24)).astype(np.float32)
     blocks = _ggml(w, qtype)
-    want = gguf.quants.dequantize(np.asarray(blocks.data), gguf.GGMLQuantizationType[qtype]).T.reshape(w.shape)
+    rows = np.asarray(blocks.data).reshape(-1, blocks.data.shape[-1])  # [N, row_bytes]
+    want = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[qtype]).T.reshape(w.shape)
     p = packed_from_ggml(blocks)
     assert p.bits == (4 if qtype == "Q4_0" else 8) and p.group == 32 and p.zero is None and p.shape == w.shape
     assert p.scale.dtype == jnp.float16

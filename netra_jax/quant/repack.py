@@ -38,10 +38,10 @@ def _repack(data: jax.Array, qtype: str) -> tuple[jax.Array, jax.Array]:
 def packed_from_ggml(w: GGMLWeight) -> PackedIntWeight | None:
     """A Q4_0 or Q8_0 matmul weight as the same values in PackedIntWeight's layout (symmetric, group 32, float16
     scales: its de-quantization rounds d * (q - offset) to float16, within the bf16 models' own rounding), or None
-    for other types and for embedding tables (read by rows)."""
-    if w.qtype not in ggml_blocks.SYMMETRIC or not w.transposed:
+    for other types, for embedding tables (read by rows) and for MoE experts (the grouped matmul reads their blocks)."""
+    if w.qtype not in ggml_blocks.SYMMETRIC or not w.transposed or w.batch_dims:
         return None
-    packed, scale = _repack(w.data, w.qtype)
+    packed, scale = _repack(w.data.reshape(-1, w.data.shape[-1]), w.qtype)  # rows [*out, row_bytes] flattened
     bits = ggml_blocks.SYMMETRIC[w.qtype][0]
     return PackedIntWeight(packed, scale, None, None, bits=bits, group=32, shape=w.shape, dtype=w.dtype)
 
@@ -53,8 +53,9 @@ def _repack_int8(q: jax.Array) -> jax.Array:
 
 def packed_from_int8(w: QuantizedWeight) -> PackedIntWeight | None:
     """A per-output-channel int8 weight as PackedIntWeight (8 bits, q + 128 around the symmetric 128, one group of
-    all K rows, its float32 scales: the same arithmetic), or None for fp8 weights (`ops.fp8_matmul` reads them)."""
-    if w.q.dtype != jnp.int8:
+    all K rows, its float32 scales: the same arithmetic), or None for fp8 weights (`ops.fp8_matmul` reads them) and
+    for MoE experts (the grouped matmul reads them)."""
+    if w.q.dtype != jnp.int8 or w.batch_dims:
         return None
     k = w.shape[0]
     scale = w.scale.reshape(1, -1)  # [1, N]
@@ -64,13 +65,14 @@ def packed_from_int8(w: QuantizedWeight) -> PackedIntWeight | None:
 def for_gpu(params):
     """`params` with every quantized matmul weight re-laid for the GPU kernels: GGML Q4_0 and Q8_0 and int8 as
     PackedIntWeight, the other GGML types de-quantized to their float dtype (no kernel of ours reads them on GPU);
-    fp8 weights stay as they are, and GGML embedding tables too (their rows are de-quantized as they are looked up)."""
+    fp8 weights stay as they are, and so do GGML embedding tables (their rows are de-quantized as they are looked up)
+    and MoE experts (the grouped matmul de-quantizes the experts a step uses)."""
 
     def one(w):
         if isinstance(w, QuantizedWeight):
             return packed_from_int8(w) or w
-        if not isinstance(w, GGMLWeight) or not w.transposed:
-            return w
+        if not isinstance(w, GGMLWeight) or not w.transposed or w.batch_dims:
+            return w  # not a matmul weight, a table read by rows, or experts (models.moe reads their blocks)
         packed = packed_from_ggml(w)
         return w.dequantize() if packed is None else packed
 
