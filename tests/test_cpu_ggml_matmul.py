@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import int8_rounded
 
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels
 from netra_jax.ops.cpu_ggml_matmul import INT8_TYPES, TYPES, blocks_matmul, takes
@@ -52,6 +53,8 @@ SHAPES = [
     (37, 1, 3),
     (128, 2, 13),
 ]
+# the int8 path's rows past the float path's 128 (prefill chunks): groups of 16 rows in the lanes, the last partial
+INT8_SHAPES = [*SHAPES, (17, 2, 9), (200, 3, 21), (300, 9, 5)]
 
 
 def random_blocks(rng, qtype: str, n: int, blocks: int) -> np.ndarray:
@@ -86,19 +89,6 @@ def assert_close(y, ref, k: int) -> None:
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
 
 
-def quantized_x(x: np.ndarray) -> np.ndarray:
-    """float64 of x as the int8 path reads it: per block of 32, d = max|x| / 127 and q = x * (127 / max|x|) rounded
-    to nearest even, in float32 as the kernel computes them, then d * q."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
-    amax = np.abs(xb).max(-1, keepdims=True)  # float32
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inverse)
-    return (d.astype(np.float64) * q).reshape(m, k)
-
-
 def rounding_bound(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
     """[M, N] bound on |int8 path - exact product|: x's rounding moves each value by at most d / 2 = max|x| / 254 of
     its block, so the product moves by at most sum over blocks of max|x| / 254 * sum |w| (1e-4 more for the
@@ -123,18 +113,18 @@ def test_matches_float64(qtype, M, blocks, N):
     w = random_blocks(rng, qtype, N, blocks)
     x = rng.standard_normal((M, k), dtype=np.float32)
     assert takes(jnp.asarray(x), jnp.asarray(w), qtype)
-    assert_close(_jitted(qtype)(x, w), reference(x, w, qtype), k)
+    assert_close(_jitted(qtype, False)(x, w), reference(x, w, qtype), k)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
-@pytest.mark.parametrize("M, blocks, N", SHAPES)
-def test_int8_x_matches_float64_of_quantized_x(qtype, M, blocks, N):
+@pytest.mark.parametrize("M, blocks, N", INT8_SHAPES)
+def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
     rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 1)
     w = random_blocks(rng, qtype, N, blocks)
     x = rng.standard_normal((M, blocks * 32), dtype=np.float32)
     x[0, :32] = 0.0  # an all-zero block: d = 0
     y = _jitted(qtype, True)(x, w)
-    assert_close(y, reference(quantized_x(x), w, qtype), blocks * 32)
+    assert_close(y, reference(int8_rounded(x), w, qtype), blocks * 32)
     error = np.abs(np.asarray(y, np.float64) - reference(x, w, qtype))
     bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(blocks * 32) * np.abs(reference(x, w, qtype)).max()
     assert np.all(error <= bound), f"error over the bound by {(error - bound).max():.3g}"
@@ -147,18 +137,22 @@ def test_gguf_quantized_blocks(qtype, M, int8_x):
     rng = np.random.default_rng(M)
     w = quantized_blocks(rng, qtype, 45, 11)
     x = rng.standard_normal((M, 11 * 32), dtype=np.float32) * rng.uniform(0.1, 10, (M, 1)).astype(np.float32)
-    assert_close(_jitted(qtype, int8_x)(x, w), reference(quantized_x(x) if int8_x else x, w, qtype), 11 * 32)
+    assert_close(_jitted(qtype, int8_x)(x, w), reference(int8_rounded(x) if int8_x else x, w, qtype), 11 * 32)
 
 
-def test_int8_x_default_rule_and_refusal():
-    rng = np.random.default_rng(3)
-    w = random_blocks(rng, "Q4_0", 16, 4)
-    x = rng.standard_normal((2, 128), dtype=np.float32)
-    expected = quantized_x(x) if cpu_ggml_matmul.int8_activations("Q4_0", 2) else x
-    assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(expected, w, "Q4_0"), 128)
-    assert not cpu_ggml_matmul.int8_activations("Q4_K", 1)
+@pytest.mark.parametrize("M", [2, 9, 200])
+def test_int8_x_is_the_default_for_its_types(M):
+    rng = np.random.default_rng(M)
+    w, w_k = random_blocks(rng, "Q4_0", 16, 8), random_blocks(rng, "Q4_K", 16, 1)
+    x = rng.standard_normal((M, 256), dtype=np.float32)
+    assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0") and takes(jnp.asarray(x), jnp.asarray(w_k), "Q4_K") == (
+        M <= 128
+    )
+    assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(int8_rounded(x), w, "Q4_0"), 256)
+    if M <= 128:
+        assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_K"))(x, w_k), reference(x, w_k, "Q4_K"), 256)
     with pytest.raises(ValueError, match="Q4_K has no int8-activation path"):
-        blocks_matmul(jnp.ones((1, 256)), jnp.asarray(random_blocks(rng, "Q4_K", 2, 1)), "Q4_K", int8_x=True)
+        blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q4_K", int8_x=True)
 
 
 def test_lowers_to_the_kernel_and_vmaps():
@@ -192,7 +186,8 @@ def test_derivative_in_x():
         (np.ones((2, 64), np.float16), np.ones((3, 36), np.uint8), "Q4_0", "x must be float32"),
         (np.ones((2, 64), np.float32), np.ones((3, 36), np.int8), "Q4_0", "w must be uint8"),
         (np.ones((64,), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "x must be float32 \\[M, K\\]"),
-        (np.ones((129, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "the kernel takes 1 to 128"),
+        (np.ones((129, 256), np.float32), np.ones((3, 144), np.uint8), "Q4_K", "takes 1 to 128 with float x"),
+        (np.ones((513, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "takes 1 to 512 with int8 x"),
         (np.ones((0, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "has 0 rows"),
     ],
 )
@@ -268,4 +263,4 @@ def test_other_builds_match_float64(other_builds, build, qtype):
         ggml_type = np.int32(FORMATS[qtype].ggml_type)
         assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(0)), reference(x, w, qtype), k)
         if qtype in INT8_TYPES:
-            assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(1)), reference(quantized_x(x), w, qtype), k)
+            assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(1)), reference(int8_rounded(x), w, qtype), k)

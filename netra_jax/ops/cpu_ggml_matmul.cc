@@ -1,4 +1,5 @@
-// Few-row matmuls against weights kept in llama.cpp's GGML block formats, XLA FFI handler for CPU:
+// Matmuls of few rows (and prefill chunks) against weights kept in llama.cpp's GGML block formats, XLA FFI handler
+// for CPU:
 // y[M, N] = x[M, K] @ W^T with float32 x and y, and W [N, K] given as the raw bytes of a GGUF tensor of ne [K, N]:
 // w uint8 [N, row_bytes], row n holding K / QK consecutive blocks (row_bytes = K / QK * BLOCK_BYTES). Types (the
 // `qtype` attribute, GGML's type numbers): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14; block
@@ -34,7 +35,10 @@
 //   unsigned bytes (nibbles, fifth bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
 //   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
 //   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
-//   summed apart. Each weight row is read once for tiles of up to 4 rows of x.
+//   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd.
+//   More rows (and prefill chunks past the float path's 128): the rows of x in the lanes, a tile of 8 weight rows
+//   unpacked into bytes and scales once, then every 4 bytes of a weight row broadcast against 16 rows' 4 bytes per
+//   dpbusd (64 multiply-adds an instruction, a block's sums converted once per weight row and group of rows).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -244,7 +248,8 @@ constexpr int PB = 1;
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define NETRA_Q8_AVX2 1
 #endif
-constexpr int LPB = VW / PB;  // int32 lanes per block
+constexpr int LPB = VW / PB;       // int32 lanes per block
+constexpr int BPL = 32 * PB / VW;  // bytes per int32 lane
 typedef uint8_t vb __attribute__((vector_size(32 * PB)));
 
 template <typename A, typename B>
@@ -253,6 +258,19 @@ inline A bits_as(const B& b) {
   A a;
   std::memcpy(&a, &b, sizeof(a));
   return a;
+}
+
+// The BPL bytes at p in every lane.
+inline vb broadcast(const uint8_t* p) {
+#if defined(NETRA_Q8_AVX512)
+  return bits_as<vb>(_mm512_set1_epi32(static_cast<int>(u32(p))));
+#elif defined(NETRA_Q8_AVX2)
+  return bits_as<vb>(_mm256_set1_epi32(static_cast<int>(u32(p))));
+#else
+  vb u;
+  for (int i = 0; i < static_cast<int>(sizeof(vb)); ++i) u[i] = p[i % BPL];
+  return u;
+#endif
 }
 
 // The 4-bit values of blocks whose 16 bytes qs hold value j in the low nibble of qs[j] and value j + 16 in the high
@@ -314,44 +332,43 @@ inline vb biased_bytes(const uint8_t* q0, const uint8_t* q1) {
 #endif
 }
 
-// Lane sums of u * q (u unsigned bytes below 2^U_BITS, q int8 activations at q, PB blocks): lanes [LPB p,
-// LPB (p + 1)) sum block p's products. Exact in int32 (at most 32 * 255 * 127 a block).
+// acc + lane sums of u * q (u unsigned bytes below 2^U_BITS, q the int8 activations at q, as many bytes): lane l
+// sums the BPL bytes from BPL l, so that with PB blocks of weights lanes [LPB p, LPB (p + 1)) sum block p's products.
+// Exact in int32 (at most 32 * 255 * 127 a block).
 template <int U_BITS>
-inline vi dot(vb u, const int8_t* q) {
+inline vi dot(vb u, const int8_t* q, vi acc = vi{}) {
 #if defined(NETRA_Q8_AVX512)
   const __m512i a = bits_as<__m512i>(u), b = _mm512_loadu_si512(q);
 #if defined(__AVX512VNNI__)
-  return bits_as<vi>(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, b));
+  return bits_as<vi>(_mm512_dpbusd_epi32(bits_as<__m512i>(acc), a, b));
 #else
   // maddubs saturates its pair sums at 2^15: below 2^7 u is safe; full bytes as (u - 128) q + 128 q, signs moved
   // onto q (|u - 128| <= 128, |q| <= 127)
   const __m512i ones = _mm512_set1_epi16(1);
-  if constexpr (U_BITS <= 7) return bits_as<vi>(_mm512_madd_epi16(_mm512_maddubs_epi16(a, b), ones));
+  if constexpr (U_BITS <= 7) return acc + bits_as<vi>(_mm512_madd_epi16(_mm512_maddubs_epi16(a, b), ones));
   const __m512i w = _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80)));
   const __m512i bs = _mm512_mask_sub_epi8(b, _mm512_movepi8_mask(w), _mm512_setzero_si512(), b);
   const __m512i wq = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), bs), ones);
   const __m512i cq = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(static_cast<char>(0x80)), b), ones);
-  return bits_as<vi>(_mm512_add_epi32(wq, cq));
+  return acc + bits_as<vi>(_mm512_add_epi32(wq, cq));
 #endif
 #elif defined(NETRA_Q8_AVX2)
   const __m256i a = bits_as<__m256i>(u), b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
 #if defined(__AVXVNNI__)
-  return bits_as<vi>(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b));
+  return bits_as<vi>(_mm256_dpbusd_avx_epi32(bits_as<__m256i>(acc), a, b));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (U_BITS <= 7) return bits_as<vi>(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+  if constexpr (U_BITS <= 7) return acc + bits_as<vi>(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
   const __m256i w = _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80)));
   const __m256i wq = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(b, w)), ones);
   const __m256i cq = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(static_cast<char>(0x80)), b), ones);
-  return bits_as<vi>(_mm256_add_epi32(wq, cq));
+  return acc + bits_as<vi>(_mm256_add_epi32(wq, cq));
 #endif
 #else
-  constexpr int PER_LANE = 32 * PB / VW;
-  vi r = {};
   for (int l = 0; l < VW; ++l) {
-    for (int j = l * PER_LANE; j < (l + 1) * PER_LANE; ++j) r[l] += static_cast<int32_t>(u[j]) * q[j];
+    for (int j = l * BPL; j < (l + 1) * BPL; ++j) acc[l] += static_cast<int32_t>(u[j]) * q[j];
   }
-  return r;
+  return acc;
 #endif
 }
 
@@ -799,12 +816,39 @@ inline vi nearest(vf v) {
 // Row m of x quantized to blocks of 32 int8 values per call: x[m, 32 b + j] ~ d[m, b] q[m, b, j] with d = max|x| /
 // 127 over the block and q rounded to nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j]. Rows padded to bp
 // blocks (a multiple of 8) with zero blocks.
+// With more than Q8_TM rows, the same blocks also with the rows in the lanes: VW rows a group (the rows past M zero),
+// group r's block b a run of 32 / BPL vectors, vector t holding bytes [BPL t, BPL (t + 1)) of each row's block.
 struct Q8Rows {
   std::unique_ptr<int8_t[]> q;  // [M, bp, 32]
   std::unique_ptr<float[]> d;   // [M, bp]
   std::unique_ptr<float[]> s;   // [M, bp]
   int64_t bp = 0;
+  std::unique_ptr<int8_t[]> lanes_q;  // [groups, bp, 32 / BPL, VW, BPL]
+  std::unique_ptr<float[]> lanes_d;   // [groups, bp, VW]
+  std::unique_ptr<float[]> lanes_s;   // [groups, bp, VW]
+  int64_t groups = 0;
 };
+
+constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
+
+void put_rows_in_lanes(Q8Rows& r, int64_t M) {
+  r.groups = (M + VW - 1) / VW;
+  r.lanes_q.reset(new int8_t[r.groups * r.bp * 32 * VW]());
+  r.lanes_d.reset(new float[r.groups * r.bp * VW]());
+  r.lanes_s.reset(new float[r.groups * r.bp * VW]());
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t group = m / VW, lane = m % VW;
+    for (int64_t b = 0; b < r.bp; ++b) {
+      const int64_t at = (group * r.bp + b) * VW + lane;
+      r.lanes_d[at] = r.d[m * r.bp + b];
+      r.lanes_s[at] = r.s[m * r.bp + b];
+      for (int t = 0; t < 32 / BPL; ++t) {
+        std::memcpy(r.lanes_q.get() + (((group * r.bp + b) * (32 / BPL) + t) * VW + lane) * BPL,
+                    r.q.get() + (m * r.bp + b) * 32 + t * BPL, BPL);
+      }
+    }
+  }
+}
 
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   Q8Rows r;
@@ -838,10 +882,9 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       r.s[m * r.bp + b] = d * static_cast<float>(total);
     }
   }
+  if (M > Q8_TM) put_rows_in_lanes(r, M);
   return r;
 }
-
-constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors
 
 // y[m0 : m0 + R, n] from weight row n and the quantized rows: per step of 8 blocks the weight scales times each
 // row's activation scales (one float per block, spread over the block's lanes), and the offsets' products summed
@@ -916,11 +959,67 @@ void q8_rows(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+
+// weight rows per tile with the rows of x in the lanes: each row's int32 sums are a chain of dependent dot products
+// (latency 5), so 8 chains keep AVX-512's dpbusd busy (16 + 2 registers); AVX2 has 16 registers
+constexpr int TNQ = VW == 16 ? 8 : 4;
+
+// y[:, n0:n1] with int8 activations and more than Q8_TM rows, the rows of x in the lanes: a tile of TNQ weight rows is
+// unpacked whole (bytes u and the blocks' scales and offsets into buffers), then for each group of VW rows of x and
+// each block, every 4 (BPL) bytes of a weight row broadcast to all lanes are multiplied by the group's bytes in one
+// integer dot product (dpbusd: lanes = rows, summing 4 products each); a block's int32 sums become float once, times
+// d_w d_x, plus offset_w d_x sum(q).
+template <typename T>
+void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t blocks = p.K / 32, bp = p.q8->bp;
+  std::unique_ptr<vb[]> ubuf(new vb[TNQ * bp * 32 / sizeof(vb)]);
+  uint8_t* u = reinterpret_cast<uint8_t*>(ubuf.get());  // [TNQ, bp, 32]
+  std::unique_ptr<float[]> dw(new float[TNQ * bp]), ow(new float[TNQ * bp]);
+  for (int64_t n = n0; n < n1; n += TNQ) {
+    const int tn = static_cast<int>(std::min<int64_t>(TNQ, n1 - n));
+    for (int j = 0; j < TNQ; ++j) {
+      const uint8_t* row = p.w + (n + std::min(j, tn - 1)) * p.row_bytes;  // a partial tile repeats its last row
+      for (int64_t g = 0; g < blocks; g += 8) {
+        const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
+        const uint8_t* b = row + g * T::BYTES;
+        alignas(64) float s[SCALES];
+        T::qscales(b, nb, s);
+        std::memcpy(dw.get() + j * bp + g, s, sizeof(float) * 8);  // whole steps (bp a multiple of 8)
+        std::memcpy(ow.get() + j * bp + g, s + 8, sizeof(float) * 8);
+        for (int i = 0; i < nb; i += PB) {
+          const uint8_t* b0 = b + i * T::BYTES;
+          const vb v = T::values(b0, i + 1 < nb ? b0 + T::BYTES : b0);  // bp > g + i + 1: room for a pair
+          std::memcpy(u + (j * bp + g + i) * 32, &v, sizeof(v));
+        }
+      }
+    }
+    for (int64_t r = 0; r < p.q8->groups; ++r) {
+      vf acc[TNQ] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* q = p.q8->lanes_q.get() + (r * bp + b) * 32 * VW;
+        vi sums[TNQ] = {};
+        for (int t = 0; t < 32 / BPL; ++t) {
+          for (int j = 0; j < TNQ; ++j) {
+            sums[j] = dot<T::U_BITS>(broadcast(u + (j * bp + b) * 32 + t * BPL), q + t * VW * BPL, sums[j]);
+          }
+        }
+        const vf dx = load(p.q8->lanes_d.get() + (r * bp + b) * VW), sx = load(p.q8->lanes_s.get() + (r * bp + b) * VW);
+        for (int j = 0; j < TNQ; ++j) {
+          acc[j] += __builtin_convertvector(sums[j], vf) * (dx * dw[j * bp + b]) + sx * ow[j * bp + b];
+        }
+      }
+      for (int j = 0; j < tn; ++j) {
+        for (int l = 0; l < VW && r * VW + l < p.M; ++l) p.y[(r * VW + l) * p.N + n + j] = acc[j][l];
+      }
+    }
+  }
+}
+
 typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
 
 template <typename T>
-ChunkFn q8_fn() {
-  if constexpr (T::U_BITS > 0) return q8_rows<T>;
+ChunkFn q8_fn(int64_t M) {
+  if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
   return nullptr;
 }
 
@@ -946,7 +1045,7 @@ struct Format {
   const char* name;
   int64_t qk, bytes;
   ChunkFn (*chunk)(int64_t M);
-  ChunkFn (*q8)();  // int8 activations (null: the type has no such path)
+  ChunkFn (*q8)(int64_t M);  // int8 activations (null: the type has no such path)
 };
 
 template <typename T>
@@ -1007,7 +1106,7 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: y is not [M, N] = [" + std::to_string(xd[0]) + ", " +
                                        std::to_string(wd[0]) + "]");
   }
-  if (int8_x != 0 && f->q8() == nullptr) {
+  if (int8_x != 0 && f->q8(1) == nullptr) {
     return ffi::Error::InvalidArgument(std::string("netra_ggml_matmul_f32: ") + f->name +
                                        " has no int8-activation path (int8_x = 1)");
   }
@@ -1029,8 +1128,8 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   auto work = std::make_shared<Work>();
   work->p = p;
-  work->fn = int8_x != 0 ? f->q8() : f->chunk(p.M);
-  work->unit = p.M == 1 || int8_x != 0 ? ROW_UNIT : TN;
+  work->fn = int8_x != 0 ? f->q8(p.M) : f->chunk(p.M);
+  work->unit = int8_x != 0 ? (p.M <= Q8_TM ? ROW_UNIT : TNQ) : p.M == 1 ? ROW_UNIT : TN;
   work->units = (p.N + work->unit - 1) / work->unit;
   work->chunks = std::min(work->units, threads * CHUNKS_PER_THREAD);
   netra::run_on_pool(pool, work, std::min(threads, work->chunks) - 1, work->chunks);
