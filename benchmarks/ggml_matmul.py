@@ -16,6 +16,7 @@ Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0] [--rows 1,
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -131,6 +132,7 @@ def main() -> None:
         "ring_mib": args.ring_mib,
         "passes": args.passes,
         "read_bandwidth_gbs": bandwidth,
+        "load_average_after": os.getloadavg(),  # other processes on a shared machine slow every case
         "cases": cases,
     }
     write_result(doc, "ggml_matmul", RESULTS, args.out)
