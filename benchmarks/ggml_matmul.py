@@ -4,23 +4,33 @@ float32 dot of the de-quantized weight and the float32 few-row kernel: ms per ca
 
 Each call reads the next of a ring of weight copies (together --ring-mib, beyond the last-level cache), so the
 weights come from memory as in a decode step. Random blocks with sane fp16 scales (the speed does not depend on
-the values). Time per call: the median over --passes walks of the ring.
+the values). Time per call: the fastest over --passes walks of the ring (the machine is shared: the minimum is the
+least disturbed call; the median is recorded too). The machine's read bandwidth (XLA's sum over a 1 GiB float32
+array, best of 5) is recorded next to it, the roofline of the GB/s column.
 
-Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0] [--rows 1,8,32] [--ring-mib 1024]
+Writes benchmarks/results/<date>-ggml_matmul.json (or --out).
+
+Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0] [--rows 1,8,32] [--ring-mib 1024] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax.bench.machine import machine_info
+from netra_jax.bench.results import write_result
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels, cpu_matmul
 from netra_jax.ops.ggml_blocks import FORMATS
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPES = [(2048, 8192), (8192, 2048)]  # (K, N): a Llama-1B FFN's gate / up, and its down
 
@@ -35,8 +45,8 @@ def random_blocks(rng, qtype: str, copies: int, n: int, k: int) -> np.ndarray:
     return w.reshape(copies, n, -1)
 
 
-def time_ring(fn, x, ring, passes: int) -> float:
-    """Median seconds per call of fn(x, w) over `passes` walks of the ring of weights."""
+def time_ring(fn, x, ring, passes: int) -> tuple[float, float]:
+    """(Fastest, median) seconds per call of fn(x, w) over `passes` walks of the ring of weights."""
     jax.block_until_ready(fn(x, ring[0]))  # compile
     times = []
     for _ in range(passes):
@@ -44,7 +54,19 @@ def time_ring(fn, x, ring, passes: int) -> float:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(x, w))
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times), statistics.median(times)
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of XLA's sum over a float32 array of `nbytes` (every core reading), the best of `repeats`."""
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(a))
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def main() -> None:
@@ -53,6 +75,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--ring-mib", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--out", default=None, help="result JSON path (default: results/<date>-ggml_matmul.json)")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
@@ -60,7 +83,10 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, ring of {args.ring_mib} MiB of weights per case")
-    print(f"{'K x N':>11} {'weights':>8} {'M':>3} {'ms':>8} {'GB/s':>6}   (GB/s: weight bytes read per second)")
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth {bandwidth:.1f} GB/s (XLA sum over 1 GiB, all cores)")
+    print(f"{'K x N':>11} {'weights x':>16} {'M':>3} {'ms':>8} {'GB/s':>6}   (GB/s: weight bytes read per second)")
+    cases = []
     for k, n in SHAPES:
         for name in ("XLA f32 dot", "f32 kernel", *types):
             if name in cpu_ggml_matmul.TYPES:
@@ -68,20 +94,48 @@ def main() -> None:
                 nbytes = n * k // qk * block_bytes
                 copies = max(2, args.ring_mib * 2**20 // nbytes)
                 ring = [jnp.asarray(w) for w in random_blocks(rng, name, copies, n, k)]
-                fns = {m: jax.jit(lambda x, w, q=name: cpu_ggml_matmul.blocks_matmul(x, w, q)) for m in rows}
+                # activations: float32 as they are, or quantized to int8 blocks in the kernel
+                paths = {"float32": False, "int8": True} if name in cpu_ggml_matmul.INT8_TYPES else {"float32": False}
+                variants = {
+                    x_kind: jax.jit(lambda x, w, q=name, i=int8_x: cpu_ggml_matmul.blocks_matmul(x, w, q, int8_x=i))
+                    for x_kind, int8_x in paths.items()
+                }
             else:
                 nbytes = n * k * 4
                 copies = max(2, args.ring_mib * 2**20 // nbytes)
                 ring = [jnp.asarray(rng.standard_normal((k, n), dtype=np.float32)) for _ in range(copies)]
-                dot = jnp.dot if name == "XLA f32 dot" else cpu_matmul.rows_matmul
-                fns = {m: jax.jit(dot) for m in rows}
+                variants = {"float32": jax.jit(jnp.dot if name == "XLA f32 dot" else cpu_matmul.rows_matmul)}
             for m in rows:
                 x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
                 if name == "f32 kernel" and not cpu_matmul.takes(x, ring[0]):
                     continue
-                s = time_ring(fns[m], x, ring, args.passes)
-                print(f"{k:>5}x{n:<5} {name:>11} {m:>3} {s * 1e3:>8.3f} {nbytes / s / 1e9:>6.1f}", flush=True)
+                for x_kind, fn in variants.items():
+                    s, median = time_ring(fn, x, ring, args.passes)
+                    label = f"{name} x {x_kind}"
+                    print(f"{k:>5}x{n:<5} {label:>16} {m:>3} {s * 1e3:>8.3f} {nbytes / s / 1e9:>6.1f}", flush=True)
+                    cases.append(
+                        {
+                            "K": k,
+                            "N": n,
+                            "weights": name,
+                            "x": x_kind,
+                            "rows": m,
+                            "ms": s * 1e3,
+                            "median_ms": median * 1e3,
+                            "weight_gbs": nbytes / s / 1e9,
+                        }
+                    )
             del ring
+    doc = {
+        "benchmark": "ggml_matmul",
+        "machine": machine_info(),
+        "ring_mib": args.ring_mib,
+        "passes": args.passes,
+        "read_bandwidth_gbs": bandwidth,
+        "load_average_after": os.getloadavg(),  # other processes on a shared machine slow every case
+        "cases": cases,
+    }
+    write_result(doc, "ggml_matmul", RESULTS, args.out)
 
 
 if __name__ == "__main__":

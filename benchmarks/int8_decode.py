@@ -7,7 +7,11 @@ Batch-1 time per output token: (time of a 1+N-token generation - time of a 1-tok
 repeats, so the prompt's prefill cancels out. At B users: B copies of the prompt, N tokens each, output tok/s.
 Writes benchmarks/results/<date>-int8_decode.json and .md (with the machine's CPU and its speed flags).
 
+--float32-only runs the first alone (for a quantized GGUF file, whose blocks it serves as they are); --name names the
+result files <date>-<name>.json and .md.
+
 Usage: .venv/bin/python benchmarks/int8_decode.py [--tokens 64] [--users 8] [--repeats 3] [--out DIR]
+       [--model FILE] [--float32-only] [--name int8_decode]
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model", default=None, help="a float GGUF file or HF directory (default: the default model's F32 copy)"
     )
+    ap.add_argument("--float32-only", action="store_true", help="only the float32 engine")
+    ap.add_argument("--name", default="int8_decode", help="result files <date>-<name>.json and .md")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     a = ap.parse_args(argv)
     from netra_jax.bench.gguf_f32 import default_f32
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = a.model or str(default_f32())  # float32 weights: the F32 copy (the Q4_1 file itself stays in its blocks)
     users = sorted({1, *(int(u) for u in a.users.split(","))})
+    engines = {"float32": ENGINES["float32"]} if a.float32_only else ENGINES
     result = {
         "benchmark": "int8_decode",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": users,
         "engines": {},
     }
-    for name, options in ENGINES.items():
+    for name, options in engines.items():
         row = measure(model, options, a.tokens, users, a.repeats)
         result["engines"][name] = row
         print(f"{name}: TPOT {row['tpot_ms']} ms, tok/s {row['tok_s']}", flush=True)
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         row["speed_vs_float32"] = {b: round(row["tok_s"][b] / base["tok_s"][b], 2) for b in row["tok_s"]}
 
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = a.out / f"{result['date'][:10]}-int8_decode"
+    stem = a.out / f"{result['date'][:10]}-{a.name}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"# int8 weight-only decode against float32, {result['date'][:10]}",

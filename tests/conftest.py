@@ -18,6 +18,22 @@ TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-g
 MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"]  # mixture-of-experts fixtures
 
 
+def int8_rounded(x):
+    """float64 of float32 x [M, K] as the GGML kernel's int8 activations read it (netra_jax.ops.cpu_ggml_matmul): per
+    block of 32, d = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest even, in float32 as the kernel
+    computes them, then d * q."""
+    import numpy as np
+
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)  # float32
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inverse)
+    return (d.astype(np.float64) * q).reshape(m, k)
+
+
 def reference(name: str) -> dict:
     return json.loads((FIXTURES / name / "reference.json").read_text())
 

@@ -1,8 +1,11 @@
 """The CPU matmul against GGML-block weights (netra_jax/ops/cpu_ggml_matmul.cc) for every type it takes, against
 float64 numpy of `gguf.quants.dequantize` (the ground truth of the block layouts): ragged shapes over its paths (one
 row; one register tile; several with carried partial sums; partial weight tiles; K not a whole number of its steps),
-random bytes (every bit pattern) and gguf-quantized blocks, its AVX2 and portable builds next to the native
-AVX-512 one, its refusals, vmap and the derivative in x."""
+random bytes (every bit pattern) and gguf-quantized blocks, its other instruction sets' builds next to the native
+one, its refusals, vmap and the derivative in x.
+
+The int8-activation path twice: against float64 of x quantized as documented (then only float rounding differs),
+and against the exact product within the bound that the activations' rounding implies."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import int8_rounded
 
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels
-from netra_jax.ops.cpu_ggml_matmul import TYPES, blocks_matmul, takes
+from netra_jax.ops.cpu_ggml_matmul import INT8_TYPES, TYPES, blocks_matmul, takes
 from netra_jax.ops.ggml_blocks import FORMATS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
@@ -49,6 +53,8 @@ SHAPES = [
     (37, 1, 3),
     (128, 2, 13),
 ]
+# the int8 path's rows past the float path's 128 (prefill chunks): groups of 16 rows in the lanes, the last partial
+INT8_SHAPES = [*SHAPES, (17, 2, 9), (200, 3, 21), (300, 9, 5)]
 
 
 def random_blocks(rng, qtype: str, n: int, blocks: int) -> np.ndarray:
@@ -83,9 +89,20 @@ def assert_close(y, ref, k: int) -> None:
     np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
 
 
+def rounding_bound(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
+    """[M, N] bound on |int8 path - exact product|: x's rounding moves each value by at most d / 2 = max|x| / 254 of
+    its block, so the product moves by at most sum over blocks of max|x| / 254 * sum |w| (1e-4 more for the
+    float32 arithmetic of x * (127 / max|x|))."""
+    dense = np.abs(gguf.quants.dequantize(w, gguf.GGMLQuantizationType[qtype]).astype(np.float64))
+    m, k = x.shape
+    amax = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1)  # [M, blocks]
+    w_sums = dense.reshape(w.shape[0], k // 32, 32).sum(-1)  # [N, blocks]
+    return (amax / 254) @ w_sums.T * (1 + 1e-4)
+
+
 @functools.cache
-def _jitted(qtype: str):
-    return jax.jit(functools.partial(blocks_matmul, qtype=qtype))
+def _jitted(qtype: str, int8_x: bool = False):
+    return jax.jit(functools.partial(blocks_matmul, qtype=qtype, int8_x=int8_x))
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
@@ -96,16 +113,46 @@ def test_matches_float64(qtype, M, blocks, N):
     w = random_blocks(rng, qtype, N, blocks)
     x = rng.standard_normal((M, k), dtype=np.float32)
     assert takes(jnp.asarray(x), jnp.asarray(w), qtype)
-    assert_close(_jitted(qtype)(x, w), reference(x, w, qtype), k)
+    assert_close(_jitted(qtype, False)(x, w), reference(x, w, qtype), k)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("M, blocks, N", INT8_SHAPES)
+def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
+    rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 1)
+    w = random_blocks(rng, qtype, N, blocks)
+    x = rng.standard_normal((M, blocks * 32), dtype=np.float32)
+    x[0, :32] = 0.0  # an all-zero block: d = 0
+    y = _jitted(qtype, True)(x, w)
+    assert_close(y, reference(int8_rounded(x), w, qtype), blocks * 32)
+    error = np.abs(np.asarray(y, np.float64) - reference(x, w, qtype))
+    bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(blocks * 32) * np.abs(reference(x, w, qtype)).max()
+    assert np.all(error <= bound), f"error over the bound by {(error - bound).max():.3g}"
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE)
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_gguf_quantized_blocks(qtype, M):
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_gguf_quantized_blocks(qtype, M, int8_x):
     rng = np.random.default_rng(M)
     w = quantized_blocks(rng, qtype, 45, 11)
-    x = rng.standard_normal((M, 11 * 32), dtype=np.float32)
-    assert_close(_jitted(qtype)(x, w), reference(x, w, qtype), 11 * 32)
+    x = rng.standard_normal((M, 11 * 32), dtype=np.float32) * rng.uniform(0.1, 10, (M, 1)).astype(np.float32)
+    assert_close(_jitted(qtype, int8_x)(x, w), reference(int8_rounded(x) if int8_x else x, w, qtype), 11 * 32)
+
+
+@pytest.mark.parametrize("M", [2, 9, 200])
+def test_int8_x_is_the_default_for_its_types(M):
+    rng = np.random.default_rng(M)
+    w, w_k = random_blocks(rng, "Q4_0", 16, 8), random_blocks(rng, "Q4_K", 16, 1)
+    x = rng.standard_normal((M, 256), dtype=np.float32)
+    assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0") and takes(jnp.asarray(x), jnp.asarray(w_k), "Q4_K") == (
+        M <= 128
+    )
+    assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(int8_rounded(x), w, "Q4_0"), 256)
+    if M <= 128:
+        assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_K"))(x, w_k), reference(x, w_k, "Q4_K"), 256)
+    with pytest.raises(ValueError, match="Q4_K has no int8-activation path"):
+        blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q4_K", int8_x=True)
 
 
 def test_lowers_to_the_kernel_and_vmaps():
@@ -139,7 +186,8 @@ def test_derivative_in_x():
         (np.ones((2, 64), np.float16), np.ones((3, 36), np.uint8), "Q4_0", "x must be float32"),
         (np.ones((2, 64), np.float32), np.ones((3, 36), np.int8), "Q4_0", "w must be uint8"),
         (np.ones((64,), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "x must be float32 \\[M, K\\]"),
-        (np.ones((129, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "the kernel takes 1 to 128"),
+        (np.ones((129, 256), np.float32), np.ones((3, 144), np.uint8), "Q4_K", "takes 1 to 128 with float x"),
+        (np.ones((513, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "takes 1 to 512 with int8 x"),
         (np.ones((0, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "has 0 rows"),
     ],
 )
@@ -153,15 +201,20 @@ def test_the_kernel_checks_its_operands():
     call = jax.ffi.ffi_call(cpu_ggml_matmul.TARGET, jax.ShapeDtypeStruct((2, 3), jnp.float32), vmap_method="sequential")
     x, w = jnp.ones((2, 64), jnp.float32), jnp.ones((3, 38), jnp.uint8)
     with pytest.raises(Exception, match="w's rows of 38 bytes are not K = 64 values"):
-        jax.block_until_ready(call(x, w, qtype=np.int32(2)))
+        jax.block_until_ready(call(x, w, qtype=np.int32(2), int8_x=np.int32(0)))
     with pytest.raises(Exception, match="GGML type 10 is not one of"):
-        jax.block_until_ready(call(x, jnp.ones((3, 36), jnp.uint8), qtype=np.int32(10)))
+        jax.block_until_ready(call(x, jnp.ones((3, 36), jnp.uint8), qtype=np.int32(10), int8_x=np.int32(0)))
+    with pytest.raises(Exception, match="Q6_K has no int8-activation path"):
+        jax.block_until_ready(call(x[:, :0], jnp.ones((3, 0), jnp.uint8), qtype=np.int32(14), int8_x=np.int32(1)))
 
 
 # ---------------------------------------------------------------- the other instruction sets' builds
 
+AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]
 BUILDS = {
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],  # 8-float vectors, fifth bits by shifts
+    "avx2": [*AVX2, "-mno-avxvnni"],  # 8-float vectors, fifth bits by shifts; int8 dot products by maddubs
+    "avx2_vnni": [*AVX2, "-mavxvnni"],  # int8 dot products by AVX-VNNI
+    "avx512_no_vnni": [*AVX2[:-1], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mno-avx512vnni"],
     "portable": ["-march=x86-64", "-mtune=generic"],  # 4-float generic vectors, scalar widening and fp16 conversion
 }
 
@@ -199,7 +252,7 @@ def other_builds(tmp_path_factory):
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("qtype", list(TYPES))
 def test_other_builds_match_float64(other_builds, build, qtype):
-    for M, blocks, N in [(1, 3, 7), (2, 9, 13), (5, 2, 20), (9, 1, 11)]:
+    for M, blocks, N in [(1, 3, 7), (2, 9, 13), (5, 2, 20), (9, 1, 11), (1, 17, 5)]:
         rng = np.random.default_rng(M + N)
         k = blocks * FORMATS[qtype].qk
         w = random_blocks(rng, qtype, N, blocks)
@@ -207,4 +260,7 @@ def test_other_builds_match_float64(other_builds, build, qtype):
         call = jax.ffi.ffi_call(
             other_builds[build], jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential"
         )
-        assert_close(call(x, w, qtype=np.int32(FORMATS[qtype].ggml_type)), reference(x, w, qtype), k)
+        ggml_type = np.int32(FORMATS[qtype].ggml_type)
+        assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(0)), reference(x, w, qtype), k)
+        if qtype in INT8_TYPES:
+            assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(1)), reference(int8_rounded(x), w, qtype), k)

@@ -1,4 +1,5 @@
-// Few-row matmuls against weights kept in llama.cpp's GGML block formats, XLA FFI handler for CPU:
+// Matmuls of few rows (and prefill chunks) against weights kept in llama.cpp's GGML block formats, XLA FFI handler
+// for CPU:
 // y[M, N] = x[M, K] @ W^T with float32 x and y, and W [N, K] given as the raw bytes of a GGUF tensor of ne [K, N]:
 // w uint8 [N, row_bytes], row n holding K / QK consecutive blocks (row_bytes = K / QK * BLOCK_BYTES). Types (the
 // `qtype` attribute, GGML's type numbers): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14; block
@@ -29,6 +30,15 @@
 //   over the whole K; with more, each tile's accumulators are kept between steps in a small buffer of partial
 //   vectors, and x is read from a copy laid out step by step. Lanes are summed once at the end. The next tile's
 //   bytes are prefetched over the current tile's steps.
+// - int8 activations (attribute int8_x = 1; the 32-value types): x's rows are quantized once per call to blocks of
+//   32 int8 values and a scale (d = max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as
+//   unsigned bytes (nibbles, fifth bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
+//   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
+//   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
+//   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd.
+//   More rows (and prefill chunks past the float path's 128): the rows of x in the lanes, a tile of 8 weight rows
+//   unpacked into bytes and scales once, then every 4 bytes of a weight row broadcast against 16 rows' 4 bytes per
+//   dpbusd (64 multiply-adds an instruction, a block's sums converted once per weight row and group of rows).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -223,9 +233,174 @@ inline void scales_32(const uint8_t* b, int nb, float* s, bool has_min, float ce
   }
 }
 
+// ---------------------------------------------------------------- block values as bytes (int8 activations)
+
+// With int8 activations a 32-value block's weights are read as unsigned bytes u in [0, 2^U_BITS): w = (u + center)
+// d, or u d + m, so that a block's product is d_w d_x sum(u q) + offset_w d_x sum(q) (q the activations' int8
+// values, offset_w = center d or m). PB blocks' bytes make one byte vector (two with AVX-512: 64 bytes, one
+// dpbusd), the int32 sums of a block's values lie in LPB consecutive lanes of a vi.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define NETRA_Q8_AVX512 1
+constexpr int PB = 2;
+#else
+constexpr int PB = 1;
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define NETRA_Q8_AVX2 1
+#endif
+constexpr int LPB = VW / PB;       // int32 lanes per block
+constexpr int BPL = 32 * PB / VW;  // bytes per int32 lane
+typedef uint8_t vb __attribute__((vector_size(32 * PB)));
+
+template <typename A, typename B>
+inline A bits_as(const B& b) {
+  static_assert(sizeof(A) == sizeof(B));
+  A a;
+  std::memcpy(&a, &b, sizeof(a));
+  return a;
+}
+
+// The BPL bytes at p in every lane.
+inline vb broadcast(const uint8_t* p) {
+#if defined(NETRA_Q8_AVX512)
+  return bits_as<vb>(_mm512_set1_epi32(static_cast<int>(u32(p))));
+#elif defined(NETRA_Q8_AVX2)
+  return bits_as<vb>(_mm256_set1_epi32(static_cast<int>(u32(p))));
+#else
+  vb u;
+  for (int i = 0; i < static_cast<int>(sizeof(vb)); ++i) u[i] = p[i % BPL];
+  return u;
+#endif
+}
+
+// The 4-bit values of blocks whose 16 bytes qs hold value j in the low nibble of qs[j] and value j + 16 in the high
+// one (Q4_0, Q4_1, and the low bits of Q5_0, Q5_1), from the blocks at qs0 (and qs1 with two blocks a vector).
+inline vb nibbles(const uint8_t* qs0, const uint8_t* qs1) {
+#if defined(NETRA_Q8_AVX512)
+  // 128-bit lanes [qs0, qs0, qs1, qs1], the odd ones shifted down by 4
+  const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs0)));
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs1)));
+  __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);
+  return bits_as<vb>(_mm512_and_si512(v, _mm512_set1_epi8(15)));
+#elif defined(NETRA_Q8_AVX2)
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs0));
+  return bits_as<vb>(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15)));
+#else
+  vb u;
+  for (int p = 0; p < PB; ++p) {
+    const uint8_t* qs = p == 0 ? qs0 : qs1;
+    for (int j = 0; j < 16; ++j) u[32 * p + j] = qs[j] & 15, u[32 * p + 16 + j] = qs[j] >> 4;
+  }
+  return u;
+#endif
+}
+
+// u with bit 4 set in byte j of block p where bit j of h[p] is set (Q5 types' fifth bits).
+inline vb with_fifth_bits(vb u, uint32_t h0, uint32_t h1) {
+#if defined(NETRA_Q8_AVX512)
+  const __mmask64 k = _cvtu64_mask64(h0 | static_cast<uint64_t>(h1) << 32);
+  return bits_as<vb>(_mm512_or_si512(bits_as<__m512i>(u), _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(16))));
+#elif defined(NETRA_Q8_AVX2)
+  // byte j gets byte j / 8 of h, keeps bit j % 8 of it, and becomes 16 where that bit is set
+  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                         3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h0)), which);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return bits_as<vb>(_mm256_or_si256(bits_as<__m256i>(u), _mm256_and_si256(set, _mm256_set1_epi8(16))));
+#else
+  for (int p = 0; p < PB; ++p) {
+    const uint32_t h = p == 0 ? h0 : h1;
+    for (int j = 0; j < 32; ++j) u[32 * p + j] |= ((h >> j) & 1) << 4;
+  }
+  return u;
+#endif
+}
+
+// Signed bytes (Q8_0's qs) as unsigned ones, u = q + 128.
+inline vb biased_bytes(const uint8_t* q0, const uint8_t* q1) {
+#if defined(NETRA_Q8_AVX512)
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1));
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  return bits_as<vb>(_mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
+#else
+  vb u;
+  std::memcpy(&u, q0, 32);
+  return u ^ static_cast<uint8_t>(0x80);
+#endif
+}
+
+// acc + lane sums of u * q (u unsigned bytes below 2^U_BITS, q the int8 activations at q, as many bytes): lane l
+// sums the BPL bytes from BPL l, so that with PB blocks of weights lanes [LPB p, LPB (p + 1)) sum block p's products.
+// Exact in int32 (at most 32 * 255 * 127 a block).
+template <int U_BITS>
+inline vi dot(vb u, const int8_t* q, vi acc = vi{}) {
+#if defined(NETRA_Q8_AVX512)
+  const __m512i a = bits_as<__m512i>(u), b = _mm512_loadu_si512(q);
+#if defined(__AVX512VNNI__)
+  return bits_as<vi>(_mm512_dpbusd_epi32(bits_as<__m512i>(acc), a, b));
+#else
+  // maddubs saturates its pair sums at 2^15: below 2^7 u is safe; full bytes as (u - 128) q + 128 q, signs moved
+  // onto q (|u - 128| <= 128, |q| <= 127)
+  const __m512i ones = _mm512_set1_epi16(1);
+  if constexpr (U_BITS <= 7) return acc + bits_as<vi>(_mm512_madd_epi16(_mm512_maddubs_epi16(a, b), ones));
+  const __m512i w = _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i bs = _mm512_mask_sub_epi8(b, _mm512_movepi8_mask(w), _mm512_setzero_si512(), b);
+  const __m512i wq = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), bs), ones);
+  const __m512i cq = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(static_cast<char>(0x80)), b), ones);
+  return acc + bits_as<vi>(_mm512_add_epi32(wq, cq));
+#endif
+#elif defined(NETRA_Q8_AVX2)
+  const __m256i a = bits_as<__m256i>(u), b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+#if defined(__AVXVNNI__)
+  return bits_as<vi>(_mm256_dpbusd_avx_epi32(bits_as<__m256i>(acc), a, b));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (U_BITS <= 7) return acc + bits_as<vi>(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+  const __m256i w = _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i wq = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(b, w)), ones);
+  const __m256i cq = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(static_cast<char>(0x80)), b), ones);
+  return acc + bits_as<vi>(_mm256_add_epi32(wq, cq));
+#endif
+#else
+  for (int l = 0; l < VW; ++l) {
+    for (int j = l * BPL; j < (l + 1) * BPL; ++j) acc[l] += static_cast<int32_t>(u[j]) * q[j];
+  }
+  return acc;
+#endif
+}
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));  // one step's 8 blocks, a float each
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Lanes [c[i] x LPB, c[i + 1] x LPB, ...]: the per-block floats of blocks i, i + 1, ... (i + PB <= 8) spread over
+// their lanes, from a register (read from memory just after their store, c + i would straddle two stores, and a
+// load that does waits for both to retire instead of having their data forwarded).
+inline vf per_block(v8 c, int i) {
+#if defined(NETRA_Q8_AVX512)
+  const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,
+                                                                                 1, 1, 1, 1, 1));
+  return bits_as<vf>(_mm512_permutexvar_ps(which, _mm512_castps256_ps512(bits_as<__m256>(c))));
+#else
+  vf r;
+  for (int l = 0; l < VW; ++l) r[l] = c[i + l / LPB];
+  return r;
+#endif
+}
+
 struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j]) - 8) d
   static constexpr int QK = 32, BYTES = 18, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -8.0f); }
+  static constexpr int U_BITS = 4;  // int8 activations: u the nibbles, offset -8 d (the scales' second half)
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + 2, b1 + 2); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), o = splat(s + 8);
@@ -240,6 +415,9 @@ struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j
 struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
   static constexpr int QK = 32, BYTES = 20, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
+  static constexpr int U_BITS = 4;  // offset m
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + 4, b1 + 4); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), m = splat(s + 8);
@@ -254,6 +432,11 @@ struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
 struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4) - 16) d, y[j]'s fifth bit h bit j
   static constexpr int QK = 32, BYTES = 22, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -16.0f); }
+  static constexpr int U_BITS = 5;  // offset -16 d
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) {
+    return with_fifth_bits(nibbles(b0 + 6, b1 + 6), u32(b0 + 2), u32(b1 + 2));
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), o = splat(s + 8);
@@ -269,6 +452,11 @@ struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4)
 struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
   static constexpr int QK = 32, BYTES = 24, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
+  static constexpr int U_BITS = 5;  // offset m
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) {
+    return with_fifth_bits(nibbles(b0 + 8, b1 + 8), u32(b0 + 4), u32(b1 + 4));
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), m = splat(s + 8);
@@ -284,6 +472,9 @@ struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
 struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
   static constexpr int QK = 32, BYTES = 34, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { block_halves<BYTES, 0>(b, nb, s); }
+  static constexpr int U_BITS = 8;  // u = qs + 128, offset -128 d
+  static void qscales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -128.0f); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return biased_bytes(b0 + 2, b1 + 2); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s);
@@ -348,6 +539,7 @@ inline void block_k4(const uint8_t* qh, const uint8_t* qs, const float* s, E&& e
 
 struct Q4_K {  // half d, dmin; scales[12]; qs[128]
   static constexpr int QK = 256, BYTES = 144, GROUP = 1;
+  static constexpr int U_BITS = 0;  // no int8-activation path
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -357,6 +549,7 @@ struct Q4_K {  // half d, dmin; scales[12]; qs[128]
 
 struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
   static constexpr int QK = 256, BYTES = 176, GROUP = 1;
+  static constexpr int U_BITS = 0;  // no int8-activation path
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -366,6 +559,7 @@ struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
 
 struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 values, 16 values per scale.
   static constexpr int QK = 256, BYTES = 210, GROUP = 1;
+  static constexpr int U_BITS = 0;  // no int8-activation path
   // s[i] = d * scales[i], s[16 + i] = -32 s[i]
   static void scales(const uint8_t* b, int, float* s) {
     const float d = half(b + 208);
@@ -395,12 +589,15 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
 
 constexpr int SCALES = 32;  // floats of a step's scales, any format
 
+struct Q8Rows;
+
 struct Problem {
   const float* x;    // [M, K]
   const uint8_t* w;  // [N, row_bytes]
   float* y;          // [M, N]
   int64_t M, K, N, row_bytes;
   const float* xs;   // more than TM rows: x step by step, [K / KS][M][KS]
+  const Q8Rows* q8;  // int8 activations: x quantized, else null
 };
 
 // ---------------------------------------------------------------- one row of x
@@ -601,7 +798,230 @@ std::unique_ptr<vf[]> x_by_steps(const Problem& p) {
   return xs;
 }
 
+// ---------------------------------------------------------------- int8 activations
+
+// Round to the nearest integer, ties to even (the default rounding mode), lane by lane.
+inline vi nearest(vf v) {
+#if defined(__AVX512F__)
+  return bits_as<vi>(_mm512_cvtps_epi32(bits_as<__m512>(v)));
+#elif defined(__AVX2__)
+  return bits_as<vi>(_mm256_cvtps_epi32(bits_as<__m256>(v)));
+#else
+  vi r;
+  for (int i = 0; i < VW; ++i) r[i] = static_cast<int32_t>(__builtin_nearbyintf(v[i]));
+  return r;
+#endif
+}
+
+// Row m of x quantized to blocks of 32 int8 values per call: x[m, 32 b + j] ~ d[m, b] q[m, b, j] with d = max|x| /
+// 127 over the block and q rounded to nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j]. Rows padded to bp
+// blocks (a multiple of 8) with zero blocks.
+// With more than Q8_TM rows, the same blocks also with the rows in the lanes: VW rows a group (the rows past M zero),
+// group r's block b a run of 32 / BPL vectors, vector t holding bytes [BPL t, BPL (t + 1)) of each row's block.
+struct Q8Rows {
+  std::unique_ptr<int8_t[]> q;  // [M, bp, 32]
+  std::unique_ptr<float[]> d;   // [M, bp]
+  std::unique_ptr<float[]> s;   // [M, bp]
+  int64_t bp = 0;
+  std::unique_ptr<int8_t[]> lanes_q;  // [groups, bp, 32 / BPL, VW, BPL]
+  std::unique_ptr<float[]> lanes_d;   // [groups, bp, VW]
+  std::unique_ptr<float[]> lanes_s;   // [groups, bp, VW]
+  int64_t groups = 0;
+};
+
+constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
+
+void put_rows_in_lanes(Q8Rows& r, int64_t M) {
+  r.groups = (M + VW - 1) / VW;
+  r.lanes_q.reset(new int8_t[r.groups * r.bp * 32 * VW]());
+  r.lanes_d.reset(new float[r.groups * r.bp * VW]());
+  r.lanes_s.reset(new float[r.groups * r.bp * VW]());
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t group = m / VW, lane = m % VW;
+    for (int64_t b = 0; b < r.bp; ++b) {
+      const int64_t at = (group * r.bp + b) * VW + lane;
+      r.lanes_d[at] = r.d[m * r.bp + b];
+      r.lanes_s[at] = r.s[m * r.bp + b];
+      for (int t = 0; t < 32 / BPL; ++t) {
+        std::memcpy(r.lanes_q.get() + (((group * r.bp + b) * (32 / BPL) + t) * VW + lane) * BPL,
+                    r.q.get() + (m * r.bp + b) * 32 + t * BPL, BPL);
+      }
+    }
+  }
+}
+
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+  Q8Rows r;
+  const int64_t blocks = K / 32;
+  r.bp = (blocks + 7) / 8 * 8;
+  r.q.reset(new int8_t[M * r.bp * 32]());
+  r.d.reset(new float[M * r.bp]());
+  r.s.reset(new float[M * r.bp]());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + m * K + b * 32;
+      vf amax = {};
+      for (int i = 0; i < 32; i += VW) {
+        const vf v = load(xb + i);
+        amax = amax > v ? amax : v;
+        amax = amax > -v ? amax : -v;
+      }
+      float a = 0.0f;
+      for (int i = 0; i < VW; ++i) a = std::max(a, amax[i]);
+      const float d = a / 127.0f, inverse = a > 0.0f ? 127.0f / a : 0.0f;
+      vi sum = {};
+      int8_t* qb = r.q.get() + (m * r.bp + b) * 32;
+      for (int i = 0; i < 32; i += VW) {
+        const vi q = nearest(load(xb + i) * inverse);  // [VW] in [-127, 127]
+        sum += q;
+        for (int j = 0; j < VW; ++j) qb[i + j] = static_cast<int8_t>(q[j]);
+      }
+      int32_t total = 0;
+      for (int i = 0; i < VW; ++i) total += sum[i];
+      r.d[m * r.bp + b] = d;
+      r.s[m * r.bp + b] = d * static_cast<float>(total);
+    }
+  }
+  if (M > Q8_TM) put_rows_in_lanes(r, M);
+  return r;
+}
+
+// y[m0 : m0 + R, n] from weight row n and the quantized rows: per step of 8 blocks the weight scales times each
+// row's activation scales (one float per block, spread over the block's lanes), and the offsets' products summed
+// apart; per PB blocks one byte vector of weights, shared by the R rows' integer dot products.
+template <typename T, int R>
+inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
+  const int64_t blocks = p.K / 32, bp = p.q8->bp;
+  const uint8_t* row = p.w + n * p.row_bytes;
+  vf acc[R][2] = {};
+  v8 offsets[R] = {};
+  for (int64_t g = 0; g < blocks; g += 8) {
+    const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
+    const uint8_t* b = row + g * T::BYTES;
+    if (m0 == 0) prefetch(p, b - p.w + PREFETCH, nb * T::BYTES, limit);
+    alignas(64) float s[SCALES];  // [d_w x 8, offset_w x 8], zeros past nb
+    T::qscales(b, nb, s);
+    v8 c[R];  // d_w d_x per block
+    for (int m = 0; m < R; ++m) {
+      const int64_t at = (m0 + m) * bp + g;
+      c[m] = load8(s) * load8(p.q8->d.get() + at);
+      offsets[m] += load8(s + 8) * load8(p.q8->s.get() + at);
+    }
+    // a whole step unrolled (the accumulators' indices known: they stay in registers), a last partial one not
+    const auto blocks_of_step = [&](auto whole) {
+      constexpr bool WHOLE = decltype(whole)::value;
+      for (int i = 0; i < (WHOLE ? 8 : nb); i += PB) {
+        const uint8_t* b0 = b + i * T::BYTES;
+        const vb u = T::values(b0, i + 1 < nb ? b0 + T::BYTES : b0);  // a missing second block: weight 0 in c
+        for (int m = 0; m < R; ++m) {
+          const int8_t* q = p.q8->q.get() + ((m0 + m) * bp + g + i) * 32;
+          const vf sums = __builtin_convertvector(dot<T::U_BITS>(u, q), vf);
+          acc[m][WHOLE ? (i / PB) & 1 : 0] += sums * per_block(c[m], i);
+        }
+      }
+    };
+    if (nb == 8) {
+      blocks_of_step(std::true_type{});
+    } else {
+      blocks_of_step(std::false_type{});
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    float o = 0.0f;
+    for (int i = 0; i < 8; ++i) o += offsets[m][i];
+    p.y[(m0 + m) * p.N + n] = hsum(acc[m][0] + acc[m][1]) + o;
+  }
+}
+
+// y[:, n0:n1] with int8 activations: each weight row in turn, the rows of x in tiles of near-equal heights (at most
+// Q8_TM); the weight row stays in L1 over the tiles.
+template <typename T>
+void q8_rows(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t tiles = (p.M + Q8_TM - 1) / Q8_TM, limit = n1 * p.row_bytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = t * p.M / tiles, rows = (t + 1) * p.M / tiles - m0;
+      switch (rows) {
+        case 1:
+          q8_tile<T, 1>(p, n, m0, limit);
+          break;
+        case 2:
+          q8_tile<T, 2>(p, n, m0, limit);
+          break;
+        case 3:
+          q8_tile<T, 3>(p, n, m0, limit);
+          break;
+        case 4:
+          q8_tile<T, 4>(p, n, m0, limit);
+          break;
+      }
+    }
+  }
+}
+
+
+// weight rows per tile with the rows of x in the lanes: each row's int32 sums are a chain of dependent dot products
+// (latency 5), so 8 chains keep AVX-512's dpbusd busy (16 + 2 registers); AVX2 has 16 registers
+constexpr int TNQ = VW == 16 ? 8 : 4;
+
+// y[:, n0:n1] with int8 activations and more than Q8_TM rows, the rows of x in the lanes: a tile of TNQ weight rows is
+// unpacked whole (bytes u and the blocks' scales and offsets into buffers), then for each group of VW rows of x and
+// each block, every 4 (BPL) bytes of a weight row broadcast to all lanes are multiplied by the group's bytes in one
+// integer dot product (dpbusd: lanes = rows, summing 4 products each); a block's int32 sums become float once, times
+// d_w d_x, plus offset_w d_x sum(q).
+template <typename T>
+void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t blocks = p.K / 32, bp = p.q8->bp;
+  std::unique_ptr<vb[]> ubuf(new vb[TNQ * bp * 32 / sizeof(vb)]);
+  uint8_t* u = reinterpret_cast<uint8_t*>(ubuf.get());  // [TNQ, bp, 32]
+  std::unique_ptr<float[]> dw(new float[TNQ * bp]), ow(new float[TNQ * bp]);
+  for (int64_t n = n0; n < n1; n += TNQ) {
+    const int tn = static_cast<int>(std::min<int64_t>(TNQ, n1 - n));
+    for (int j = 0; j < TNQ; ++j) {
+      const uint8_t* row = p.w + (n + std::min(j, tn - 1)) * p.row_bytes;  // a partial tile repeats its last row
+      for (int64_t g = 0; g < blocks; g += 8) {
+        const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
+        const uint8_t* b = row + g * T::BYTES;
+        alignas(64) float s[SCALES];
+        T::qscales(b, nb, s);
+        std::memcpy(dw.get() + j * bp + g, s, sizeof(float) * 8);  // whole steps (bp a multiple of 8)
+        std::memcpy(ow.get() + j * bp + g, s + 8, sizeof(float) * 8);
+        for (int i = 0; i < nb; i += PB) {
+          const uint8_t* b0 = b + i * T::BYTES;
+          const vb v = T::values(b0, i + 1 < nb ? b0 + T::BYTES : b0);  // bp > g + i + 1: room for a pair
+          std::memcpy(u + (j * bp + g + i) * 32, &v, sizeof(v));
+        }
+      }
+    }
+    for (int64_t r = 0; r < p.q8->groups; ++r) {
+      vf acc[TNQ] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* q = p.q8->lanes_q.get() + (r * bp + b) * 32 * VW;
+        vi sums[TNQ] = {};
+        for (int t = 0; t < 32 / BPL; ++t) {
+          for (int j = 0; j < TNQ; ++j) {
+            sums[j] = dot<T::U_BITS>(broadcast(u + (j * bp + b) * 32 + t * BPL), q + t * VW * BPL, sums[j]);
+          }
+        }
+        const vf dx = load(p.q8->lanes_d.get() + (r * bp + b) * VW), sx = load(p.q8->lanes_s.get() + (r * bp + b) * VW);
+        for (int j = 0; j < TNQ; ++j) {
+          acc[j] += __builtin_convertvector(sums[j], vf) * (dx * dw[j * bp + b]) + sx * ow[j * bp + b];
+        }
+      }
+      for (int j = 0; j < tn; ++j) {
+        for (int l = 0; l < VW && r * VW + l < p.M; ++l) p.y[(r * VW + l) * p.N + n + j] = acc[j][l];
+      }
+    }
+  }
+}
+
 typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
+
+template <typename T>
+ChunkFn q8_fn(int64_t M) {
+  if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
+  return nullptr;
+}
 
 template <typename T>
 ChunkFn chunk_fn(int64_t M) {
@@ -625,11 +1045,12 @@ struct Format {
   const char* name;
   int64_t qk, bytes;
   ChunkFn (*chunk)(int64_t M);
+  ChunkFn (*q8)(int64_t M);  // int8 activations (null: the type has no such path)
 };
 
 template <typename T>
 constexpr Format format(int32_t ggml_type, const char* name) {
-  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>};
+  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>};
 }
 
 constexpr Format FORMATS[] = {
@@ -661,7 +1082,7 @@ struct Work {
 constexpr int64_t CHUNKS_PER_THREAD = 4;  // a helper that starts late leaves the others less to wait for
 
 ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                      ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                      ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t int8_x) {
   const Format* f = nullptr;
   for (const Format& g : FORMATS) {
     if (g.ggml_type == qtype) f = &g;
@@ -685,19 +1106,30 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: y is not [M, N] = [" + std::to_string(xd[0]) + ", " +
                                        std::to_string(wd[0]) + "]");
   }
-  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[1], nullptr};
+  if (int8_x != 0 && f->q8(1) == nullptr) {
+    return ffi::Error::InvalidArgument(std::string("netra_ggml_matmul_f32: ") + f->name +
+                                       " has no int8-activation path (int8_x = 1)");
+  }
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[1], nullptr, nullptr};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0) {
     std::memset(p.y, 0, sizeof(float) * p.M * p.N);
     return ffi::Error::Success();
   }
-  const std::unique_ptr<vf[]> xs = x_by_steps(p);
-  p.xs = reinterpret_cast<const float*>(xs.get());
+  std::unique_ptr<vf[]> xs;
+  Q8Rows q8;
+  if (int8_x != 0) {
+    q8 = quantize_rows(p.x, p.M, p.K);
+    p.q8 = &q8;
+  } else {
+    xs = x_by_steps(p);
+    p.xs = reinterpret_cast<const float*>(xs.get());
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   auto work = std::make_shared<Work>();
   work->p = p;
-  work->fn = f->chunk(p.M);
-  work->unit = p.M == 1 ? ROW_UNIT : TN;
+  work->fn = int8_x != 0 ? f->q8(p.M) : f->chunk(p.M);
+  work->unit = int8_x != 0 ? (p.M <= Q8_TM ? ROW_UNIT : TNQ) : p.M == 1 ? ROW_UNIT : TN;
   work->units = (p.N + work->unit - 1) / work->unit;
   work->chunks = std::min(work->units, threads * CHUNKS_PER_THREAD);
   netra::run_on_pool(pool, work, std::min(threads, work->chunks) - 1, work->chunks);
@@ -712,4 +1144,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraGgmlMatmulF32, GgmlMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("int8_x"));

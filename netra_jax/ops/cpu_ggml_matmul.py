@@ -7,11 +7,17 @@ BLOCK_BYTES), so that `gguf.quants.dequantize(w, qtype)` is W. The kernel reads 
 de-quantizes them in registers and L1 as it goes: a decode step reads 4.5-8.5 bits per weight instead of float32's 32
 (see the .cc file for the layout).
 
-Rows: 1 to ROWS_MAX. A decode step's rows (one per running sequence) are few, and the kernel's cost is the weights'
-bytes (one row) or their FMAs with the de-quantization spread over the rows. Past about 128 rows the product is
-compute-bound and XLA's cache-blocked dot wins even counting its de-quantization of the whole weight: K 2048, N 8192
-Q4_0 on a 2-core Xeon, kernel / XLA dot of the float weight / XLA de-quantize and dot: 64 rows 8.3 / 9.8 / 26.5 ms,
-128 rows 16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms. Prefills take XLA's path.
+Activations: float32 as they are, or (INT8_TYPES) quantized to int8 blocks of 32 in the kernel and multiplied with
+integer dot products as llama.cpp does; `int8_activations` is the default rule, chosen by measurement.
+
+Rows: 1 to ROWS_MAX with float activations, 1 to INT8_ROWS_MAX with int8 ones. A decode step's rows (one per running
+sequence) are few, and the kernel's cost is the weights' bytes (one row) or, with more rows, its arithmetic. With
+float activations past about 128 rows XLA's cache-blocked dot wins even counting its de-quantization of the whole
+weight (K 2048, N 8192 Q4_0 on a 2-core Xeon, kernel / XLA dot of the float weight / XLA de-quantize and dot: 128 rows
+16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms). The int8 path's integer dot products (64 multiply-adds an
+instruction with AVX-512 VNNI, the rows of x in the lanes) beat the de-quantize-and-dot reference by 2.5-4x at 128 to
+512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against 133 ms, 512 rows 128 against 415 ms), so
+prefill chunks of up to INT8_ROWS_MAX rows of INT8_TYPES weights take the kernel too.
 
 Derivative: in x only (the weight's bytes have none). The tangent is XLA's dot with the weight de-quantized by
 `netra_jax.ops.ggml_blocks` (linear in x, so reverse mode transposes it; an FFI call has no transpose)."""
@@ -27,22 +33,44 @@ import numpy as np
 from netra_jax.ops import cpu_kernels
 from netra_jax.ops.ggml_blocks import FORMATS, dequantize_rows
 
-__all__ = ["ROWS_MAX", "TARGET", "TYPES", "blocks_matmul", "takes"]
+__all__ = [
+    "INT8_ROWS_MAX",
+    "INT8_TYPES",
+    "ROWS_MAX",
+    "TARGET",
+    "TYPES",
+    "blocks_matmul",
+    "int8_activations",
+    "takes",
+]
 
 TARGET = "netra_ggml_matmul_f32"
 TYPES = tuple(FORMATS)  # the kernel reads every kept format (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types with an int8-activation path
+INT8_ROWS_MAX = 512  # rows with int8 activations (measured up to 512 against the reference)
 
 
-def _why_not(x, w, qtype) -> str | None:
+def int8_activations(qtype: str, rows: int) -> bool:
+    """The default rule: int8 activations for every INT8_TYPES weight (any number of rows the kernel takes), float32
+    for the others. Measured (benchmarks/ggml_matmul.py, K 2048 x N 8192 and K 8192 x N 2048, 2-core Xeon, fastest
+    call): int8 is faster at 1-4 rows (Q4_0 1 row 0.87 -> 0.76 ms, 2 rows 1.06 -> 0.79 ms) and from about 12 rows on
+    (Q4_0 32 rows 5.2 -> ~3.3 ms), within noise of float at 5-8 rows; `rows` is kept for a rule that needs it."""
+    return qtype in INT8_TYPES
+
+
+def _why_not(x, w, qtype, int8_x: bool) -> str | None:
     """Why `blocks_matmul` does not take these operands, or None when it does (the kernels' build aside)."""
     if qtype not in TYPES:
         return f"GGML type {qtype!r} is not one of {', '.join(TYPES)}"
     qk, block_bytes = FORMATS[qtype].qk, FORMATS[qtype].block_bytes
     if getattr(x, "ndim", None) != 2 or x.dtype != jnp.float32:
         return f"x must be float32 [M, K], got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}"
-    if not 1 <= x.shape[0] <= ROWS_MAX:
-        return f"x has {x.shape[0]} rows, the kernel takes 1 to {ROWS_MAX}"
+    if int8_x and qtype not in INT8_TYPES:
+        return f"{qtype} has no int8-activation path (those: {', '.join(INT8_TYPES)})"
+    rows_max = INT8_ROWS_MAX if int8_x else ROWS_MAX
+    if not 1 <= x.shape[0] <= rows_max:
+        return f"x has {x.shape[0]} rows, the kernel takes 1 to {rows_max} with {'int8' if int8_x else 'float'} x"
     if getattr(w, "ndim", None) != 2 or w.dtype != jnp.uint8:
         return f"w must be uint8 [N, row_bytes], got {getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}"
     if w.shape[1] % block_bytes or w.shape[1] // block_bytes * qk != x.shape[1]:
@@ -53,37 +81,47 @@ def _why_not(x, w, qtype) -> str | None:
     return None
 
 
-def takes(x: jax.Array, w: jax.Array, qtype: str) -> bool:
-    """Whether `blocks_matmul` runs for these operands: float32 x [M, K] of 1..ROWS_MAX rows, uint8 w [N, row_bytes]
-    holding K values per row in `qtype` blocks, and the kernels built."""
-    return _why_not(x, w, qtype) is None and cpu_kernels.available()
+def _int8_x(x, qtype: str, int8_x: bool | None) -> bool:
+    rows = x.shape[0] if getattr(x, "ndim", None) == 2 else 0
+    return int8_activations(qtype, rows) if int8_x is None else bool(int8_x)
 
 
-def _kernel(x: jax.Array, w: jax.Array, qtype: str) -> jax.Array:
+def takes(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = None) -> bool:
+    """Whether `blocks_matmul(x, w, qtype, int8_x)` runs: float32 x [M, K] of 1..ROWS_MAX rows (INT8_ROWS_MAX with
+    int8 activations), uint8 w [N, row_bytes] holding K values per row in `qtype` blocks, and the kernels built."""
+    return _why_not(x, w, qtype, _int8_x(x, qtype, int8_x)) is None and cpu_kernels.available()
+
+
+def _kernel(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    return call(x, w, qtype=np.int32(FORMATS[qtype].ggml_type))
+    return call(x, w, qtype=np.int32(FORMATS[qtype].ggml_type), int8_x=np.int32(int8_x))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _blocks_matmul(x: jax.Array, w: jax.Array, qtype: str) -> jax.Array:
-    return _kernel(x, w, qtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool) -> jax.Array:
+    return _kernel(x, w, qtype, int8_x)
 
 
 @_blocks_matmul.defjvp
-def _blocks_matmul_jvp(qtype, primals, tangents):
+def _blocks_matmul_jvp(qtype, int8_x, primals, tangents):
     (x, w), (dx, _) = primals, tangents
-    return _kernel(x, w, qtype), jnp.dot(dx, dequantize_rows(w, qtype).T)
+    return _kernel(x, w, qtype, int8_x), jnp.dot(dx, dequantize_rows(w, qtype).T)
 
 
-def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str) -> jax.Array:
+def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = None) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W [N, K] the GGML `qtype` blocks in w uint8 [N, row_bytes] (the
     bytes of a GGUF tensor of ne [K, N]). `qtype` is the type's name ("Q4_0", ..., static). Raises ValueError for
     operands it does not take (see `takes`; the caller checks it first) and RuntimeError when the kernels could not be
-    built. Differentiable in x (forward and reverse). Lowers for CPU only."""
-    why = _why_not(x, w, qtype)
+    built. Differentiable in x (forward and reverse). Lowers for CPU only.
+
+    int8_x: quantize x's rows to int8 blocks of 32 (per block d = max|x| / 127, rounded to nearest) and take integer
+    dot products, as llama.cpp does (the result moves by at most sum over blocks of d / 2 * sum |w|); False: float
+    products of x as it is; None: `int8_activations(qtype, rows)`. Only INT8_TYPES have the int8 path."""
+    int8_x = _int8_x(x, qtype, int8_x)
+    why = _why_not(x, w, qtype, int8_x)
     if why is not None:
         raise ValueError(f"blocks_matmul: {why}")
     if not cpu_kernels.available():
         raise RuntimeError(f"blocks_matmul: the C++ CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
-    return _blocks_matmul(x, w, qtype)
+    return _blocks_matmul(x, w, qtype, int8_x)
