@@ -141,18 +141,18 @@ def test_gguf_quantized_blocks(qtype, M, int8_x):
 
 
 @pytest.mark.parametrize("M", [2, 9, 200])
-def test_int8_x_is_the_default_for_its_types(M):
+def test_float_x_is_the_default_and_int8_takes_prefill_rows(M):
     rng = np.random.default_rng(M)
     w, w_k = random_blocks(rng, "Q4_0", 16, 8), random_blocks(rng, "Q4_K", 16, 1)
     x = rng.standard_normal((M, 256), dtype=np.float32)
-    assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0") and takes(jnp.asarray(x), jnp.asarray(w_k), "Q4_K") == (
-        M <= 128
-    )
-    assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(int8_rounded(x), w, "Q4_0"), 256)
+    assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0") == (M <= 128)
+    assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0", int8_x=True)
     if M <= 128:
-        assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_K"))(x, w_k), reference(x, w_k, "Q4_K"), 256)
+        assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(x, w, "Q4_0"), 256)
     with pytest.raises(ValueError, match="Q4_K has no int8-activation path"):
         blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q4_K", int8_x=True)
+    with pytest.raises(ValueError, match="takes 1 to 512 with int8 x"):
+        blocks_matmul(jnp.ones((513, 256)), jnp.asarray(w), "Q4_0", int8_x=True)
 
 
 def test_lowers_to_the_kernel_and_vmaps():
@@ -187,7 +187,7 @@ def test_derivative_in_x():
         (np.ones((2, 64), np.float32), np.ones((3, 36), np.int8), "Q4_0", "w must be uint8"),
         (np.ones((64,), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "x must be float32 \\[M, K\\]"),
         (np.ones((129, 256), np.float32), np.ones((3, 144), np.uint8), "Q4_K", "takes 1 to 128 with float x"),
-        (np.ones((513, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "takes 1 to 512 with int8 x"),
+        (np.ones((129, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "takes 1 to 128 with float x"),
         (np.ones((0, 64), np.float32), np.ones((3, 36), np.uint8), "Q4_0", "has 0 rows"),
     ],
 )

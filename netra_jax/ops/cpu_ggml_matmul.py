@@ -7,8 +7,9 @@ BLOCK_BYTES), so that `gguf.quants.dequantize(w, qtype)` is W. The kernel reads 
 de-quantizes them in registers and L1 as it goes: a decode step reads 4.5-8.5 bits per weight instead of float32's 32
 (see the .cc file for the layout).
 
-Activations: float32 as they are, or (INT8_TYPES) quantized to int8 blocks of 32 in the kernel and multiplied with
-integer dot products as llama.cpp does; `int8_activations` is the default rule, chosen by measurement.
+Activations: float32 as they are (the default), or on request (INT8_TYPES) quantized to int8 blocks of 32 in the
+kernel and multiplied with integer dot products as llama.cpp does; `int8_activations` is the default rule and says
+why.
 
 Rows: 1 to ROWS_MAX with float activations, 1 to INT8_ROWS_MAX with int8 ones. A decode step's rows (one per running
 sequence) are few, and the kernel's cost is the weights' bytes (one row) or, with more rows, its arithmetic. With
@@ -16,8 +17,8 @@ float activations past about 128 rows XLA's cache-blocked dot wins even counting
 weight (K 2048, N 8192 Q4_0 on a 2-core Xeon, kernel / XLA dot of the float weight / XLA de-quantize and dot: 128 rows
 16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms). The int8 path's integer dot products (64 multiply-adds an
 instruction with AVX-512 VNNI, the rows of x in the lanes) beat the de-quantize-and-dot reference by 2.5-4x at 128 to
-512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against 133 ms, 512 rows 128 against 415 ms), so
-prefill chunks of up to INT8_ROWS_MAX rows of INT8_TYPES weights take the kernel too.
+512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against 133 ms, 512 rows 128 against 415 ms): with
+int8 activations prefill chunks of up to INT8_ROWS_MAX rows take the kernel too.
 
 Derivative: in x only (the weight's bytes have none). The tangent is XLA's dot with the weight de-quantized by
 `netra_jax.ops.ggml_blocks` (linear in x, so reverse mode transposes it; an FFI call has no transpose)."""
@@ -52,11 +53,15 @@ INT8_ROWS_MAX = 512  # rows with int8 activations (measured up to 512 against th
 
 
 def int8_activations(qtype: str, rows: int) -> bool:
-    """The default rule: int8 activations for every INT8_TYPES weight (any number of rows the kernel takes), float32
-    for the others. Measured (benchmarks/ggml_matmul.py, K 2048 x N 8192 and K 8192 x N 2048, 2-core Xeon, fastest
-    call): int8 is faster at 1-4 rows (Q4_0 1 row 0.87 -> 0.76 ms, 2 rows 1.06 -> 0.79 ms) and from about 12 rows on
-    (Q4_0 32 rows 5.2 -> ~3.3 ms), within noise of float at 5-8 rows; `rows` is kept for a rule that needs it."""
-    return qtype in INT8_TYPES
+    """The default rule: float32 activations for every type and row count; int8 ones only on request (int8_x=True).
+
+    Measured (benchmarks/ggml_matmul.py, 2-core Xeon, fastest call), int8 is the faster path for INT8_TYPES: 1-4 rows
+    1.1-1.6x (Q4_0 K 2048 x N 8192 1 row 0.97 -> 0.82 ms, Q4_1 1.12 -> 0.77), 5-8 rows within noise, 12 rows and more
+    1.5-3.5x (Q4_0 32 rows 12.0 -> 3.5 ms), 128-512 rows 2.5-4x faster than the de-quantize-and-dot reference. But the
+    rounding moves results by up to about 1% of their magnitude where a block holds an outlier channel, and that
+    changes greedy answers: SmolLM2-135M from its Q4_1 blocks no longer gives transformers' answers to the reference
+    chats (tests/test_engine_smollm2.py). So float32 stays the default until the engine lets a user choose."""
+    return False
 
 
 def _why_not(x, w, qtype, int8_x: bool) -> str | None:
