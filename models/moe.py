@@ -21,7 +21,8 @@ from netra_jax.config import ModelConfig
 from netra_jax.models.weight_map import TP, param_specs
 from netra_jax.ops import cpu_ggml_matmul, cpu_matmul, ggml_blocks
 from netra_jax.ops.grouped_matmul_triton import grouped_matmul_triton
-from netra_jax.quant import GGMLWeight, QuantizedWeight
+from netra_jax.quant import CPU_BACKENDS, GGMLWeight, QuantizedWeight
+from netra_jax.quant.cpu_rows import ggml_int8_x
 
 MOE_KEYS = ("router", "router_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 
@@ -170,7 +171,7 @@ def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
 
         def widened(g):
             wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], only this group's
-            if mb == "cpu_rows":  # int8 values on the few-row kernel when it takes the block, else widened
+            if mb in CPU_BACKENDS:  # int8 values on the few-row kernel when it takes the block, else widened
                 return lambda x: cpu_matmul.rows_matmul(x, wg)
             wg = wg.astype(dtype)
             return lambda x: jnp.dot(x, wg)
@@ -178,11 +179,12 @@ def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
         return widened
     data, qtype = w.data, w.qtype
     x, one = jax.ShapeDtypeStruct((block, w.k), dtype), jax.ShapeDtypeStruct(data.shape[1:], data.dtype)
-    if mb == "cpu_rows" and cpu_ggml_matmul.takes(x, one, qtype):
+    q8 = ggml_int8_x(qtype, mb == "cpu_rows_q8")
+    if mb in CPU_BACKENDS and cpu_ggml_matmul.takes(x, one, qtype, q8):
 
         def kernel(g):
             blocks = jax.lax.dynamic_index_in_dim(data, g, keepdims=False)  # [N, row_bytes], only this group's
-            return lambda x: cpu_ggml_matmul.blocks_matmul(x, blocks, qtype)
+            return lambda x: cpu_ggml_matmul.blocks_matmul(x, blocks, qtype, q8)
 
         return kernel
 

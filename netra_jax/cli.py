@@ -43,8 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--matmul-backend",
         default="auto",
-        choices=("auto", "xla", "cpu_rows", "gpu", "gpu_sm80", "gpu_interpret"),
-        help="how matmuls run: auto = the CPU few-row kernel on CPU (built on first use), the GPU kernels of "
+        choices=("auto", "xla", "cpu_rows", "cpu_rows_q8", "gpu", "gpu_sm80", "gpu_interpret"),
+        help="how matmuls run: auto = the CPU few-row kernel on CPU (built on first use; cpu_rows_q8: GGUF Q4_0 ... "
+        "Q8_0 weights times activations rounded to int8 blocks, llama.cpp's arithmetic), the GPU kernels of "
         "quantized weights on CUDA (W4A16 / W8A16 Pallas; fp8 W8A8 on sm89+, W8A16 on older GPUs: gpu_sm80)",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")

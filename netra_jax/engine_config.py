@@ -161,7 +161,8 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, BACKENDS)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("matmul_backend", self.matmul_backend, ("auto", *MATMULS))
-        if self.matmul_backend in ("cpu_rows", "gpu", "gpu_sm80", "gpu_interpret") and self.tensor_parallel_size > 1:
+        whole = ("cpu_rows", "cpu_rows_q8", "gpu", "gpu_sm80", "gpu_interpret")
+        if self.matmul_backend in whole and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"matmul_backend {self.matmul_backend!r} takes whole weights; with tensor_parallel_size > 1 use 'auto' "
                 "or 'xla'"
@@ -218,22 +219,24 @@ class EngineConfig:
 
     def resolved_matmul_backend(self, platform: str | None = None, compute_capability: str | None = None) -> str:
         """The matmul backend the steps run on `platform` (jax.default_backend() when None), building the CPU kernel
-        when it is wanted; ConfigError for "cpu_rows" off CPU or when the kernel cannot be built, and for the GPU
-        backends off GPU. On GPU "auto" is "gpu" where the GPU multiplies in fp8 (`compute_capability` 8.9 and
-        above; the first device's when None), "gpu_sm80" on older ones, XLA's dot when the weights are split."""
+        when it is wanted; ConfigError for "cpu_rows" / "cpu_rows_q8" off CPU or when the kernel cannot be built,
+        and for the GPU backends off GPU. On GPU "auto" is "gpu" where the GPU multiplies in fp8
+        (`compute_capability` 8.9 and above; the first device's when None), "gpu_sm80" on older ones, XLA's dot when
+        the weights are split."""
         import jax
 
         from netra_jax.ops import cpu_kernels
         from netra_jax.ops.fp8_matmul import has_fp8
-        from netra_jax.quant import GPU_BACKENDS
+        from netra_jax.quant import CPU_BACKENDS, GPU_BACKENDS
 
         platform = platform or jax.default_backend()
-        if self.matmul_backend == "cpu_rows":
+        if self.matmul_backend in CPU_BACKENDS:
+            mb = self.matmul_backend
             if platform != "cpu":
-                raise ConfigError(f"matmul_backend 'cpu_rows' is a CPU kernel (this platform is {platform})")
+                raise ConfigError(f"matmul_backend {mb!r} is a CPU kernel (this platform is {platform})")
             if not cpu_kernels.available():
-                raise ConfigError(f"matmul_backend 'cpu_rows': {cpu_kernels.unavailable_reason()}")
-            return "cpu_rows"
+                raise ConfigError(f"matmul_backend {mb!r}: {cpu_kernels.unavailable_reason()}")
+            return mb
         if self.matmul_backend in GPU_BACKENDS and platform != "gpu":
             raise ConfigError(
                 f"matmul_backend {self.matmul_backend!r} needs a GPU (this platform is {platform}); use 'auto', "

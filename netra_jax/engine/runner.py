@@ -264,7 +264,7 @@ class ModelRunner:
         self.set_prompt_logprob_buckets(fine=True)  # compiled on first use; a full warm-up asks for fewer
         self.max_seqs_bucket = 1 << (max_num_seqs - 1).bit_length()
         self.backend = backend
-        self.matmul_backend = matmul_backend  # models.quant.MATMULS: "cpu_rows" for decode-sized matmuls on CPU
+        self.matmul_backend = matmul_backend  # quant.MATMULS: "cpu_rows" for decode-sized matmuls on CPU
         self.overlap = overlap
         self.num_spec_tokens = num_spec_tokens
         self.max_spec_seqs = max_num_seqs if max_spec_seqs is None else max_spec_seqs

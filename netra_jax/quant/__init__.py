@@ -2,7 +2,7 @@
 float checkpoint (`online`), the jnp reference (`reference`) and the backends' kernels behind one entry point
 (`matmul`, with the layout each backend reads the weights in, `repack` for the GPU's)."""
 
-from netra_jax.quant.matmul import BACKENDS, GPU_BACKENDS, LAYOUTS, MATMULS, matmul, weight_layout
+from netra_jax.quant.matmul import BACKENDS, CPU_BACKENDS, GPU_BACKENDS, LAYOUTS, MATMULS, matmul, weight_layout
 from netra_jax.quant.online import BATCH_DIMS, METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import (
@@ -20,6 +20,7 @@ from netra_jax.quant.weights import (
 __all__ = [
     "BACKENDS",
     "BATCH_DIMS",
+    "CPU_BACKENDS",
     "GPU_BACKENDS",
     "LAYOUTS",
     "MATMULS",

@@ -1,6 +1,7 @@
-"""The "cpu_rows" matmul backend: decode-sized float32 products on the CPU FFI kernels, float32 and int8 weights on
-`ops.cpu_matmul`'s few-row kernels and GGML blocks on `ops.cpu_ggml_matmul`'s. Returns None for a product they do not
-take (the entry point then runs the reference)."""
+"""The "cpu_rows" and "cpu_rows_q8" matmul backends: decode-sized float32 products on the CPU FFI kernels, float32
+and int8 weights on `ops.cpu_matmul`'s few-row kernels and GGML blocks on `ops.cpu_ggml_matmul`'s ("cpu_rows_q8":
+the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first, llama.cpp's arithmetic, for up to
+INT8_ROWS_MAX rows). Return None for a product they do not take (the entry point then runs the reference)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,29 @@ from netra_jax.quant.weights import GGMLWeight, QuantizedWeight, is_quantized
 def cpu_rows_matmul(x: jax.Array, w, spec: str | None, preferred_element_type) -> jax.Array | None:
     """x @ w on the CPU kernels when the product has their plain form ([M, K] @ [K, *out]) and they take it
     (float32 x of few rows; preferred_element_type changes nothing for them), else None."""
+    return _cpu_rows(x, w, spec, int8_x=False)
+
+
+def cpu_rows_q8_matmul(x: jax.Array, w, spec: str | None, preferred_element_type) -> jax.Array | None:
+    """As `cpu_rows_matmul`, with the activations of GGML weights of `cpu_ggml_matmul.INT8_TYPES` rounded to int8
+    blocks in the kernel (integer dot products; up to INT8_ROWS_MAX rows, prefill chunks included)."""
+    return _cpu_rows(x, w, spec, int8_x=True)
+
+
+def ggml_int8_x(qtype: str, int8_x: bool) -> bool:
+    """Whether a `qtype` product reads int8 activations when the backend asks for them (`int8_x`)."""
+    return int8_x and qtype in cpu_ggml_matmul.INT8_TYPES
+
+
+def _cpu_rows(x: jax.Array, w, spec: str | None, int8_x: bool) -> jax.Array | None:
     if not rows_form(spec, x, w):
         return None
     if isinstance(w, GGMLWeight):
         rows = w.data.reshape(-1, w.data.shape[-1])  # [N, row_bytes]: the output axes flattened
-        if not (w.transposed and w.batch_dims == 0 and cpu_ggml_matmul.takes(x, rows, w.qtype)):
+        q8 = ggml_int8_x(w.qtype, int8_x)
+        if not (w.transposed and w.batch_dims == 0 and cpu_ggml_matmul.takes(x, rows, w.qtype, q8)):
             return None
-        y = cpu_ggml_matmul.blocks_matmul(x, rows, w.qtype)  # [M, N] float32
+        y = cpu_ggml_matmul.blocks_matmul(x, rows, w.qtype, q8)  # [M, N] float32
         return y.reshape(x.shape[0], *w.shape[1:])
     if isinstance(w, QuantizedWeight) and w.batch_dims == 0:
         y = _few_rows(x, w.q)

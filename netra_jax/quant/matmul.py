@@ -8,25 +8,28 @@ from collections.abc import Callable
 import jax
 
 from netra_jax.quant import gpu, repack
-from netra_jax.quant.cpu_rows import cpu_rows_matmul
+from netra_jax.quant.cpu_rows import cpu_rows_matmul, cpu_rows_q8_matmul
 from netra_jax.quant.reference import reference_matmul
 
 # A backend kernel: (x, w, spec, preferred_element_type) -> x @ w, or None when it does not take the product.
 Kernel = Callable[..., jax.Array | None]
 
 # Backend name -> its kernels, tried in order before the reference. "xla": the reference alone (XLA's dot over
-# weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products; "gpu": the
+# weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products;
+# "cpu_rows_q8": the same with GGML Q4_0 ... Q8_0 products on int8 activations (llama.cpp's arithmetic); "gpu": the
 # Pallas W4A16 / W8A16 kernel for PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights (CUDA GPUs with fp8,
 # sm89+); "gpu_sm80": the Pallas kernel, fp8 weights as W8A16 (the reference); "gpu_interpret": the Pallas kernel in
 # the interpreter (CPU tests).
 BACKENDS: dict[str, tuple[Kernel, ...]] = {
     "xla": (),
     "cpu_rows": (cpu_rows_matmul,),
+    "cpu_rows_q8": (cpu_rows_q8_matmul,),
     "gpu": (gpu.packed_matmul, gpu.fp8_w8a8_matmul),
     "gpu_sm80": (gpu.packed_matmul,),
     "gpu_interpret": (gpu.packed_matmul_interpret,),
 }
 GPU_BACKENDS = ("gpu", "gpu_sm80")  # the backends whose kernels need a CUDA GPU
+CPU_BACKENDS = ("cpu_rows", "cpu_rows_q8")  # the backends whose kernels are the CPU FFI library's
 MATMULS = tuple(BACKENDS)
 # Backend name -> the layout its kernels read the weights in, applied once at load (`weight_layout`); backends not
 # listed read the weights as loaded.
