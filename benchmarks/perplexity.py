@@ -9,7 +9,8 @@ everything before them in the chunk. PPL = exp(mean NLL). netra-jax scores each 
 logprobs (`SamplingParams(prompt_logprobs=0)`).
 
 Usage: .venv/bin/python benchmarks/perplexity.py MODEL.gguf [MODEL2.gguf ...] [--text FILE] [--ctx 512]
-       [--llama-perplexity BIN] [--out benchmarks/results/<date>-perplexity.json]
+       [--llama-perplexity BIN] [--matmul-backend auto|cpu_rows_q8|...]
+       [--out benchmarks/results/<date>-perplexity.json]
 The default text is benchmarks/prompts/perplexity_gpl3.txt (the GNU GPL version 3, verbatim: 35 KB of English
 prose anyone may copy)."""
 
@@ -100,10 +101,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity binary (optional)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--matmul-backend", default="auto", help="netra-jax's matmul backend (e.g. cpu_rows_q8)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     text = a.text.read_text()
-    engine_args = {"dtype": "float32"}
+    engine_args = {"dtype": "float32", "matmul_backend": a.matmul_backend}
     rows = []
     for model in a.models:
         row = {"model": Path(model).name, "netra_jax": netra_perplexity(model, text, a.ctx, engine_args)}
