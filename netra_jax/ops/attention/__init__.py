@@ -19,7 +19,7 @@ from netra_jax.ops.attention.metadata import (
     with_token_layout,
 )
 from netra_jax.ops.attention.reference import decode_chunks, paged_attention_reference
-from netra_jax.ops.attention.registry import BACKENDS, auto_backend
+from netra_jax.ops.attention.registry import BACKENDS, auto_backend, backend_refuses_kv
 from netra_jax.ops.attention.work import build_work, num_items
 from netra_jax.ops.attention.write import write_kv
 
@@ -31,6 +31,7 @@ __all__ = [
     "TokenLayout",
     "attention",
     "auto_backend",
+    "backend_refuses_kv",
     "build_work",
     "cpu_backend",
     "decode_chunks",

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from netra_jax.ops import cpu_attention, cpu_kernels
 from netra_jax.ops.attention.metadata import AttentionMetadata, AttentionWork, with_token_layout
 from netra_jax.ops.attention.reference import attend_by_work, paged_attention_reference
+from netra_jax.ops.kv_quant import Pages
 
 
 def _kernel_token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_window, soft_cap, sinks):
@@ -31,8 +32,8 @@ def _kernel_token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, slid
 
 def paged_attention_cpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     md: AttentionMetadata,
     *,
     scale: float,

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from netra_jax.ops.attention.metadata import AttentionMetadata, with_token_layout
 from netra_jax.ops.attention.reference import masked_scores
 from netra_jax.ops.attention_args import check_attention_args
+from netra_jax.ops.kv_quant import Pages, take_pages
 
 
 def paged_attention_dense(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     md: AttentionMetadata,
     *,
     scale: float,
@@ -38,7 +39,7 @@ def paged_attention_dense(
     head_dim] float32 (once, [max_pages * page_size, kv_heads, head_dim], when the batch is one sequence, as
     `models.transformer.forward_dense`'s), scores [T, q_heads, max_pages * page_size] float32: memory grows with T
     times the block table's width (see the module docstring). Differentiable (reverse and forward mode) in q,
-    k_pages, v_pages and sinks; softmax in float32.
+    k_pages, v_pages and sinks (quantized pages: in q and sinks only); softmax in float32.
     """
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
@@ -50,7 +51,7 @@ def paged_attention_dense(
     rows, keys = (md.block_tables[0], "ckd") if one else (lay.rows, "tckd")  # [(T,) max_pages]
 
     def gather(pages):  # [(T,) K, KH, D] float32: the (each token's) sequence's keys or values in position order
-        return jnp.take(pages, rows, axis=0, mode="clip").reshape(*rows.shape[:-1], K, KH, D).astype(jnp.float32)
+        return take_pages(pages, rows).reshape(*rows.shape[:-1], K, KH, D)  # de-quantized if the cache is
 
     qg = q.astype(jnp.float32).reshape(T, KH, G, D) * scale
     s = jnp.einsum(f"tkgd,{keys}->tkgc", qg, gather(k_pages), precision=jax.lax.Precision.HIGHEST)  # [T, KH, G, K]

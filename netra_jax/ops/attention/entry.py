@@ -10,6 +10,7 @@ import jax
 from netra_jax.ops.attention.dense import paged_attention_dense
 from netra_jax.ops.attention.metadata import AttentionMetadata
 from netra_jax.ops.attention.registry import BACKENDS
+from netra_jax.ops.kv_quant import Pages
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -41,8 +42,8 @@ _with_dense_vjp.defvjp(_with_dense_vjp_fwd, _with_dense_vjp_bwd)
 
 def attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     md: AttentionMetadata,
     *,
     scale: float,

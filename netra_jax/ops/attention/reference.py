@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from netra_jax.ops.attention.metadata import AttentionMetadata, with_token_layout
 from netra_jax.ops.attention.work import QUERY_BLOCK
 from netra_jax.ops.attention_args import check_attention_args
+from netra_jax.ops.kv_quant import Pages, take_pages
 
 # Two jnp paths, chosen per token by the host's work lists (see `build_work`):
 # - per token (decode rows, speculative runs): _TOKEN_BLOCK tokens at once, each gathering its own sequence's keys
@@ -69,12 +70,9 @@ def _decode_chunk(carry, qg, k_pages, v_pages, pages, kpos, qpos, *, sliding_win
     t, KH, G, D = qg.shape
     ck = pages.shape[1] * k_pages.shape[1]
 
-    def fetch(pages_array):  # [t, ck, KH, 1, D] float32
+    def fetch(pages_array):  # [t, ck, KH, 1, D] float32, de-quantized if the cache is
         # clip mode: page ids are in range by construction, and it gathers far faster than checked indexing
-        # (pages as rows of one 2-D array: each page one contiguous copy, faster than a 4-D gather on CPU)
-        rows = pages_array.reshape(pages_array.shape[0], -1)
-        x = jnp.take(rows, pages, axis=0, mode="clip").reshape(t, ck, KH, 1, D)
-        return x.astype(jnp.float32)
+        return take_pages(pages_array, pages).reshape(t, ck, KH, 1, D)
 
     # a multiply-and-sum (one fused loop over the gathered keys) rather than a batched dot: measured faster on CPU
     s = (fetch(k_pages) * qg[:, None]).sum(-1).transpose(0, 2, 3, 1)  # [t, KH, G, ck]
@@ -185,8 +183,8 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, *, scale, sliding_window, 
         def body(c, carry):
             m, l, acc = carry  # [ig, KH, B*G], same, [ig, KH, B*G, D]
             pages = jax.lax.dynamic_slice_in_dim(rows, c * ppc, ppc, axis=1)  # [ig, ppc]
-            k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(ig, ck, KH, D).astype(jnp.float32)
-            v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(ig, ck, KH, D).astype(jnp.float32)
+            k = take_pages(k_pages, pages).reshape(ig, ck, KH, D)  # float32, de-quantized if the cache is
+            v = take_pages(v_pages, pages).reshape(ig, ck, KH, D)
             kpos = (c * ck + jnp.arange(ck, dtype=jnp.int32))[None, None, None, :]  # [1, 1, 1, ck]
             s = jnp.einsum("ikqd,ickd->ikqc", qg, k)  # [ig, KH, B*G, ck]
             s, mask = masked_scores(s, kpos, qpos, sliding_window, soft_cap)
@@ -209,8 +207,8 @@ def _block_path(out, q, k_pages, v_pages, lay, md, w, *, scale, sliding_window, 
 
 def paged_attention_reference(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     md: AttentionMetadata,
     *,
     scale: float,
@@ -226,10 +224,11 @@ def paged_attention_reference(
     `_token_path`), whether decoded alone, beside other sequences or inside a speculative run. Query
     blocks' chunk boundaries are absolute positions: extra chunks of a longer companion are fully masked for them.
 
-    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (already holding this
-    step's keys); sinks: [q_heads] attention-sink logits (gpt-oss) or None: each head's softmax also spans its sink,
-    which is neither scaled nor soft-capped and carries no value. Returns [T, q_heads, head_dim] in q's dtype; padding
-    tokens give zeros. Math in float32.
+    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] already holding this
+    step's keys, float or `QuantizedPages` (each gathered chunk de-quantized to float32); sinks: [q_heads]
+    attention-sink logits (gpt-oss) or None: each head's softmax also spans its sink, which is neither scaled nor
+    soft-capped and carries no value. Returns [T, q_heads, head_dim] in q's dtype; padding tokens give zeros. Math in
+    float32.
     """
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return attend_by_work(q, k_pages, v_pages, md, _token_path, **kw)

@@ -6,6 +6,7 @@ import jax
 
 from netra_jax.ops.attention.cpu import cpu_backend, paged_attention_cpu
 from netra_jax.ops.attention.reference import paged_attention_reference
+from netra_jax.ops.kv_quant import QUANTIZED_KV_CACHE_DTYPES
 from netra_jax.ops.paged_attention_mosaic import (
     paged_attention_mosaic,
     paged_attention_mosaic_interpret,
@@ -46,6 +47,21 @@ def _auto(q, k_pages, v_pages, md, **kw):
         page_size=k_pages.shape[1],
     )
     return BACKENDS[name](q, k_pages, v_pages, md, **kw)
+
+
+# backends that cannot read an int8 / fp8 KV cache (Mosaic GPU's wgmma pipeline takes bf16 / fp16 pages only)
+_FLOAT_KV_ONLY = ("mosaic", "mosaic_interpret")
+
+
+def backend_refuses_kv(backend: str, kv_cache_dtype: str) -> str | None:
+    """Why `backend` cannot run over a KV cache of `kv_cache_dtype` (a --kv-cache-dtype name), or None if it can.
+    "auto" never refuses: it picks a backend that reads the cache."""
+    if backend in _FLOAT_KV_ONLY and kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+        return (
+            f"attention_backend {backend!r} cannot read a {kv_cache_dtype} KV cache (it reads float pages only); "
+            "use 'auto', 'triton' or 'reference', or a float kv_cache_dtype"
+        )
+    return None
 
 
 BACKENDS = {
