@@ -24,6 +24,7 @@ from netra_jax.ops.attention import (
     BACKENDS,
     AttentionWork,
     attention,
+    auto_backend,
     build_work,
     paged_attention_dense,
     with_token_layout,
@@ -181,6 +182,11 @@ def test_mosaic_refuses_a_quantized_cache_by_name():
             EngineConfig(attention_backend=backend, kv_cache_dtype="fp8")
     EngineConfig(attention_backend="triton_interpret", kv_cache_dtype="fp8")  # the others read it
     EngineConfig(attention_backend="mosaic_interpret", kv_cache_dtype="bfloat16")
+    # "auto" on Hopper runs Triton over a quantized cache
+    shape = dict(dtype=jnp.bfloat16, q_heads=32, kv_heads=8, head_dim=128, page_size=16)
+    assert auto_backend("gpu", "9.0", kv_dtype=jnp.bfloat16, **shape) == "mosaic"
+    assert auto_backend("gpu", "9.0", kv_dtype=jnp.int8, **shape) == "triton"
+    assert auto_backend("gpu", "9.0", kv_dtype=jnp.float8_e4m3fn, **shape) == "triton"
 
 
 def test_gradient_in_q_through_a_quantized_cache():
