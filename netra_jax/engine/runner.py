@@ -281,7 +281,8 @@ class ModelRunner:
         out = {}
         if self.mesh is not None:
             rep = parallel.replicated(self.mesh)
-            out = {"out_shardings": (rep, kv_sharding, rep, rep)}
+            kv_out = jax.tree.map(lambda a: a.sharding, self.kv)  # a quantized cache's scales have their own
+            out = {"out_shardings": (rep, kv_out, rep, rep)}
         self._jit = jax.jit(
             functools.partial(_step, mesh=self.mesh, matmul_backend=matmul_backend),
             static_argnames=("cfg", "shape", "backend", "hooks"),
