@@ -31,8 +31,8 @@ import numpy as np
 from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
 from netra_jax.engine_config import CacheConfig
-from netra_jax.ops import attention as attn
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, build_work, paged_attention_reference
+from netra_jax.ops.attention import reference as attn
 
 HERE = Path(__file__).resolve().parent
 Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -69,7 +69,7 @@ def old_token_path(out, q, k_pages, v_pages, lay, idx, count, *, scale, sliding_
             k = jnp.take(k_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
             v = jnp.take(v_pages, pages, axis=0, mode="clip").reshape(tb, ck, KH, 1, D).astype(jnp.float32)
             kpos = (c * ck + jnp.arange(ck, dtype=jnp.int32))[None, :, None, None]
-            s, mask = attn._masked_scores((qg * k).sum(-1), kpos, pb[:, None, None, None], sliding_window, soft_cap)
+            s, mask = attn.masked_scores((qg * k).sum(-1), kpos, pb[:, None, None, None], sliding_window, soft_cap)
             m_new = jnp.maximum(m, s.max(1))
             alpha = jnp.exp(m - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)

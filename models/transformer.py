@@ -46,16 +46,18 @@ from netra_jax.ops.attention import (
     with_token_layout,
     write_kv,
 )
+from netra_jax.ops.kv_quant import Pages, empty_pages
 from netra_jax.parallel import head_parallel
 from netra_jax.quant import embedding_rows, matmul
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Paged KV cache: one K and one V array per layer, [num_pages, page_size, kv_heads, head_dim]."""
+    """Paged KV cache: one K and one V cache per layer, [num_pages, page_size, kv_heads, head_dim], each a float array
+    or, for an int8 / fp8 cache, a `QuantizedPages` (values and one float32 scale per slot and KV head)."""
 
-    k: list[jax.Array]
-    v: list[jax.Array]
+    k: list[Pages]
+    v: list[Pages]
 
     @property
     def num_pages(self) -> int:
@@ -67,12 +69,14 @@ class KVCache:
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None) -> KVCache:
+    """A zeroed cache of num_pages pages in `dtype`: float32 / bfloat16 arrays, or int8 / float8_e4m3fn / float8_e5m2
+    `QuantizedPages` (see `netra_jax.ops.kv_quant`). sharding: the pages' (the default: the first device)."""
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     # committed to a device like the step's donated outputs, so the first step compiles the variant later steps use
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def zeros():
-        return jnp.zeros(shape, dtype, device=sharding)
+        return empty_pages(shape, dtype, sharding)
 
     return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
 

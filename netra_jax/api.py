@@ -175,6 +175,9 @@ class LLM:
             gpu_memory_utilization on accelerators, 1 GiB on CPU.
         num_kv_pages: An explicit KV page count (overrides kv_cache_memory).
         page_size: Tokens per KV page.
+        kv_cache_dtype: The KV cache's type, as vLLM's: "auto" (the weights' dtype) | "float32" | "bfloat16" |
+            "int8" | "fp8" (= "fp8_e4m3") | "fp8_e5m2". int8 and fp8 store each token's key and value of each KV
+            head with one float32 scale: about 4x the tokens of a float32 cache in the same memory, 2x bfloat16.
         gpu_memory_utilization: The fraction of accelerator memory for weights and KV cache, in (0, 1].
         enable_prefix_caching: Share the KV pages of common prompt prefixes between requests.
         attention_backend: "auto" | "reference" | "triton" | "mosaic" (GPU kernels) | "triton_interpret" |
@@ -230,6 +233,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_kv_pages: int | None = None,
         page_size: int = 16,
+        kv_cache_dtype: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
@@ -263,6 +267,7 @@ class LLM:
             tokenizer=str(tokenizer) if tokenizer is not None else None,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             max_model_len=max_model_len,
             cache=CacheConfig(
                 page_size=page_size,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from netra_jax.engine.request_queue import SCHEDULING_POLICIES
 from netra_jax.engine_config import TASKS, CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -35,6 +36,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV cache's type: auto = the weights' dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2 keep a float32 scale "
+        "per token and KV head (about 4x the tokens of float32 in the same memory)",
+    )
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (CPU default 1 GiB)")
     p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV page count")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -145,6 +153,7 @@ def _engine_config(a: argparse.Namespace, pooler, speculative) -> EngineConfig:
         tokenizer=a.tokenizer,
         trust_remote_code=a.trust_remote_code,
         dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
         max_model_len=a.max_model_len,
         cache=CacheConfig(
             page_size=a.page_size,

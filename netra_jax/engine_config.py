@@ -110,7 +110,9 @@ class PoolerConfig:
 class EngineConfig:
     model: str = ""  # HF directory or .gguf file; "" = the embedded default model
     dtype: str = "auto"  # auto | float32 | bfloat16
-    kv_dtype: str = "auto"  # auto = the parameters' dtype
+    # the KV cache's type, vLLM's --kv-cache-dtype: auto (the parameters' dtype) | float32 | bfloat16 | int8 | fp8
+    # (= fp8_e4m3) | fp8_e5m2; int8 / fp8 keep one float32 scale per (token, KV head) (netra_jax/ops/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -142,7 +144,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Check every option now, so a bad one fails with a clear message before any weight is read."""
         from netra_jax.loader import DTYPES, LOAD_FORMATS
-        from netra_jax.ops.attention import BACKENDS
+        from netra_jax.ops.attention import BACKENDS, backend_refuses_kv
+        from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
         from netra_jax.quant import MATMULS, METHODS
         from netra_jax.spec.config import SpeculativeConfig
@@ -152,13 +155,16 @@ class EngineConfig:
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string{'' if name == 'model' else ' or None'}, got {v!r}")
         check_choice("dtype", self.dtype, DTYPES)
-        check_choice("kv_dtype", self.kv_dtype, DTYPES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_int("max_model_len", self.max_model_len, optional=True)
         if not isinstance(self.cache, CacheConfig):
             raise ConfigError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         check_choice("attention_backend", self.attention_backend, BACKENDS)
+        why = backend_refuses_kv(self.attention_backend, self.kv_cache_dtype)
+        if why:
+            raise ConfigError(why)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("matmul_backend", self.matmul_backend, ("auto", *MATMULS))
         whole = ("cpu_rows", "cpu_rows_q8", "gpu", "gpu_sm80", "gpu_interpret")

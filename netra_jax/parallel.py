@@ -34,12 +34,14 @@ from jax.sharding import PartitionSpec as P
 from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.models.weight_map import TP, Leaf, WeightReader, kv_params, param_specs
 from netra_jax.models.weight_reads import BlocksLeaf, KeptLeaf
+from netra_jax.ops.kv_quant import QuantizedPages, bytes_per_slot_head
 
 LEAVES = (Leaf, BlocksLeaf, KeptLeaf)  # what a reader's pytree holds: floats read by slices, GGML blocks, or a
 # quantized checkpoint's weights (read whole, on one device)
 
 HEADS = P(None, TP, None)  # [T, heads, head_dim] activations
 KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
+KV_SCALES = P(None, None, TP)  # [num_pages, page_size, kv_heads] scales of an int8 / fp8 cache
 
 
 # ------------------------------------------------------------------------------------------ mesh and config
@@ -88,9 +90,10 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def kv_bytes_per_page_per_device(cfg: ModelConfig, page_size: int, dtype, tp: int) -> int:
-    """Bytes one KV page takes on each device (K and V, all layers) under a tp-way split."""
+    """Bytes one KV page takes on each device (K and V, all layers) under a tp-way split, the scales of an int8 / fp8
+    cache included."""
     heads = shard_config(cfg, tp).num_kv_heads // tp
-    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * np.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * page_size * heads * bytes_per_slot_head(dtype, cfg.head_dim)
 
 
 # ------------------------------------------------------------------------------------------ shardings
@@ -102,18 +105,31 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def kv_specs(pages) -> P | QuantizedPages:
+    """The PartitionSpec (pytree) of one layer's K or V cache: split on kv_heads; a quantized cache's scales
+    [num_pages, page_size, kv_heads] split the same way."""
+    if isinstance(pages, QuantizedPages):
+        return QuantizedPages(values=KV_PAGES, scales=KV_SCALES)
+    return KV_PAGES
+
+
 def head_parallel(fn: Callable, mesh: Mesh) -> Callable:
     """Run fn(q, k, v, k_pages, v_pages, md, sinks) -> (o, k_pages, v_pages) on each device's own heads: q/k/v/o
-    [T, heads, head_dim], the pages and the attention sinks [heads] (or None) are split on their heads axis, the
-    metadata is replicated. Heads are independent, so no KV crosses devices, and a Pallas kernel (which XLA cannot
-    partition) sees plain local arrays."""
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, KV_PAGES, KV_PAGES, P(), P(TP)),
-        out_specs=(HEADS, KV_PAGES, KV_PAGES),
-        check_vma=False,
-    )
+    [T, heads, head_dim], the pages (and a quantized cache's scales) and the attention sinks [heads] (or None) are
+    split on their heads axis, the metadata is replicated. Heads are independent, so no KV crosses devices, and a
+    Pallas kernel (which XLA cannot partition) sees plain local arrays."""
+
+    def run(q, k, v, k_pages, v_pages, md, sinks):
+        kv = kv_specs(k_pages)
+        return jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=(HEADS, HEADS, HEADS, kv, kv, P(), P(TP)),
+            out_specs=(HEADS, kv, kv),
+            check_vma=False,
+        )(q, k, v, k_pages, v_pages, md, sinks)
+
+    return run
 
 
 def _expand_kv(lp: dict, cfg: ModelConfig, r: int) -> dict:

@@ -229,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         print(
             f"netra-jax: KV cache {engine.kv_capacity_tokens} tokens ({engine.pool.num_total} pages of "
-            f"{engine.pool.block_size}); max_model_len {engine.max_model_len}",
+            f"{engine.pool.block_size}, {engine.kv_cache_dtype}); max_model_len {engine.max_model_len}",
             flush=True,
         )
     ae = AsyncEngine(engine, step_timeout=args.step_timeout)

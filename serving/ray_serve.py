@@ -73,11 +73,11 @@ class NetraServer:
 
 def build_app(args: dict[str, Any]) -> Any:
     """Application builder for `serve run` / `serve.run`. Keys (strings on the command line): model, dtype,
-    served_model_name, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
-    scheduling_policy (fcfs | priority), task (generate | embed), warmup (default true), api_key, replicas (default 1),
-    num_gpus per replica (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1), and the
-    server's chat flags: chat_template (a file or the Jinja source), enable_auto_tool_choice, tool_call_parser,
-    reasoning_parser."""
+    kv_cache_dtype (auto | float32 | bfloat16 | int8 | fp8 | fp8_e4m3 | fp8_e5m2), served_model_name, max_model_len,
+    max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes), scheduling_policy (fcfs | priority), task
+    (generate | embed), warmup (default true), api_key, replicas (default 1), num_gpus per replica (default 1 when
+    the cluster has GPUs, else 0), num_cpus per replica (default 1), and the server's chat flags: chat_template (a
+    file or the Jinja source), enable_auto_tool_choice, tool_call_parser, reasoning_parser."""
     import ray
 
     from netra_jax.serving.batch import served_model_name
@@ -98,6 +98,7 @@ def build_app(args: dict[str, Any]) -> Any:
     config = EngineConfig(
         model=opt("model", str, ""),
         dtype=opt("dtype", str, "auto"),
+        kv_cache_dtype=opt("kv_cache_dtype", str, "auto"),
         max_model_len=opt("max_model_len", int),
         cache=CacheConfig(kv_cache_bytes=opt("kv_cache_memory", int)),
         scheduler=SchedulerConfig(

@@ -71,8 +71,8 @@ def test_config_objects_check_themselves():
         CacheConfig(num_pages=1)
     with pytest.raises(ConfigError, match="max_waiting"):
         SchedulerConfig(max_waiting=0)
-    with pytest.raises(ConfigError, match="kv_dtype"):
-        EngineConfig(kv_dtype="int4")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
     assert EngineConfig().warmup is True  # the server's default: compile everything before ready
 
 

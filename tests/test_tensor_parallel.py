@@ -205,6 +205,13 @@ def test_pallas_attention_runs_per_device(tp_results):
     assert np.abs(got - np.asarray(tp_results["tiny-llama"]["1"]["logits"], np.float32)).max() < 1e-5
 
 
+def test_int8_kv_cache_splits_values_and_scales_by_heads(tp_results):
+    r = tp_results["int8_kv"]
+    assert r["2"]["greedy"] == r["1"]["greedy"]
+    assert r["2"]["specs"] == [[None, None, "tp", None], [None, None, "tp"]]
+    assert r["2"]["scale_shards"] == [[16, 16, 1]] * 2  # tiny-llama's 2 KV heads, one per device
+
+
 def test_gguf_loads_then_shards(tp_results):
     g = tp_results["gguf"]
     assert g["converted"] and g["cached"]
@@ -295,6 +302,27 @@ def _worker(out_path: str) -> None:
         warmup=False,
     )
     results["triton_interpret"] = llm.logits(reference("tiny-llama")["cases"][CASE]["prompt_ids"]).tolist()
+    # an int8 KV cache: its values and scales split by heads alike, the same greedy tokens as on one device
+    results["int8_kv"] = {}
+    for tp in (1, 2):
+        llm = LLM(
+            FIXTURES / "tiny-llama",
+            dtype="float32",
+            kv_cache_dtype="int8",
+            tensor_parallel_size=tp,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_kv_pages=16,
+            warmup=False,
+        )
+        prompt = {"prompt_token_ids": reference("tiny-llama")["cases"][CASE]["prompt_ids"]}
+        out = llm.generate(prompt, greedy, use_tqdm=False)
+        k0 = llm.engine.runner.kv.k[0]
+        results["int8_kv"][str(tp)] = {
+            "greedy": out[0].outputs[0].token_ids,
+            "specs": [list(k0.values.sharding.spec), list(k0.scales.sharding.spec)] if tp > 1 else None,
+            "scale_shards": [list(s.data.shape) for s in k0.scales.addressable_shards],
+        }
     results["gguf"] = _gguf_check(Path(out_path).parent)
     Path(out_path).write_text(json.dumps(results))
 

@@ -22,6 +22,7 @@ from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.ops import paged_attention_mosaic as mosaic
 from netra_jax.ops import paged_attention_triton as triton
 from netra_jax.ops.attention import AttentionMetadata, paged_attention_reference
+from netra_jax.ops.kv_quant import QuantizedPages, dequantize_pages, quantize
 
 __all__ = [
     "SHAPES",
@@ -84,6 +85,12 @@ SHAPES = (
 _BY_NAME = {s.name: s for s in SHAPES}
 # float32 models (a float32 checkpoint or dtype="float32") run the Triton kernel on every GPU
 FLOAT32_SHAPES = ("smollm2-135m", "llama3-8b", "gemma3-1b-local", "gpt-oss-20b-local")
+# quantized KV caches (--kv-cache-dtype int8 / fp8 / fp8_e5m2) run the Triton kernel, which widens int8 / fp8 tiles in
+# registers: one shape per head width it branches on (and the options), bf16 queries and float32 ones
+KV_QUANT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+KV_QUANT_SHAPES = {"llama3-8b": "bfloat16", "gemma3-1b-local": "bfloat16", "gpt-oss-20b-local": "bfloat16"}
+KV_QUANT_SHAPES |= {"smollm2-135m": "float32"}
+
 # Mosaic moves TILE // page_size pages per TMA step (or slices of pages longer than a tile): every page size the
 # kernel takes, for one shape of each head width (the tile follows the head width)
 PAGE_SWEEP = {"gpt-oss-20b-local": (32, 64, 128, 256), "llama3-8b": (32, 64, 128, 256), "gemma3-4b-local": (32, 64)}
@@ -133,11 +140,13 @@ class KernelCase:
     page_size: int
     step: Step
     config: mosaic.MosaicConfig | triton.KernelConfig
+    kv_dtype: str | None = None  # a quantized KV cache's storage type ("int8", "float8_e4m3fn", ...); None: dtype
 
     @property
     def name(self) -> str:
         dt = "" if self.dtype == "bfloat16" else f"/{self.dtype}"
-        return f"{self.kernel}/{self.shape.name}{dt}/p{self.page_size}/{self.step.name}"
+        kv = "" if self.kv_dtype is None else f"/kv-{self.kv_dtype}"
+        return f"{self.kernel}/{self.shape.name}{dt}{kv}/p{self.page_size}/{self.step.name}"
 
     @property
     def key(self) -> tuple:
@@ -151,7 +160,7 @@ class KernelCase:
             cfg = (c.tile, c.num_stages, c.num_splits > 1, c.block_rows, c.p_in_registers)
             return ("mosaic", self.dtype, s.head_dim, s.group, layout, cfg, features)
         cfg = (c.block_m, c.tile, c.num_splits > 1, c.num_warps, c.num_stages)
-        return ("triton", self.dtype, s.head_dim, s.group, self.page_size, cfg, (*features, s.sinks))
+        return ("triton", self.dtype, self.kv_dtype, s.head_dim, s.group, self.page_size, cfg, (*features, s.sinks))
 
     def num_pages(self) -> int:
         """Pages of the cache the case is compiled (and run) with: 64 MiB of keys, at least one sequence's table."""
@@ -160,7 +169,12 @@ class KernelCase:
         return max(self.step.max_pages(self.page_size), min(4096, (64 << 20) // per_page))
 
     def describe(self) -> dict:
-        return {"shape": self.shape.name, "step": self.step.name, "page_size": self.page_size}
+        return {
+            "shape": self.shape.name,
+            "step": self.step.name,
+            "page_size": self.page_size,
+            "kv_dtype": self.kv_dtype,
+        }
 
     def _options(self) -> dict:
         s = self.shape
@@ -178,7 +192,7 @@ class KernelCase:
 
     def reference(self, q, k, v, md, sinks):
         """The jnp reference on the same inputs, in float32 at full precision."""
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        f32 = [q.astype(jnp.float32), dequantize_pages(k), dequantize_pages(v)]
         with jax.default_matmul_precision("highest"):
             return paged_attention_reference(*f32, md, sinks=sinks, **self._options())
 
@@ -198,7 +212,13 @@ class KernelCase:
             block_tables=sds((S, W), jnp.int32),
         )
         sinks = sds((s.q_heads,), jnp.float32) if s.sinks else None
-        return sds((T, s.q_heads, s.head_dim), dt), sds(pages, dt), sds(pages, dt), md, sinks
+
+        def cache():  # one K or V cache: float pages, or quantized values and their scales
+            if self.kv_dtype is None:
+                return sds(pages, dt)
+            return QuantizedPages(sds(pages, jnp.dtype(self.kv_dtype)), sds(pages[:3], jnp.float32))
+
+        return sds((T, s.q_heads, s.head_dim), dt), cache(), cache(), md, sinks
 
     def inputs(self, seed: int = 0, max_context: int = 4096) -> tuple:
         """Concrete (q, k_pages, v_pages, md, sinks) of the abstract shapes: a ragged batch of the step's kind (every
@@ -227,6 +247,8 @@ class KernelCase:
         pages = (num_pages, self.page_size, s.kv_heads, s.head_dim)
         q = jax.random.normal(keys[0], (T, s.q_heads, s.head_dim), dt)
         k, v = (jax.random.normal(key, pages, dt) for key in keys[1:3])
+        if self.kv_dtype is not None:
+            k, v = (QuantizedPages(*quantize(x, jnp.dtype(self.kv_dtype))) for x in (k, v))
         sinks = jax.random.normal(keys[3], (s.q_heads,), jnp.float32) if s.sinks else None
         return q, k, v, md, sinks
 
@@ -239,14 +261,15 @@ def step(name: str) -> Step:
     return next(s for s in STEPS if s.name == name)
 
 
-def _choose(kernel: str, shape: AttentionShape, dtype: str, page_size: int, step: Step):
-    """What the kernel's selection code returns for this call (as the kernel's own entry point calls it)."""
+def _choose(kernel: str, shape: AttentionShape, dtype: str, page_size: int, step: Step, kv_dtype: str | None = None):
+    """What the kernel's selection code returns for this call (as the kernel's own entry point calls it); kv_dtype:
+    a quantized cache's storage type."""
     s = shape
     args = (step.num_tokens, step.num_seqs, s.group, s.kv_heads, s.head_dim, page_size)
     context = step.max_pages(page_size) * page_size
     if kernel == "mosaic":
         return mosaic.choose_config(*args, context)
-    return triton.choose_config(*args, context, jnp.dtype(dtype).itemsize)
+    return triton.choose_config(*args, context, jnp.dtype(dtype).itemsize, kv_dtype is not None)
 
 
 def _supported(kernel: str, shape: AttentionShape, dtype: str, page_size: int) -> bool:
@@ -271,6 +294,12 @@ def _attention_cases(kernel: str):
         if _supported(kernel, shape, dtype, page):
             for step in STEPS:
                 yield KernelCase(kernel, shape, dtype, page, step, _choose(kernel, shape, dtype, page, step))
+    if kernel == "triton":  # quantized KV caches
+        for name, dtype in KV_QUANT_SHAPES.items():
+            for kv in KV_QUANT_DTYPES:
+                for step in STEPS:
+                    config = _choose(kernel, _BY_NAME[name], dtype, DEFAULT_PAGE, step, kv)
+                    yield KernelCase(kernel, _BY_NAME[name], dtype, DEFAULT_PAGE, step, config, kv_dtype=kv)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
 from netra_jax.ops import sampling
+from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.spec import SpecStats, accept, make_proposer
@@ -106,7 +107,7 @@ class LLMEngine:
         config.check_model(model_cfg)
         spec = self.spec_config = config.speculative if config.task == "generate" else None
         cache, sched = config.cache, config.scheduler
-        kv_dtype = params["embed"].dtype if config.kv_dtype == "auto" else np.dtype(config.kv_dtype)
+        kv_dtype = storage_dtype(config.kv_cache_dtype, params["embed"].dtype)
         opts = runner_options(config, model_cfg, kv_dtype)
         self.max_model_len, self.overlap = opts["max_model_len"], opts["overlap"]
         useful = max_useful_pages(sched.max_num_seqs, self.max_model_len, cache.page_size)
@@ -157,6 +158,11 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_total * self.pool.block_size
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's storage type, e.g. "float32", "int8", "float8_e4m3fn"."""
+        return str(self.runner.kv.k[0].dtype)
 
     def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
         """Compile every program a request can need (the reachable step buckets, sampler variants, proposer; task

@@ -93,7 +93,8 @@ def _prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "num_pages", "page_size", "backend", "mesh", "hooks", "matmul_backend")
+    jax.jit,
+    static_argnames=("cfg", "num_pages", "page_size", "kv_dtype", "backend", "mesh", "hooks", "matmul_backend"),
 )
 def _all_logits(
     params,
@@ -104,16 +105,18 @@ def _all_logits(
     cfg: ModelConfig,
     num_pages: int,
     page_size: int,
+    kv_dtype,
     backend: str,
     mesh=None,
     hooks: HookSpec | None = None,
     matmul_backend: str = "xla",
 ):
-    """Logits at every position of one prompt, on a scratch paged cache of `num_pages` pages. token_ids: [T];
+    """Logits at every position of one prompt, on a scratch paged cache of `num_pages` pages in `kv_dtype` (the
+    serving cache's: a quantized cache's logits are the ones its requests see). token_ids: [T];
     batch: its positions and metadata (`paged.build_batch`). Returns (logits [T, vocab] float32, the hooks'
     recorded activations {name: [T, ...]} or None)."""
     kv_sharding = None if mesh is None else parallel.kv_sharding(mesh)
-    kv = paged.init_kv_cache(cfg, num_pages, page_size, params["embed"].dtype, sharding=kv_sharding)
+    kv = paged.init_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding=kv_sharding)
     out = forward(
         params,
         cfg,
@@ -278,7 +281,8 @@ class ModelRunner:
         out = {}
         if self.mesh is not None:
             rep = parallel.replicated(self.mesh)
-            out = {"out_shardings": (rep, kv_sharding, rep, rep)}
+            kv_out = jax.tree.map(lambda a: a.sharding, self.kv)  # a quantized cache's scales have their own
+            out = {"out_shardings": (rep, kv_out, rep, rep)}
         self._jit = jax.jit(
             functools.partial(_step, mesh=self.mesh, matmul_backend=matmul_backend),
             static_argnames=("cfg", "shape", "backend", "hooks"),
@@ -426,6 +430,7 @@ class ModelRunner:
             cfg=self.cfg,
             num_pages=pages,
             page_size=self.page_size,
+            kv_dtype=np.dtype(self.kv.k[0].dtype),
             backend=self.backend,
             mesh=self.mesh,
             matmul_backend=self.matmul_backend,

@@ -7,6 +7,10 @@
 // jnp path reads its keys in gathered chunks inside XLA while loops, which at decode sizes costs more in loop and
 // gather overhead than in arithmetic. (token, KV head) pairs are spread over XLA's intra-op thread pool and the
 // calling thread. A token's result depends on its own position and keys only: the same alone or in any batch.
+//
+// The pages are float32, or int8 / fp8 (e4m3fn, e5m2) with one float32 scale per (slot, KV head): each stored
+// element is widened in the dot products' loops (fp8 through a 256-entry table) and the row's scale applied to the
+// finished score (q . (s k) = s (q . k)) and to the probability weighting its value row.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,10 +26,53 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The pages' storage formats (the `kv_format` attribute).
+enum KvFormat : int64_t { kF32 = 0, kI8 = 1, kE4M3 = 2, kE5M2 = 3 };
+
+// float value of every fp8 bit pattern: e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias 15, IEEE-like)
+struct Fp8Table {
+  float v[256];
+  Fp8Table(int mant_bits, int bias, bool ieee_top) {
+    const int exp_max = (1 << (7 - mant_bits)) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, e = (b >> mant_bits) & exp_max, m = b & ((1 << mant_bits) - 1);
+      const float frac = static_cast<float>(m) / static_cast<float>(1 << mant_bits);
+      float x;
+      if (e == 0) {
+        x = std::ldexp(frac, 1 - bias);  // subnormal
+      } else if (e == exp_max && (ieee_top || m == (1 << mant_bits) - 1)) {
+        x = (ieee_top && m == 0) ? INFINITY : NAN;
+      } else {
+        x = std::ldexp(1.0f + frac, e - bias);
+      }
+      v[b] = sign ? -x : x;
+    }
+  }
+};
+const Fp8Table kE4M3Table(3, 7, false);
+const Fp8Table kE5M2Table(2, 15, true);
+
+// Element widening per storage format: at(row, d) is element d of a key or value row as float (before its scale).
+struct F32Elems {
+  using T = float;
+  static float at(const T* r, int64_t d) { return r[d]; }
+};
+struct I8Elems {
+  using T = int8_t;
+  static float at(const T* r, int64_t d) { return static_cast<float>(r[d]); }
+};
+template <const Fp8Table& TABLE>
+struct Fp8Elems {
+  using T = uint8_t;
+  static float at(const T* r, int64_t d) { return TABLE.v[r[d]]; }
+};
+
 struct Problem {
   const float* q;        // [T, H, D]
-  const float* k;        // [num_pages, P, KH, D]
-  const float* v;        // [num_pages, P, KH, D]
+  const void* k;         // [num_pages, P, KH, D] float32, int8 or fp8 (kv_format)
+  const void* v;         // [num_pages, P, KH, D]
+  const float* k_scale;  // [num_pages, P, KH] (quantized formats only)
+  const float* v_scale;  // [num_pages, P, KH]
   const int32_t* idx;    // [T] tokens to compute, the first `count` of them
   const int32_t* pos;    // [T] each token's absolute position
   const bool* valid;     // [T] real (non-padding) token
@@ -36,6 +83,7 @@ struct Problem {
   float scale, soft_cap;  // soft_cap 0: none
   int64_t window;         // 0: none
   bool has_sinks;
+  int64_t kv_format;  // KvFormat
 };
 
 // x[i] = exp(x[i] - m) for x[i] - m <= 0, in a loop the compiler vectorizes: Cephes' expf (2^n times a degree-6
@@ -59,8 +107,11 @@ void exp_shifted(float* x, int64_t n, float m) {
   }
 }
 
-// Attention of token t's query heads of KV head kh. s: scratch of at least G * (pos + 1) floats.
+// Attention of token t's query heads of KV head kh, pages stored as ELEMS says. s: scratch of at least G * (pos + 1)
+// floats.
+template <typename ELEMS>
 void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
+  using T = typename ELEMS::T;
   const int64_t G = p.H / p.KH, D = p.D;
   float* o = p.out + (t * p.H + kh * G) * D;  // [G, D]
   const int64_t pos = p.pos[t];
@@ -74,22 +125,28 @@ void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
   const int32_t* row = p.rows + t * p.max_pages;
   const int64_t stride = p.KH * D;  // between consecutive keys of a page
 
-  // calls f(j, key or value row of key j) for j = lo .. pos in order, a page at a time
-  auto for_keys = [&](const float* pages, auto&& f) {
+  const bool scaled = p.kv_format != kF32;
+
+  // calls f(j, key or value row of key j, its scale) for j = lo .. pos in order, a page at a time
+  auto for_keys = [&](const void* pages, const float* scales, auto&& f) {
     for (int64_t first = lo - lo % p.P; first <= pos; first += p.P) {
       const int64_t page = std::clamp<int64_t>(row[first / p.P], 0, p.num_pages - 1);
-      const float* base = pages + page * p.P * stride + kh * D;
+      const T* base = static_cast<const T*>(pages) + page * p.P * stride + kh * D;
       const int64_t j0 = std::max(first, lo), j1 = std::min(first + p.P - 1, pos);
-      for (int64_t j = j0; j <= j1; ++j) f(j, base + (j - first) * stride);
+      for (int64_t j = j0; j <= j1; ++j) {
+        const float sc = scaled ? scales[(page * p.P + (j - first)) * p.KH + kh] : 1.0f;
+        f(j, base + (j - first) * stride, sc);
+      }
     }
   };
 
   // scores [G, n]
-  for_keys(p.k, [&](int64_t j, const float* kr) {
+  for_keys(p.k, p.k_scale, [&](int64_t j, const T* kr, float ks) {
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs.data() + g * D;
       float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += qg[d] * kr[d];
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * ELEMS::at(kr, d);
+      if (scaled) acc *= ks;
       if (p.soft_cap > 0.0f) acc = p.soft_cap * std::tanh(acc / p.soft_cap);
       s[g * n + (j - lo)] = acc;
     }
@@ -106,11 +163,11 @@ void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
   // out [G, D] = probabilities [G, n] @ values [n, D]
-  for_keys(p.v, [&](int64_t j, const float* vr) {
+  for_keys(p.v, p.v_scale, [&](int64_t j, const T* vr, float vs) {
     for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * n + (j - lo)];
+      const float w = s[g * n + (j - lo)] * vs;
       float* og = o + g * D;
-      for (int64_t d = 0; d < D; ++d) og[d] += w * vr[d];
+      for (int64_t d = 0; d < D; ++d) og[d] += w * ELEMS::at(vr, d);
     }
   });
 }
@@ -127,25 +184,63 @@ struct Work {
       const int64_t end = std::min(items, i + BATCH);
       for (int64_t w = i; w < end; ++w) {
         const int64_t t = p.idx[w / p.KH];
-        if (t >= 0 && t < p.T) attend(p, t, w % p.KH, scratch);
+        if (t < 0 || t >= p.T) continue;
+        switch (p.kv_format) {
+          case kI8:
+            attend<I8Elems>(p, t, w % p.KH, scratch);
+            break;
+          case kE4M3:
+            attend<Fp8Elems<kE4M3Table>>(p, t, w % p.KH, scratch);
+            break;
+          case kE5M2:
+            attend<Fp8Elems<kE5M2Table>>(p, t, w % p.KH, scratch);
+            break;
+          default:
+            attend<F32Elems>(p, t, w % p.KH, scratch);
+        }
       }
       finished.fetch_add(end - i, std::memory_order_release);
     }
   }
 };
 
-ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::S32> count,
-                          ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> rows,
-                          ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap,
-                          int64_t window, bool has_sinks) {
+// The pages' element type each kv_format expects, and its name for errors.
+ffi::DataType FormatType(int64_t kv_format) {
+  switch (kv_format) {
+    case kI8:
+      return ffi::DataType::S8;
+    case kE4M3:
+      return ffi::DataType::F8E4M3FN;
+    case kE5M2:
+      return ffi::DataType::F8E5M2;
+    default:
+      return ffi::DataType::F32;
+  }
+}
+
+ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> idx,
+                          ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::PRED> valid,
+                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                          float scale, float soft_cap, int64_t window, bool has_sinks, int64_t kv_format) {
   const auto qd = q.dimensions(), kd = k.dimensions(), rd = rows.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || rd.size() != 2 || kd[3] != qd[2] || qd[1] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("netra_token_attention_f32: q [T, H, D], pages [N, P, KH, D], H % KH == 0");
   }
-  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), idx.typed_data(), pos.typed_data(),
-            valid.typed_data(), rows.typed_data(), sinks.typed_data(), out->typed_data(),
-            qd[0], qd[1], qd[2], kd[1], kd[2], rd[1], kd[0], 0, scale, soft_cap, window, has_sinks};
+  if (kv_format < kF32 || kv_format > kE5M2 || k.element_type() != FormatType(kv_format) ||
+      v.element_type() != FormatType(kv_format)) {
+    return ffi::Error::InvalidArgument("netra_token_attention_f32: pages' element type does not match kv_format");
+  }
+  if (kv_format != kF32 && (static_cast<int64_t>(k_scale.element_count()) != kd[0] * kd[1] * kd[2] ||
+                            static_cast<int64_t>(v_scale.element_count()) != kd[0] * kd[1] * kd[2])) {
+    return ffi::Error::InvalidArgument("netra_token_attention_f32: scales must be [N, P, KH] for quantized pages");
+  }
+  Problem p{q.typed_data(),       k.untyped_data(),  v.untyped_data(),   k_scale.typed_data(),
+            v_scale.typed_data(), idx.typed_data(),  pos.typed_data(),   valid.typed_data(),
+            rows.typed_data(),    sinks.typed_data(), out->typed_data(), qd[0],
+            qd[1],                qd[2],              kd[1],             kd[2],
+            rd[1],                kd[0],              0,                 scale,
+            soft_cap,             window,             has_sinks,         kv_format};
   p.count = std::clamp<int64_t>(count.typed_data()[0], 0, std::min<int64_t>(p.T, idx.dimensions()[0]));
   std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
   auto work = std::make_shared<Work>();
@@ -163,8 +258,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraTokenAttentionF32, TokenAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pages
+                                  .Arg<ffi::AnyBuffer>()          // k pages
+                                  .Arg<ffi::AnyBuffer>()          // v pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v scales
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tokens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // count [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
@@ -175,4 +272,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraTokenAttentionF32, TokenAttention,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window")
-                                  .Attr<bool>("has_sinks"));
+                                  .Attr<bool>("has_sinks")
+                                  .Attr<int64_t>("kv_format"));

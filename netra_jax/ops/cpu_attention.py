@@ -3,8 +3,9 @@ through XLA's FFI for the reference backend's per-token rows (decodes, speculati
 `netra_jax.ops.attention` runs it, and the jnp per-token path is its reference.
 
 Each listed token attends, per KV head, to its keys through its block-table row with an exact softmax in float32
-(the jnp path's online softmax over chunks gives the same result up to rounding). Float32 queries and pages only:
-other dtypes run the jnp path."""
+(the jnp path's online softmax over chunks gives the same result up to rounding). Float32 queries, with float32
+pages or quantized ones (`QuantizedPages` of int8, fp8 e4m3 or e5m2, de-quantized in the kernel's loops): other
+dtypes run the jnp path."""
 
 from __future__ import annotations
 
@@ -12,20 +13,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TARGET", "takes", "token_attention"]
+from netra_jax.ops.kv_quant import Pages, QuantizedPages, page_operands
+
+__all__ = ["KV_FORMATS", "TARGET", "takes", "token_attention"]
 
 TARGET = "netra_token_attention_f32"
 
 
-def takes(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether `token_attention` takes these operands (float32 queries and pages)."""
-    return q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+# the kernel's `kv_format` attribute per page dtype (see cpu_attention.cc)
+KV_FORMATS = {
+    np.dtype(jnp.float32): 0,
+    np.dtype(jnp.int8): 1,
+    np.dtype(jnp.float8_e4m3fn): 2,
+    np.dtype(jnp.float8_e5m2): 3,
+}
+
+
+def takes(q: jax.Array, k_pages: Pages) -> bool:
+    """Whether `token_attention` takes these operands: float32 queries; float32 pages, or quantized pages."""
+    if q.dtype != jnp.float32:
+        return False
+    return isinstance(k_pages, QuantizedPages) or k_pages.dtype == jnp.float32
 
 
 def token_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     tokens: jax.Array,
     count: jax.Array,
     positions: jax.Array,
@@ -36,20 +50,21 @@ def token_attention(
     sliding_window: int | None,
     soft_cap: float | None,
     sinks: jax.Array | None,
+    target: str = TARGET,
 ) -> jax.Array:
     """Attention of the tokens tokens[:count] (entries >= T are skipped), zeros for every other row.
 
-    q: [T, H, D] float32; k_pages, v_pages: [num_pages, page_size, KH, D] float32 (already holding this step's keys);
+    q: [T, H, D] float32; k_pages, v_pages: [num_pages, page_size, KH, D] float32 or `QuantizedPages` (already
+    holding this step's keys);
     tokens: [N] int32; count: [] int32; positions, valid: [T] each token's absolute position and whether it is real;
     rows: [T, max_pages] int32 each token's block-table row; sinks: [H] float32 attention-sink logits or None.
-    Returns [T, H, D] float32."""
+    target: the FFI target to call (another registered build of the kernel). Returns [T, H, D] float32."""
     T, H, _ = q.shape
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
     return call(
         q,
-        k_pages,
-        v_pages,
+        *page_operands(k_pages, v_pages),
         tokens.astype(jnp.int32),
         jnp.reshape(count, (1,)).astype(jnp.int32),
         positions.astype(jnp.int32),
@@ -60,4 +75,5 @@ def token_attention(
         soft_cap=np.float32(soft_cap or 0.0),
         window=int(sliding_window or 0),
         has_sinks=sinks is not None,
+        kv_format=KV_FORMATS[np.dtype(k_pages.dtype)],
     )

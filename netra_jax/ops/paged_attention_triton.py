@@ -15,8 +15,10 @@ from jax.experimental.pallas import triton as plgpu
 from netra_jax.ops.attention_args import check_attention_args
 from netra_jax.ops.attention_blocks import LOG2E, TARGET_PROGRAMS, block_layout, merge_splits
 from netra_jax.ops.gpu_budget import GpuBudget
+from netra_jax.ops.kv_quant import Pages, QuantizedPages, page_operands
 
 _MAX_SPLITS = 64
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SMEM_BUDGET = 160 * 1024
 GPU_BUDGET = GpuBudget(registers=255, smem_bytes=_SMEM_BUDGET)
 
@@ -62,6 +64,7 @@ def choose_config(
     page_size: int,
     max_context: int,
     itemsize: int = 2,
+    quantized: bool = False,
 ) -> KernelConfig:
     """Pick a launch configuration from the static shapes of one step.
 
@@ -74,10 +77,11 @@ def choose_config(
     keys, and 16 float32 keys in prefill blocks: float32 dots run on FMA units, whose operands and scores take more
     registers (64-key float32 tiles spilled up to 63 KB). A block whose query rows reach 32 KiB runs 8 warps and two
     stages; smaller blocks stay at 4 warps, because ptxas holds 8-warp kernels to 128 registers a thread, where
-    the narrower blocks spilled."""
+    the narrower blocks spilled. Over a quantized (int8 / fp8) cache, prefill blocks of float32 queries take 32 rows:
+    the scales' multiplies made 64-row blocks spill about 1 KB."""
     gp, dp = _next_pow2(group), _next_pow2(max(head_dim, 16))
     decode = num_tokens <= 2 * num_seqs
-    block_m = max(16, gp) if decode else max(64, gp)
+    block_m = max(16, gp) if decode else max(32 if quantized and itemsize > 2 else 64, gp)
     warps = 8 if block_m * dp * itemsize >= 32 * 1024 else 4
     key_bytes = 16 * 1024 if decode else 8 * 1024
     tile = max(16, min(64 if itemsize <= 2 else 32, key_bytes // (dp * itemsize)))
@@ -95,6 +99,18 @@ def choose_config(
     return KernelConfig(block_m=block_m, tile=tile, num_splits=splits, num_warps=warps, num_stages=stages)
 
 
+def fp8_bits_to_float(bits: jax.Array, fp8_dtype) -> jax.Array:
+    """fp8 values from their uint8 bits as float16, exactly, with integer ops every GPU has: an e5m2 byte is the top
+    byte of the float16 of the same value; an e4m3fn byte's exponent and mantissa shifted into a float16 are its value
+    times 2^-8 (bias 7 against 15; subnormals included), so the result is multiplied back by 256. e4m3fn's NaN
+    (S.1111.111) comes out as 480 (quantization never stores it). bits: uint8 [...] -> float32 [...]."""
+    b = bits.astype(jnp.uint16)
+    if jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e5m2):
+        return lax.bitcast_convert_type(b << 8, jnp.float16).astype(jnp.float32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # sign to bit 15, exponent and mantissa under float16's
+    return lax.bitcast_convert_type(h, jnp.float16).astype(jnp.float32) * 256.0
+
+
 def _kernel(
     seq_ref,  # [NB] int32
     qstart_ref,  # [NB] int32
@@ -102,8 +118,10 @@ def _kernel(
     pos0_ref,  # [NB] int32
     bt_ref,  # [S, max_pages] int32
     q_ref,  # [T, H, D]
-    k_ref,  # [num_pages, page_size, KH, D]
+    k_ref,  # [num_pages, page_size, KH, D] float, or int8 / fp8 with scales
     v_ref,  # [num_pages, page_size, KH, D]
+    ks_ref,  # [num_pages, page_size, KH] float32 key scales (quantized pages; else [1, 1, 1], unread)
+    vs_ref,  # [num_pages, page_size, KH] float32 value scales
     sinks_ref,  # [H] float32 attention-sink logits (zeros, unread, without sinks)
     *out_refs,  # rows R = [T + block_q, KH, GP]: o [*R, Dp]; split-K: acc [NS, *R, Dp], m, den [NS, *R] (f32)
     group: int,
@@ -114,6 +132,8 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     has_sinks: bool,
+    quantized: bool,
+    fp8_dtype,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     split = pl.program_id(2) if cfg.num_splits > 1 else 0
@@ -140,6 +160,12 @@ def _kernel(
         cdt = q.dtype
         prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
         q_pos = pos0 + t_in  # [BM] absolute position of each row's token
+
+        def widen(tile):  # a loaded K or V tile in the compute dtype, exactly; fp8 pages arrive as their uint8 bits
+            if fp8_dtype is None:
+                return tile.astype(cdt)
+            return fp8_bits_to_float(tile, fp8_dtype).astype(cdt)
+
         kv_hi = pos0 + n_q  # keys [kv_lo, kv_hi) can be visible to this block
         kv_lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
         t_lo, t_hi = kv_lo // TILE, (kv_hi + TILE - 1) // TILE
@@ -158,8 +184,12 @@ def _kernel(
             off = kpos % P
             kv_idx = (page[:, None], off[:, None], kh, d_idx[None, :])
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0).astype(cdt)  # [TILE, Dp]
+            # quantized pages: int8 / fp8 widen exactly to the compute dtype; each key's scale multiplies its
+            # score column and each value's scale its probability column (q . (s k) = s (q . k))
+            k = widen(plgpu.load(k_ref.at[kv_idx], mask=kv_mask, other=0))  # [TILE, Dp]
             s = plgpu.dot(q, k, trans_b=True, precision=prec)  # [BM, TILE] f32
+            if quantized:
+                s = s * plgpu.load(ks_ref.at[page, off, kh], mask=k_ok, other=0.0)[None, :]
             if soft_cap is None:
                 s = s * (scale * LOG2E)  # base-2 logits: exp2 is the cheaper instruction
             else:
@@ -172,8 +202,9 @@ def _kernel(
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp2(s - m_safe[:, None])  # [BM, TILE]
             alpha = jnp.exp2(m - m_safe)  # [BM]
-            v = plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0).astype(cdt)  # [TILE, Dp]
-            acc = acc * alpha[:, None] + plgpu.dot(p.astype(cdt), v, precision=prec)
+            v = widen(plgpu.load(v_ref.at[kv_idx], mask=kv_mask, other=0))  # [TILE, Dp]
+            pv = p * plgpu.load(vs_ref.at[page, off, kh], mask=k_ok, other=0.0)[None, :] if quantized else p
+            acc = acc * alpha[:, None] + plgpu.dot(pv.astype(cdt), v, precision=prec)
             return acc, m_new, den * alpha + jnp.sum(p, axis=1)
 
         m0 = jnp.full((BM,), -jnp.inf, jnp.float32)
@@ -203,8 +234,8 @@ def _kernel(
 
 def paged_attention_triton(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     md,
     *,
     scale: float,
@@ -216,22 +247,31 @@ def paged_attention_triton(
 ) -> jax.Array:
     """Ragged paged attention in one Pallas kernel; same contract as `attention.paged_attention_reference`.
 
-    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]; md: AttentionMetadata;
-    sinks: [q_heads] attention-sink logits or None. Returns [T, q_heads, head_dim] in q's dtype, zeros for padding
-    tokens. Softmax statistics in float32; f32 inputs use full-precision (non-TF32) dots."""
+    q: [T, q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim], float or
+    `QuantizedPages` (int8 / fp8 tiles widened to q's dtype in the kernel, their scales applied to the scores and
+    probabilities); md: AttentionMetadata; sinks: [q_heads] attention-sink logits or None. Returns
+    [T, q_heads, head_dim] in q's dtype, zeros for padding tokens. Softmax statistics in float32; f32 inputs use
+    full-precision (non-TF32) dots."""
     T, H, D = q.shape
     _, P, KH, _ = k_pages.shape
     sinks = check_attention_args(q, k_pages, v_pages, sliding_window, sinks)
     G = H // KH
     S, max_pages = md.block_tables.shape
     if config is None:
-        config = choose_config(T, S, G, KH, D, P, max_pages * P, jnp.dtype(q.dtype).itemsize)
+        quantized = isinstance(k_pages, QuantizedPages)
+        config = choose_config(T, S, G, KH, D, P, max_pages * P, jnp.dtype(q.dtype).itemsize, quantized)
     gp = _next_pow2(G)
     config.validate(gp)
     Dp = _next_pow2(max(D, 16))
     seq, q_start, n_q, pos0 = block_layout(md.query_start_loc, md.seq_lens, T, config.block_m // gp)
     NB, NS = seq.shape[0], config.num_splits
 
+    k_op, v_op, k_scales, v_scales = page_operands(k_pages, v_pages)
+    fp8 = k_op.dtype if jnp.dtype(k_op.dtype) in _FP8 else None
+    if fp8 is not None:
+        # fp8 pages go in as their bits, widened in the kernel by `fp8_bits_to_float`: the Triton lowering cannot fill
+        # a masked fp8 load's `other`, and has no e4m3 conversion before sm_89
+        k_op, v_op = (lax.bitcast_convert_type(x, jnp.uint8) for x in (k_op, v_op))
     kernel = functools.partial(
         _kernel,
         group=G,
@@ -242,6 +282,8 @@ def paged_attention_triton(
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
         has_sinks=sinks is not None,
+        quantized=isinstance(k_pages, QuantizedPages),
+        fp8_dtype=fp8,
     )
     rows = (T + config.block_m // gp, KH, gp)  # padded output rows, see the kernel's store
     if NS == 1:
@@ -268,8 +310,10 @@ def paged_attention_triton(
         pos0,
         md.block_tables.astype(jnp.int32),
         q,
-        k_pages,
-        v_pages,
+        k_op,
+        v_op,
+        k_scales,
+        v_scales,
         jnp.zeros((H,), jnp.float32) if sinks is None else sinks,
     )
     out = res if NS == 1 else merge_splits(*res)
@@ -300,6 +344,7 @@ def attention_flops_bytes(q_lens, seq_lens, q_heads: int, kv_heads: int, head_di
 __all__ = [
     "KernelConfig",
     "attention_flops_bytes",
+    "fp8_bits_to_float",
     "choose_config",
     "paged_attention_triton",
     "paged_attention_triton_interpret",
