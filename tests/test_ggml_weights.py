@@ -1,4 +1,4 @@
-"""GGUF tensors kept in their GGML blocks (`models.quant.GGMLWeight`, `ops.ggml_blocks`): the jnp de-quantization
+"""GGUF tensors kept in their GGML blocks (`netra_jax.quant.GGMLWeight`, `ops.ggml_blocks`): the jnp de-quantization
 of every kept type equals the values hand-encoded blocks stand for; the matmul, its einsum form and the embedding's
 row gather equal float arithmetic on those values; a GGUF file loads with its weights kept (a tied lm_head sharing the
 embedding's buffer, nothing written to the parameter cache, about the file's bytes of memory) and the engine's greedy

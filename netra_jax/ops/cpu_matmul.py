@@ -6,7 +6,7 @@ through the cores, and XLA's dot streams them at about half speed from 8 rows on
 SmolLM2's [576, 1536] at 8 rows on a 2-core Xeon; see the .cc file for the kernel's layout). The kernel takes
 x [M, K] @ w [K, N] in float32 for ROWS_MIN <= M <= ROWS_MAX; other shapes and dtypes run `jnp.dot`.
 
-int8 weights (for `models.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N] as float32, the
+int8 weights (for `netra_jax.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N] as float32, the
 weights widened to float in registers, for 1 <= M <= ROWS_MAX (one row too: XLA converts the whole weight to float in
 memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1)."""
 
