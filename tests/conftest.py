@@ -4,6 +4,7 @@ and a persistent XLA compilation cache so repeated engine builds reuse compiled 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -83,6 +84,19 @@ def _compilation_cache():
     from netra_jax.api import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("NETRA_JAX_TEST_XLA_CACHE") or None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """Drop jax's compiled executables after each test module. jit caches keep every executable of a module-level
+    function (one per static config and shape) for the life of the process, and each is JIT code in its own memory
+    maps: the whole suite in one process would pass the kernel's map limit (vm.max_map_count, 65530), where the next
+    compilation fails to map its code and the unwinder crashes on that error."""
+    yield
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
