@@ -9,11 +9,8 @@ and against the exact product within the bound that the activations' rounding im
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import platform
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import jax
@@ -226,27 +223,7 @@ def other_builds(tmp_path_factory):
         pytest.skip("the other builds are x86-64 instruction sets")
     out = tmp_path_factory.mktemp("ggml_builds")
     source = cpu_kernels.HERE / "cpu_ggml_matmul.cc"
-    flags = [f for f in cpu_kernels._FLAGS if not f.startswith("-march")]
-
-    def build(name: str) -> str:
-        lib = out / f"{name}.so"
-        cmd = [
-            cpu_kernels._compiler(),
-            *flags,
-            *BUILDS[name],
-            f"-I{jax.ffi.include_dir()}",
-            str(source),
-            "-o",
-            str(lib),
-        ]
-        subprocess.run(cmd, check=True, capture_output=True)
-        target = f"{cpu_ggml_matmul.TARGET}_{name}"
-        handler = ctypes.CDLL(str(lib)).NetraGgmlMatmulF32
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-        return target
-
-    with ThreadPoolExecutor(len(BUILDS)) as pool:
-        return dict(zip(BUILDS, pool.map(build, BUILDS), strict=True))
+    return cpu_kernels.register_builds(source, "NetraGgmlMatmulF32", cpu_ggml_matmul.TARGET, BUILDS, out)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

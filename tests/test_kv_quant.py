@@ -4,10 +4,7 @@ de-quantized pages), the C++ kernel's other instruction-set builds, the dense ba
 
 from __future__ import annotations
 
-import ctypes
 import platform
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -214,28 +211,8 @@ def other_builds(tmp_path_factory):
     if cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the other builds are x86-64 instruction sets")
     out = tmp_path_factory.mktemp("attention_builds")
-    flags = [f for f in cpu_kernels._FLAGS if not f.startswith("-march")]
-
-    def build(name: str) -> str:
-        lib = out / f"{name}.so"
-        source = cpu_kernels.HERE / "cpu_attention.cc"
-        cmd = [
-            cpu_kernels._compiler(),
-            *flags,
-            *BUILDS[name],
-            f"-I{jax.ffi.include_dir()}",
-            str(source),
-            "-o",
-            str(lib),
-        ]
-        subprocess.run(cmd, check=True, capture_output=True)
-        target = f"{cpu_attention.TARGET}_{name}"
-        handler = ctypes.CDLL(str(lib)).NetraTokenAttentionF32
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-        return target
-
-    with ThreadPoolExecutor(len(BUILDS)) as pool:
-        return dict(zip(BUILDS, pool.map(build, BUILDS), strict=True))
+    source = cpu_kernels.HERE / "cpu_attention.cc"
+    return cpu_kernels.register_builds(source, "NetraTokenAttentionF32", cpu_attention.TARGET, BUILDS, out)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

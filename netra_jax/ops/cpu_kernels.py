@@ -17,13 +17,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 
 from netra_jax.assets import cache_dir
 
-__all__ = ["SOURCES", "TARGETS", "available", "build", "unavailable_reason"]
+__all__ = ["SOURCES", "TARGETS", "available", "build", "register_builds", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -122,3 +124,29 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _load()
+
+
+def register_builds(
+    source: Path, symbol: str, target: str, builds: Mapping[str, Sequence[str]], out_dir: Path
+) -> dict[str, str]:
+    """Compile one kernel source once per entry of `builds` (name -> instruction-set flags, in place of
+    -march=native), in parallel, into `out_dir`; register each build's handler `symbol` as FFI target
+    `<target>_<name>` and return name -> target. Tests use it to run the code paths other CPUs take.
+    Raises RuntimeError (with the compiler's output) when a build fails or there is no compiler."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    flags = [f for f in _FLAGS if not f.startswith("-march")]
+
+    def one(name: str) -> str:
+        lib = out_dir / f"{Path(source).stem}-{name}.so"
+        cmd = [cxx, *flags, *builds[name], f"-I{jax.ffi.include_dir()}", str(source), "-o", str(lib)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        handler = getattr(ctypes.CDLL(str(lib)), symbol)
+        jax.ffi.register_ffi_target(f"{target}_{name}", jax.ffi.pycapsule(handler), platform="cpu")
+        return f"{target}_{name}"
+
+    with ThreadPoolExecutor(len(builds)) as pool:
+        return dict(zip(builds, pool.map(one, builds), strict=True))
