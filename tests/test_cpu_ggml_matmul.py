@@ -148,8 +148,17 @@ def test_float_x_is_the_default_and_int8_takes_prefill_rows(M):
         assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(x, w, "Q4_0"), 256)
     with pytest.raises(ValueError, match="Q4_K has no int8-activation path"):
         blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q4_K", int8_x=True)
-    with pytest.raises(ValueError, match="takes 1 to 512 with int8 x"):
-        blocks_matmul(jnp.ones((513, 256)), jnp.asarray(w), "Q4_0", int8_x=True)
+
+
+@pytest.mark.parametrize("M", [513, 1100])
+def test_int8_x_past_a_call_is_split_into_equal_calls(M):
+    """Rows past INT8_CHUNK_ROWS run as equal kernel calls (1100: 367 + 367 + 366), each row as it would alone."""
+    rng = np.random.default_rng(M)
+    w = random_blocks(rng, "Q4_0", 9, 2)
+    x = rng.standard_normal((M, 64), dtype=np.float32)
+    calls = [e for e in _jitted("Q4_0", True).lower(x, w).as_text().splitlines() if cpu_ggml_matmul.TARGET in e]
+    assert len(calls) == -(-M // cpu_ggml_matmul.INT8_CHUNK_ROWS)
+    assert_close(_jitted("Q4_0", True)(x, w), reference(int8_rounded(x), w, "Q4_0"), 64)
 
 
 def test_lowers_to_the_kernel_and_vmaps():

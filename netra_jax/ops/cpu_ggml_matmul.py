@@ -11,14 +11,15 @@ Activations: float32 as they are (the default), or on request (INT8_TYPES) quant
 kernel and multiplied with integer dot products as llama.cpp does; `int8_activations` is the default rule and says
 why.
 
-Rows: 1 to ROWS_MAX with float activations, 1 to INT8_ROWS_MAX with int8 ones. A decode step's rows (one per running
+Rows: 1 to ROWS_MAX with float activations, any number with int8 ones (split into calls of at most
+INT8_CHUNK_ROWS rows). A decode step's rows (one per running
 sequence) are few, and the kernel's cost is the weights' bytes (one row) or, with more rows, its arithmetic. With
 float activations past about 128 rows XLA's cache-blocked dot wins even counting its de-quantization of the whole
 weight (K 2048, N 8192 Q4_0 on a 2-core Xeon, kernel / XLA dot of the float weight / XLA de-quantize and dot: 128 rows
 16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms). The int8 path's integer dot products (64 multiply-adds an
 instruction with AVX-512 VNNI, the rows of x in the lanes) beat the de-quantize-and-dot reference by 2.5-4x at 128 to
 512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against 133 ms, 512 rows 128 against 415 ms): with
-int8 activations prefill chunks of up to INT8_ROWS_MAX rows take the kernel too.
+int8 activations prefill steps of any size take the kernel too.
 
 Derivative: in x only (the weight's bytes have none). The tangent is XLA's dot with the weight de-quantized by
 `netra_jax.ops.ggml_blocks` (linear in x, so reverse mode transposes it; an FFI call has no transpose)."""
@@ -35,7 +36,7 @@ from netra_jax.ops import cpu_kernels
 from netra_jax.ops.ggml_blocks import FORMATS, dequantize_rows
 
 __all__ = [
-    "INT8_ROWS_MAX",
+    "INT8_CHUNK_ROWS",
     "INT8_TYPES",
     "ROWS_MAX",
     "TARGET",
@@ -49,7 +50,9 @@ TARGET = "netra_ggml_matmul_f32"
 TYPES = tuple(FORMATS)  # the kernel reads every kept format (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types with an int8-activation path
-INT8_ROWS_MAX = 512  # rows with int8 activations (measured up to 512 against the reference)
+# rows per kernel call with int8 activations: more are split into equal calls (x's int8 copy, 512 x K bytes, stays in
+# L2 while the weight tiles stream past it)
+INT8_CHUNK_ROWS = 512
 
 
 def int8_activations(qtype: str, rows: int) -> bool:
@@ -73,9 +76,10 @@ def _why_not(x, w, qtype, int8_x: bool) -> str | None:
         return f"x must be float32 [M, K], got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}"
     if int8_x and qtype not in INT8_TYPES:
         return f"{qtype} has no int8-activation path (those: {', '.join(INT8_TYPES)})"
-    rows_max = INT8_ROWS_MAX if int8_x else ROWS_MAX
-    if not 1 <= x.shape[0] <= rows_max:
-        return f"x has {x.shape[0]} rows, the kernel takes 1 to {rows_max} with {'int8' if int8_x else 'float'} x"
+    if x.shape[0] < 1:
+        return "x has 0 rows"
+    if not int8_x and x.shape[0] > ROWS_MAX:
+        return f"x has {x.shape[0]} rows, the kernel takes 1 to {ROWS_MAX} with float x (any number with int8 x)"
     if getattr(w, "ndim", None) != 2 or w.dtype != jnp.uint8:
         return f"w must be uint8 [N, row_bytes], got {getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}"
     if w.shape[1] % block_bytes or w.shape[1] // block_bytes * qk != x.shape[1]:
@@ -92,12 +96,21 @@ def _int8_x(x, qtype: str, int8_x: bool | None) -> bool:
 
 
 def takes(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = None) -> bool:
-    """Whether `blocks_matmul(x, w, qtype, int8_x)` runs: float32 x [M, K] of 1..ROWS_MAX rows (INT8_ROWS_MAX with
-    int8 activations), uint8 w [N, row_bytes] holding K values per row in `qtype` blocks, and the kernels built."""
+    """Whether `blocks_matmul(x, w, qtype, int8_x)` runs: float32 x [M, K] of 1..ROWS_MAX rows (any number with int8
+    activations), uint8 w [N, row_bytes] holding K values per row in `qtype` blocks, and the kernels built."""
     return _why_not(x, w, qtype, _int8_x(x, qtype, int8_x)) is None and cpu_kernels.available()
 
 
 def _kernel(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool) -> jax.Array:
+    m = x.shape[0]
+    if int8_x and m > INT8_CHUNK_ROWS:
+        calls = -(-m // INT8_CHUNK_ROWS)
+        rows = -(-m // calls)  # equal calls: 600 rows are 300 + 300, not 512 + 88
+        return jnp.concatenate([_call(x[i : i + rows], w, qtype, int8_x) for i in range(0, m, rows)])
+    return _call(x, w, qtype, int8_x)
+
+
+def _call(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     return call(x, w, qtype=np.int32(FORMATS[qtype].ggml_type), int8_x=np.int32(int8_x))

@@ -1,7 +1,7 @@
 """The "cpu_rows" and "cpu_rows_q8" matmul backends: decode-sized float32 products on the CPU FFI kernels, float32
 and int8 weights on `ops.cpu_matmul`'s few-row kernels and GGML blocks on `ops.cpu_ggml_matmul`'s ("cpu_rows_q8":
-the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first, llama.cpp's arithmetic, for up to
-INT8_ROWS_MAX rows). Return None for a product they do not take (the entry point then runs the reference)."""
+the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first, llama.cpp's arithmetic, for any number of
+rows). Return None for a product they do not take (the entry point then runs the reference)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def cpu_rows_matmul(x: jax.Array, w, spec: str | None, preferred_element_type) -
 
 def cpu_rows_q8_matmul(x: jax.Array, w, spec: str | None, preferred_element_type) -> jax.Array | None:
     """As `cpu_rows_matmul`, with the activations of GGML weights of `cpu_ggml_matmul.INT8_TYPES` rounded to int8
-    blocks in the kernel (integer dot products; up to INT8_ROWS_MAX rows, prefill chunks included)."""
+    blocks in the kernel (integer dot products, for any number of rows: prefill steps included)."""
     return _cpu_rows(x, w, spec, int8_x=True)
 
 
