@@ -11,15 +11,14 @@ Activations: float32 as they are (the default), or on request (INT8_TYPES) quant
 kernel and multiplied with integer dot products as llama.cpp does; `int8_activations` is the default rule and says
 why.
 
-Rows: 1 to ROWS_MAX with float activations, any number with int8 ones (split into calls of at most
-INT8_CHUNK_ROWS rows). A decode step's rows (one per running
-sequence) are few, and the kernel's cost is the weights' bytes (one row) or, with more rows, its arithmetic. With
-float activations past about 128 rows XLA's cache-blocked dot wins even counting its de-quantization of the whole
-weight (K 2048, N 8192 Q4_0 on a 2-core Xeon, kernel / XLA dot of the float weight / XLA de-quantize and dot: 128 rows
-16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms). The int8 path's integer dot products (64 multiply-adds an
-instruction with AVX-512 VNNI, the rows of x in the lanes) beat the de-quantize-and-dot reference by 2.5-4x at 128 to
-512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against 133 ms, 512 rows 128 against 415 ms): with
-int8 activations prefill steps of any size take the kernel too.
+Rows: 1 to ROWS_MAX with float activations, any number with int8 ones (split into calls of at most INT8_CHUNK_ROWS
+rows). A decode step's rows (one per running sequence) are few, and the kernel's cost is the weights' bytes (one row)
+or, with more rows, its arithmetic. With float activations past about 128 rows XLA's cache-blocked dot wins even
+counting its de-quantization of the whole weight (K 2048, N 8192 Q4_0 on a 2-core Xeon, kernel / XLA dot of the float
+weight / XLA de-quantize and dot: 128 rows 16.7 / 16.9 / 33.4 ms, 256 rows 45.9 / 30.7 / 47.8 ms). The int8 path's
+integer dot products (64 multiply-adds an instruction with AVX-512 VNNI, the rows of x in the lanes) beat the
+de-quantize-and-dot reference by 2.5-4x at 128 to 512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against
+133 ms, 512 rows 128 against 415 ms): with int8 activations prefill steps of any size take the kernel too.
 
 Derivative: in x only (the weight's bytes have none). The tangent is XLA's dot with the weight de-quantized by
 `netra_jax.ops.ggml_blocks` (linear in x, so reverse mode transposes it; an FFI call has no transpose)."""
@@ -50,8 +49,7 @@ TARGET = "netra_ggml_matmul_f32"
 TYPES = tuple(FORMATS)  # the kernel reads every kept format (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types with an int8-activation path
-# rows per kernel call with int8 activations: more are split into equal calls (x's int8 copy, 512 x K bytes, stays in
-# L2 while the weight tiles stream past it)
+# rows per kernel call with int8 activations (the most measured against the reference); more are split into equal calls
 INT8_CHUNK_ROWS = 512
 
 
