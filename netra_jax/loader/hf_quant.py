@@ -15,8 +15,8 @@ Formats (K = in features, N = out features, G = group size; -1 = one group over 
   (act-order, `desc_act`). w = (q - z) * scale. A symmetric (`sym`) checkpoint's zeros are 2^(bits-1), as vLLM
   takes them.
 - AWQ (GEMM): `qweight` [K, N / 8] packed along N in AWQ's order (nibble i of word c is column
-  `8c + AWQ_ORDER[i]`, AWQ_ORDER = 0, 2, 4, 6, 1, 3, 5, 7), `qzeros` [K / G, N / 8] the same, `scales` [K / G, N]. Repacked here along K: the matmul reads K-packed
-  words, and one layout keeps one kernel.
+  `8c + AWQ_ORDER[i]`, AWQ_ORDER = 0, 2, 4, 6, 1, 3, 5, 7), `qzeros` [K / G, N / 8] the same, `scales` [K / G, N].
+  Repacked here along K: the matmul reads K-packed words, and one layout keeps one kernel.
 - compressed-tensors pack-quantized: `weight_packed` [N, K * bits / 32] (the torch [out, in] layout packed along K:
   transposed here to GPTQ's), `weight_scale` [N, K / G], `weight_zero_point` [N * bits / 32, K / G] packed along N
   when asymmetric, `weight_shape` [N, K], optional `weight_g_idx`. Values are stored with an offset of 2^(bits-1),
