@@ -61,6 +61,22 @@ def _compiler() -> str | None:
     return None
 
 
+def _required_compiler() -> str:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    return cxx
+
+
+def _compile(cxx: str, flags: Sequence[str], sources: Sequence[Path], out: str | Path) -> None:
+    """Compile `sources` into the shared library `out` with `flags` against jax's FFI headers; RuntimeError with the
+    compiler's output when it fails."""
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+
+
 def _cpu_signature() -> str:
     """What -march=native compiles for: the CPU's model and feature flags (a cache shared by machines must not hand
     one CPU's build to another)."""
@@ -75,9 +91,7 @@ def _cpu_signature() -> str:
 def build() -> Path:
     """The kernels' shared library, compiled now unless a build for these sources, compiler and CPU is cached.
     Raises RuntimeError (with the compiler's output) when it cannot be built."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    cxx = _required_compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     parts = [
         *(s.read_text() for s in (*SOURCES, *HEADERS)),
@@ -95,11 +109,11 @@ def build() -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    try:
+        _compile(cxx, _FLAGS, SOURCES, tmp)
+    except RuntimeError:
         os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        raise
     os.replace(tmp, out)  # atomic: processes building at once each leave a whole library
     return out
 
@@ -133,17 +147,12 @@ def register_builds(
     -march=native), in parallel, into `out_dir`; register each build's handler `symbol` as FFI target
     `<target>_<name>` and return name -> target. Tests use it to run the code paths other CPUs take.
     Raises RuntimeError (with the compiler's output) when a build fails or there is no compiler."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    cxx = _required_compiler()
     flags = [f for f in _FLAGS if not f.startswith("-march")]
 
     def one(name: str) -> str:
         lib = out_dir / f"{Path(source).stem}-{name}.so"
-        cmd = [cxx, *flags, *builds[name], f"-I{jax.ffi.include_dir()}", str(source), "-o", str(lib)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        _compile(cxx, [*flags, *builds[name]], [source], lib)
         handler = getattr(ctypes.CDLL(str(lib)), symbol)
         jax.ffi.register_ffi_target(f"{target}_{name}", jax.ffi.pycapsule(handler), platform="cpu")
         return f"{target}_{name}"
