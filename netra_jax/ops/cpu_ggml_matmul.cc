@@ -35,7 +35,9 @@
 //   unsigned bytes (nibbles, fifth bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
 //   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
 //   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
-//   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd.
+//   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd
+//   (with AVX-512 VBMI, the 4- and 5-bit types in groups of 4 blocks put in place by byte permutes, their scales
+//   repeated over their lanes by another: see "groups of blocks" below).
 //   More rows (and prefill chunks past the float path's 128): the rows of x in the lanes, a tile of 8 weight rows
 //   unpacked into bytes and scales once, then every 4 bytes of a weight row broadcast against 16 rows' 4 bytes per
 //   dpbusd (64 multiply-adds an instruction, a block's sums converted once per weight row and group of rows).
@@ -399,8 +401,9 @@ struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j
   static constexpr int QK = 32, BYTES = 18, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -8.0f); }
   static constexpr int U_BITS = 4;  // int8 activations: u the nibbles, offset -8 d (the scales' second half)
+  static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 8;  // byte offsets of the fields (-1: none)
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + 2, b1 + 2); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), o = splat(s + 8);
@@ -416,8 +419,9 @@ struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
   static constexpr int QK = 32, BYTES = 20, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
   static constexpr int U_BITS = 4;  // offset m
+  static constexpr int QS_AT = 4, QH_AT = -1, M_AT = 2, CENTER = 0;
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + 4, b1 + 4); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), m = splat(s + 8);
@@ -433,9 +437,10 @@ struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4)
   static constexpr int QK = 32, BYTES = 22, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -16.0f); }
   static constexpr int U_BITS = 5;  // offset -16 d
+  static constexpr int QS_AT = 6, QH_AT = 2, M_AT = -1, CENTER = 16;
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) {
-    return with_fifth_bits(nibbles(b0 + 6, b1 + 6), u32(b0 + 2), u32(b1 + 2));
+    return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
   }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -453,9 +458,10 @@ struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
   static constexpr int QK = 32, BYTES = 24, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
   static constexpr int U_BITS = 5;  // offset m
+  static constexpr int QS_AT = 8, QH_AT = 4, M_AT = 2, CENTER = 0;
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) {
-    return with_fifth_bits(nibbles(b0 + 8, b1 + 8), u32(b0 + 4), u32(b1 + 4));
+    return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
   }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -473,8 +479,9 @@ struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
   static constexpr int QK = 32, BYTES = 34, GROUP = 8;
   static void scales(const uint8_t* b, int nb, float* s) { block_halves<BYTES, 0>(b, nb, s); }
   static constexpr int U_BITS = 8;  // u = qs + 128, offset -128 d
+  static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 128;
   static void qscales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -128.0f); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return biased_bytes(b0 + 2, b1 + 2); }
+  static vb values(const uint8_t* b0, const uint8_t* b1) { return biased_bytes(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s);
@@ -827,6 +834,14 @@ struct Q8Rows {
   std::unique_ptr<float[]> lanes_d;   // [groups, bp, VW]
   std::unique_ptr<float[]> lanes_s;   // [groups, bp, VW]
   int64_t groups = 0;
+  // At most Q8_TM rows of a 4- or 5-bit type with AVX-512 VBMI and VNNI: the blocks in the weights' groups (Group),
+  // per row and group its two vectors of q, and per int32 lane of the group's dot products its block's d, d times
+  // the lane's sum of q, and -center times that sum.
+  std::unique_ptr<int8_t[]> group_q;   // [M, n_groups, 2, 64]
+  std::unique_ptr<float[]> group_d;    // [M, n_groups, 16]
+  std::unique_ptr<float[]> group_s;    // [M, n_groups, 16]
+  std::unique_ptr<int32_t[]> group_c;  // [M, n_groups, 16]
+  int64_t n_groups = 0;
 };
 
 constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
@@ -850,6 +865,10 @@ void put_rows_in_lanes(Q8Rows& r, int64_t M) {
   }
 }
 
+template <typename T>
+void put_rows_in_groups(Q8Rows& r, int64_t M);
+
+template <typename T>
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   Q8Rows r;
   const int64_t blocks = K / 32;
@@ -882,9 +901,196 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       r.s[m * r.bp + b] = d * static_cast<float>(total);
     }
   }
-  if (M > Q8_TM) put_rows_in_lanes(r, M);
+  if (M > Q8_TM) {
+    put_rows_in_lanes(r, M);
+  } else {
+    put_rows_in_groups<T>(r, M);
+  }
   return r;
 }
+
+// ---------------------------------------------------------------- int8 activations, few rows: groups of blocks
+
+// With AVX-512 VBMI and VNNI the 4- and 5-bit types' weight rows are read in groups of 4 blocks whose bytes one
+// two-source byte permute (vpermt2b over the group's first 128 bytes) puts in place: two vectors, the low and the
+// high 16 values of each block, 16 bytes a block, so that a block's products land in 4 int32 lanes of each. A
+// second permute gathers the group's fp16 scales (and mins), each repeated over its block's 4 lanes: a group costs
+// one conversion and one FMA per row of x, where the steps below take a gather per 8 blocks and a lane shuffle, a
+// conversion and an FMA per 2 blocks (1.3x the weight rows a second with weights in cache). x is laid out once per
+// call to match, the blocks' offsets folded in: -center sum(q) as the dot products' starting value (Q4_0, Q5_0),
+// or d_x times each lane's sum of q, against the mins repeated over their lanes (Q4_1, Q5_1). Q8_0 keeps the
+// steps: its 4 blocks are 136 bytes, past one permute's reach.
+#if defined(NETRA_Q8_AVX512) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define NETRA_Q8_GROUPS 1
+#endif
+
+template <typename T>
+constexpr bool GROUPED = T::U_BITS == 4 || T::U_BITS == 5;
+
+struct Group {
+  static constexpr int BLOCKS = 4;  // blocks per group
+  static constexpr int LPB = 4;     // int32 lanes per block
+  // Byte t of vector v (0: low, 1: high values) holds value v * 16 + t % 16 of the group's block t / 16.
+  static constexpr int value(int v, int t) { return v * 16 + t % 16; }
+};
+
+// The permutes' byte indices into a group's first 128 bytes: values (the qs byte holding value j and j + 16 of
+// each block, for both vectors) and scales (fp16 d in the low 32 bytes, the min m, where the type has one, in the
+// high 32, each repeated LPB times).
+template <typename T>
+struct GroupIndex {
+  int8_t values[64], scales[64];
+  constexpr GroupIndex() : values{}, scales{} {
+    for (int t = 0; t < 64; ++t) {
+      values[t] = static_cast<int8_t>(t / 16 * T::BYTES + T::QS_AT + t % 16);
+      const int half = t / 2, field = half < 16 || T::M_AT < 0 ? 0 : T::M_AT;
+      scales[t] = static_cast<int8_t>(half % 16 / Group::LPB * T::BYTES + field + t % 2);
+    }
+  }
+};
+
+template <typename T>
+constexpr GroupIndex<T> GROUP_INDEX{};
+
+template <typename T>
+void put_rows_in_groups(Q8Rows& r, int64_t M) {
+#if defined(NETRA_Q8_GROUPS)
+  if constexpr (GROUPED<T>) {
+    using G = Group;
+    static_assert(3 * T::BYTES + T::QS_AT + 16 <= 128);  // one permute's reach
+    r.n_groups = r.bp / G::BLOCKS;  // bp: a multiple of 8 blocks, zeros past the row's
+    const int64_t cells = M * r.n_groups;
+    r.group_q.reset(new int8_t[cells * 128]);
+    r.group_d.reset(new float[cells * 16]);
+    r.group_s.reset(new float[cells * 16]);
+    r.group_c.reset(new int32_t[cells * 16]);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < r.n_groups; ++g) {
+        const int64_t cell = m * r.n_groups + g, first = m * r.bp + g * G::BLOCKS;
+        int32_t sums[16] = {};
+        for (int v = 0; v < 2; ++v) {
+          for (int t = 0; t < 64; ++t) {
+            const int8_t q = r.q[(first + t / 16) * 32 + G::value(v, t)];
+            r.group_q[(cell * 2 + v) * 64 + t] = q;
+            sums[t / 4] += q;
+          }
+        }
+        for (int l = 0; l < 16; ++l) {
+          const float d = r.d[first + l / G::LPB];
+          r.group_d[cell * 16 + l] = d;
+          r.group_s[cell * 16 + l] = d * static_cast<float>(sums[l]);
+          r.group_c[cell * 16 + l] = -T::CENTER * sums[l];
+        }
+      }
+    }
+  }
+#else
+  (void)r, (void)M;
+#endif
+}
+
+#if defined(NETRA_Q8_GROUPS)
+// The weight values of the group at b (its first 128 bytes z0, z1) as unsigned bytes in x's layout (Group): u[0]
+// the low 16 values of each block, u[1] the high 16.
+template <typename T>
+inline void group_values(const uint8_t* b, __m512i z0, __m512i z1, __m512i index, __m512i (&u)[2]) {
+  const __m512i v = _mm512_permutex2var_epi8(z0, index, z1);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  u[0] = _mm512_and_si512(v, low4);
+  u[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (T::QH_AT >= 0) {  // fifth bits: value j's is bit j of the block's 32-bit qh
+    uint64_t lo = 0, hi = 0;
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t h = u32(b + i * T::BYTES + T::QH_AT);
+      lo |= static_cast<uint64_t>(h & 0xFFFF) << (16 * i);
+      hi |= static_cast<uint64_t>(h >> 16) << (16 * i);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    u[0] = _mm512_mask_add_epi8(u[0], _cvtu64_mask64(lo), u[0], sixteen);
+    u[1] = _mm512_mask_add_epi8(u[1], _cvtu64_mask64(hi), u[1], sixteen);
+  }
+}
+
+// y[:, n0:n1] for the R rows of x, weight row by weight row, group by group: per group one pair of byte vectors
+// of weights shared by the R rows' integer dot products, the scales repeated over their lanes times each row's d_x.
+template <typename T, int R>
+void q8_group_rows(const Problem& p, int64_t n0, int64_t n1) {
+  using G = Group;
+  const int64_t blocks = p.K / 32, whole = blocks / G::BLOCKS, ng = p.q8->n_groups;
+  const uint8_t* end = p.w + p.N * p.row_bytes;
+  const int8_t* xq = p.q8->group_q.get();
+  const float* xd = p.q8->group_d.get();
+  const float* xs = p.q8->group_s.get();
+  const int32_t* xc = p.q8->group_c.get();
+  const __m512i value_index = _mm512_loadu_si512(GROUP_INDEX<T>.values);
+  const __m512i scale_index = _mm512_loadu_si512(GROUP_INDEX<T>.scales);
+  alignas(64) uint8_t copy[128];  // a group whose 128 bytes pass the weights' end, or a partial last group, padded
+  const auto copied = [&](const uint8_t* b, int64_t bytes) {
+    std::memset(copy, 0, sizeof(copy));
+    std::memcpy(copy, b, static_cast<size_t>(bytes));
+    return static_cast<const uint8_t*>(copy);
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    __m512 acc[R][2], mins[R];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = mins[m] = _mm512_setzero_ps();
+    // group g at b, the lanes of its blocks `valid` (zero scales past them), into accumulator PARITY
+    const auto group = [&](const uint8_t* b, int64_t g, __mmask16 valid, auto parity) {
+      const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);
+      const __m512i sv = _mm512_permutex2var_epi8(z0, scale_index, z1);
+      const __m512 dw = _mm512_maskz_cvtph_ps(valid, _mm512_castsi512_si256(sv));
+      __m512i u[2];
+      group_values<T>(b, z0, z1, value_index, u);
+      for (int m = 0; m < R; ++m) {
+        const int64_t cell = m * ng + g;
+        __m512i sums = T::CENTER != 0 ? _mm512_loadu_si512(xc + cell * 16) : _mm512_setzero_si512();
+        sums = _mm512_dpbusd_epi32(sums, u[0], _mm512_loadu_si512(xq + cell * 128));
+        sums = _mm512_dpbusd_epi32(sums, u[1], _mm512_loadu_si512(xq + cell * 128 + 64));
+        const __m512 c = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + cell * 16));
+        acc[m][parity] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), c, acc[m][parity]);
+        if constexpr (T::M_AT >= 0) {
+          const __m512 mw = _mm512_maskz_cvtph_ps(valid, _mm512_extracti64x4_epi64(sv, 1));
+          mins[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xs + cell * 16), mins[m]);
+        }
+      }
+    };
+    const auto whole_group = [&](int64_t g, auto parity) {
+      const uint8_t* b = row + g * G::BLOCKS * T::BYTES;
+      __builtin_prefetch(b + PREFETCH, 0, 2);  // a group's bytes (68-96) span at most two lines ahead
+      __builtin_prefetch(b + PREFETCH + LINE_BYTES, 0, 2);
+      group(b + 128 <= end ? b : copied(b, end - b), g, static_cast<__mmask16>(0xFFFF), parity);
+    };
+    int64_t g = 0;
+    for (; g + 2 <= whole; g += 2) {
+      whole_group(g, std::integral_constant<int, 0>{});
+      whole_group(g + 1, std::integral_constant<int, 1>{});
+    }
+    if (g < whole) whole_group(g++, std::integral_constant<int, 0>{});
+    if (const int64_t rest = blocks - whole * G::BLOCKS; rest > 0) {
+      const uint8_t* b = copied(row + whole * G::BLOCKS * T::BYTES, rest * T::BYTES);
+      group(b, g, static_cast<__mmask16>((1u << (rest * G::LPB)) - 1), std::integral_constant<int, 1>{});
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), mins[m]);
+      p.y[m * p.N + n] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+
+template <typename T>
+void q8_groups(const Problem& p, int64_t n0, int64_t n1) {
+  switch (p.M) {
+    case 1:
+      return q8_group_rows<T, 1>(p, n0, n1);
+    case 2:
+      return q8_group_rows<T, 2>(p, n0, n1);
+    case 3:
+      return q8_group_rows<T, 3>(p, n0, n1);
+    default:
+      return q8_group_rows<T, 4>(p, n0, n1);
+  }
+}
+#endif
 
 // y[m0 : m0 + R, n] from weight row n and the quantized rows: per step of 8 blocks the weight scales times each
 // row's activation scales (one float per block, spread over the block's lanes), and the offsets' products summed
@@ -1019,6 +1225,9 @@ typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
 
 template <typename T>
 ChunkFn q8_fn(int64_t M) {
+#if defined(NETRA_Q8_GROUPS)
+  if constexpr (GROUPED<T>) return M <= Q8_TM ? q8_groups<T> : q8_lanes<T>;
+#endif
   if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
   return nullptr;
 }
@@ -1046,11 +1255,12 @@ struct Format {
   int64_t qk, bytes;
   ChunkFn (*chunk)(int64_t M);
   ChunkFn (*q8)(int64_t M);  // int8 activations (null: the type has no such path)
+  Q8Rows (*quantize)(const float* x, int64_t M, int64_t K);  // x for the int8-activation path
 };
 
 template <typename T>
 constexpr Format format(int32_t ggml_type, const char* name) {
-  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>};
+  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>, quantize_rows<T>};
 }
 
 constexpr Format FORMATS[] = {
@@ -1119,7 +1329,7 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::unique_ptr<vf[]> xs;
   Q8Rows q8;
   if (int8_x != 0) {
-    q8 = quantize_rows(p.x, p.M, p.K);
+    q8 = f->quantize(p.x, p.M, p.K);
     p.q8 = &q8;
   } else {
     xs = x_by_steps(p);
