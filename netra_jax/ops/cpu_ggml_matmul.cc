@@ -399,9 +399,9 @@ inline vf per_block(v8 c, int i) {
 
 struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j]) - 8) d
   static constexpr int QK = 32, BYTES = 18, GROUP = 8;
-  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -8.0f); }
-  static constexpr int U_BITS = 4;  // int8 activations: u the nibbles, offset -8 d (the scales' second half)
   static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 8;  // byte offsets of the fields (-1: none)
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
+  static constexpr int U_BITS = 4;  // int8 activations: u the nibbles, offset -8 d (the scales' second half)
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
@@ -417,9 +417,9 @@ struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j
 
 struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
   static constexpr int QK = 32, BYTES = 20, GROUP = 8;
-  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
-  static constexpr int U_BITS = 4;  // offset m
   static constexpr int QS_AT = 4, QH_AT = -1, M_AT = 2, CENTER = 0;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
+  static constexpr int U_BITS = 4;  // offset m
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
@@ -435,9 +435,9 @@ struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
 
 struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4) - 16) d, y[j]'s fifth bit h bit j
   static constexpr int QK = 32, BYTES = 22, GROUP = 8;
-  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -16.0f); }
-  static constexpr int U_BITS = 5;  // offset -16 d
   static constexpr int QS_AT = 6, QH_AT = 2, M_AT = -1, CENTER = 16;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
+  static constexpr int U_BITS = 5;  // offset -16 d
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) {
     return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
@@ -456,9 +456,9 @@ struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4)
 
 struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
   static constexpr int QK = 32, BYTES = 24, GROUP = 8;
-  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, true, 0.0f); }
-  static constexpr int U_BITS = 5;  // offset m
   static constexpr int QS_AT = 8, QH_AT = 4, M_AT = 2, CENTER = 0;
+  static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
+  static constexpr int U_BITS = 5;  // offset m
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
   static vb values(const uint8_t* b0, const uint8_t* b1) {
     return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
@@ -480,7 +480,7 @@ struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
   static void scales(const uint8_t* b, int nb, float* s) { block_halves<BYTES, 0>(b, nb, s); }
   static constexpr int U_BITS = 8;  // u = qs + 128, offset -128 d
   static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 128;
-  static void qscales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, false, -128.0f); }
+  static void qscales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
   static vb values(const uint8_t* b0, const uint8_t* b1) { return biased_bytes(b0 + QS_AT, b1 + QS_AT); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -916,7 +916,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 // high 16 values of each block, 16 bytes a block, so that a block's products land in 4 int32 lanes of each. A
 // second permute gathers the group's fp16 scales (and mins), each repeated over its block's 4 lanes: a group costs
 // one conversion and one FMA per row of x, where the steps below take a gather per 8 blocks and a lane shuffle, a
-// conversion and an FMA per 2 blocks (1.3x the weight rows a second with weights in cache). x is laid out once per
+// conversion and an FMA per 2 blocks (1.5x the weight rows a second with weights in cache). x is laid out once per
 // call to match, the blocks' offsets folded in: -center sum(q) as the dot products' starting value (Q4_0, Q5_0),
 // or d_x times each lane's sum of q, against the mins repeated over their lanes (Q4_1, Q5_1). Q8_0 keeps the
 // steps: its 4 blocks are 136 bytes, past one permute's reach.
