@@ -19,6 +19,7 @@ __all__ = [
     "SYMMETRIC",
     "BlockFormat",
     "dequantize_rows",
+    "pack_rows",
     "quantize_rows_q4_0",
     "row_bytes",
     "symmetric_rows",
@@ -191,6 +192,29 @@ def dequantize_rows(data: jax.Array, qtype: str, dtype=jnp.float32) -> jax.Array
     return _DEQUANT[qtype](blocks).reshape(*data.shape[:-1], nb * f.qk).astype(dtype)
 
 
+def pack_rows(q: jax.Array, d: jax.Array, qtype: str, m: jax.Array | None = None) -> jax.Array:
+    """Unsigned integers in GGML blocks: q [..., K] (K a multiple of 32; Q4_0 / Q4_1 values in 0..15, Q8_0's in
+    0..255 around 128), d [..., K / 32] float16 scales and, for Q4_1, m [..., K / 32] float16 mins -> uint8
+    [..., K / 32 * block_bytes], the blocks `dequantize_rows` reads as d * (q - offset) (SYMMETRIC) or d * q + m."""
+    if qtype not in ("Q4_0", "Q4_1", "Q8_0") or (m is None) != (qtype != "Q4_1"):
+        raise ValueError(f"pack_rows writes Q4_0 and Q8_0 (scales only) and Q4_1 (scales and mins), not {qtype}")
+    k = q.shape[-1]
+    if k % 32:
+        raise ValueError(f"{qtype} rows hold multiples of 32 values, not {k}")
+    lead = q.shape[:-1]
+    q = q.astype(jnp.uint8).reshape(*lead, k // 32, 32)  # Q8_0: q - 128 in two's complement is q ^ 128
+    if qtype == "Q8_0":
+        values = q ^ jnp.uint8(128)
+    else:
+        values = q[..., :16] | (q[..., 16:] << 4)  # value j in byte j's low nibble, value j + 16 in its high nibble
+
+    def half(v):  # [..., K / 32] -> [..., K / 32, 2] little-endian fp16 bytes
+        return jax.lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint8).reshape(*lead, k // 32, 2)
+
+    fields = [half(d)] if m is None else [half(d), half(m)]
+    return jnp.concatenate([*fields, values], axis=-1).reshape(*lead, k // 32 * FORMATS[qtype].block_bytes)
+
+
 def quantize_rows_q4_0(rows: jax.Array) -> jax.Array:
     """float [..., K] (K a multiple of 32) -> Q4_0 blocks uint8 [..., K / 32 * 18], rounded as llama.cpp's reference
     quantizer (and `gguf.quants`) does: per block the value of largest magnitude m, d = m / -8, q = clip(trunc(x / d
@@ -202,7 +226,5 @@ def quantize_rows_q4_0(rows: jax.Array) -> jax.Array:
     m = jnp.take_along_axis(x, jnp.argmax(jnp.abs(x), axis=-1, keepdims=True), axis=-1)  # [..., nb, 1]
     d = m / -8.0
     inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
-    q = jnp.clip(jnp.trunc(x * inv + 8.5), 0, 15).astype(jnp.uint8)  # [..., nb, 32]
-    packed = q[..., :16] | (q[..., 16:] << 4)  # value j in byte j's low nibble, value j + 16 in its high nibble
-    d16 = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8).reshape(*x.shape[:-1], 2)
-    return jnp.concatenate([d16, packed], axis=-1).reshape(*rows.shape[:-1], k // 32 * 18)
+    q = jnp.clip(jnp.trunc(x * inv + 8.5), 0, 15)  # [..., nb, 32]
+    return pack_rows(q.reshape(rows.shape), d[..., 0], "Q4_0")
