@@ -1,6 +1,6 @@
 """Quantized weights and the one `matmul` that reads them: pytree weight types (`weights`), online quantization of a
 float checkpoint (`online`), the jnp reference (`reference`) and the backends' kernels behind one entry point
-(`matmul`, with the layout each backend reads the weights in, `repack` for the GPU's)."""
+(`matmul`, with the layout each backend reads the weights in: `repack`, GPU and CPU)."""
 
 from netra_jax.quant.matmul import BACKENDS, CPU_BACKENDS, GPU_BACKENDS, LAYOUTS, MATMULS, matmul, weight_layout
 from netra_jax.quant.online import BATCH_DIMS, METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
@@ -10,6 +10,7 @@ from netra_jax.quant.weights import (
     BlockFP8Weight,
     GGMLWeight,
     PackedIntWeight,
+    PermutedWeight,
     QuantizedWeight,
     concatenate_outputs,
     embedding_rows,
@@ -30,6 +31,7 @@ __all__ = [
     "BlockFP8Weight",
     "GGMLWeight",
     "PackedIntWeight",
+    "PermutedWeight",
     "QuantizedWeight",
     "concatenate_outputs",
     "embedding_rows",

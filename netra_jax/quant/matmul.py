@@ -10,6 +10,7 @@ import jax
 from netra_jax.quant import gpu, repack
 from netra_jax.quant.cpu_rows import cpu_rows_matmul, cpu_rows_q8_matmul
 from netra_jax.quant.reference import reference_matmul
+from netra_jax.quant.weights import PermutedWeight
 
 # A backend kernel: (x, w, spec, preferred_element_type) -> x @ w, or None when it does not take the product.
 Kernel = Callable[..., jax.Array | None]
@@ -33,7 +34,10 @@ CPU_BACKENDS = ("cpu_rows", "cpu_rows_q8")  # the backends whose kernels are the
 MATMULS = tuple(BACKENDS)
 # Backend name -> the layout its kernels read the weights in, applied once at load (`weight_layout`); backends not
 # listed read the weights as loaded.
-LAYOUTS: dict[str, Callable[[dict], dict]] = {name: repack.for_gpu for name in (*GPU_BACKENDS, "gpu_interpret")}
+LAYOUTS: dict[str, Callable[[dict], dict]] = {
+    **{name: repack.for_gpu for name in (*GPU_BACKENDS, "gpu_interpret")},
+    **{name: repack.for_cpu for name in CPU_BACKENDS},
+}
 
 
 def weight_layout(params: dict, backend: str) -> dict:
@@ -48,6 +52,8 @@ def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None
     kernels = BACKENDS.get(backend)
     if kernels is None:
         raise ValueError(f"unknown matmul backend {backend!r}; available: {', '.join(MATMULS)}")
+    if isinstance(w, PermutedWeight):  # the kernels read the stored rows; x follows their order
+        x, w = w.inputs_in_stored_order(x, spec), w.stored
     for kernel in kernels:
         if (y := kernel(x, w, spec, preferred_element_type)) is not None:
             return y

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from netra_jax.ops import ggml_blocks
-from netra_jax.quant.weights import BlockFP8Weight, GGMLWeight, PackedIntWeight, QuantizedWeight
+from netra_jax.quant.weights import BlockFP8Weight, GGMLWeight, PackedIntWeight, PermutedWeight, QuantizedWeight
 
 
 def rows_form(spec: str | None, x: jax.Array, w) -> bool:
@@ -32,6 +32,8 @@ def dot(x: jax.Array, w: jax.Array, spec: str | None, preferred_element_type) ->
 
 def reference_matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None) -> jax.Array:
     """x @ w for a float or quantized weight, by de-quantizing in jnp (per-channel scales applied after the dot)."""
+    if isinstance(w, PermutedWeight):
+        x, w = w.inputs_in_stored_order(x, spec), w.stored
     if isinstance(w, QuantizedWeight) and w.batch_dims == 0:
         y = dot(x, w.q, spec, preferred_element_type)
         return y * w.scale.astype(y.dtype)

@@ -1,7 +1,8 @@
 """Quantized weights as registered pytree nodes that sit in the parameter tree where the float arrays they stand for
 would: per-channel int8/fp8 (`QuantizedWeight`), a GGUF file's blocks as they are (`GGMLWeight`), grouped integer
-weights (`PackedIntWeight`: AWQ, GPTQ, compressed-tensors pack-quantized) and fp8 with a scale per 2-D tile
-(`BlockFP8Weight`: DeepSeek / Qwen FP8 checkpoints). Each knows its logical shape, its jnp de-quantization (the
+weights (`PackedIntWeight`: AWQ, GPTQ, compressed-tensors pack-quantized), fp8 with a scale per 2-D tile
+(`BlockFP8Weight`: DeepSeek / Qwen FP8 checkpoints) and any of them with its input rows stored in another order
+(`PermutedWeight`). Each knows its logical shape, its jnp de-quantization (the
 ground truth every matmul kernel is tested against) and how a tensor-parallel split of the parameter splits its
 arrays (`shard_specs`); `concatenate_outputs` fuses weights of one input axis along their outputs (gate and up)
 without de-quantizing them."""
@@ -157,7 +158,35 @@ class BlockFP8Weight:
         return (self.q.astype(jnp.float32) * scale).astype(self.dtype).reshape(self.shape)
 
 
-QUANTIZED_TYPES = (QuantizedWeight, GGMLWeight, PackedIntWeight, BlockFP8Weight)
+@flax.struct.dataclass
+class PermutedWeight:
+    """A weight whose input rows are stored in another order: stored[k'] = w[perm[k']], so x @ w = x[..., perm] @
+    stored (GPTQ act-order weights re-laid with each group's rows together, for kernels that read a group's rows as
+    one block). `stored` is any weight of this module's types or a float array, of the logical [K, *out]."""
+
+    stored: object  # [K, *out] in the stored row order
+    perm: jax.Array  # [K] int32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stored.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def inputs_in_stored_order(self, x: jax.Array, spec: str | None = None) -> jax.Array:
+        """x with its contracted axis (the last one; `spec`'s letter of the weight's input axis) in stored order."""
+        axis = -1 if spec is None else spec.split(",")[0].index(spec.split(",")[1][0])
+        return jnp.take(x, self.perm, axis=axis)
+
+    def dequantize(self) -> jax.Array:
+        """The float parameter of `shape`, its input rows back in their own order."""
+        stored = self.stored.dequantize() if hasattr(self.stored, "dequantize") else self.stored
+        return stored[jnp.argsort(self.perm)]
+
+
+QUANTIZED_TYPES = (QuantizedWeight, GGMLWeight, PackedIntWeight, BlockFP8Weight, PermutedWeight)
 
 
 def is_quantized(w) -> bool:
