@@ -342,7 +342,9 @@ def _scratch_sequence(cfg: ModelConfig, num_tokens: int, dtype) -> tuple[KVCache
     return init_kv_cache(cfg, pages, _SCRATCH_PAGE, dtype), batch.metadata
 
 
-def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str = "reference") -> jax.Array:
+def forward_dense(
+    params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str = "reference", matmul_backend: str = "xla"
+) -> jax.Array:
     """Logits at every position of one sequence, without a cache argument: `forward` on a scratch paged cache
     that holds just this sequence (positions 0..T-1). For training-style use.
 
@@ -358,6 +360,8 @@ def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str 
         x: token ids [T] (integer) or embeddings [T, hidden] (float, the embedding layer's output as
             `embed_tokens` gives it, like Hugging Face's `inputs_embeds`).
         backend: the attention backend (see `netra_jax.ops.attention.BACKENDS`).
+        matmul_backend: the matmul backend (see `netra_jax.quant.matmul.BACKENDS`; its kernels are not
+            differentiable: keep "xla" for gradients).
 
     Returns:
         logits [T, vocab] float32.
@@ -371,5 +375,7 @@ def forward_dense(params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str 
     kv, md = _scratch_sequence(cfg, T, params["embed"].dtype)
     positions = jnp.arange(T, dtype=jnp.int32)
     token_ids, embeds = (x, None) if ids else (None, x)
-    logits, _ = forward(params, cfg, token_ids, positions, kv, md, backend=backend, input_embeds=embeds)
+    logits, _ = forward(
+        params, cfg, token_ids, positions, kv, md, backend=backend, input_embeds=embeds, matmul_backend=matmul_backend
+    )
     return logits

@@ -95,7 +95,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     )
     if quantization:
         params = quantize_params(params, quantization)
-    params = weight_layout(params, config.resolved_matmul_backend())  # GGUF Q4_0 / Q8_0 and int8 packed for "gpu"
+    params = weight_layout(params, config.resolved_matmul_backend())  # re-laid for the backend's kernels (quant.repack)
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)

@@ -1,7 +1,12 @@
-"""Weights re-laid for the GPU kernels at load (the engine applies `for_gpu` when the platform is CUDA): GGUF's Q4_0
-and Q8_0 blocks are exactly `PackedIntWeight`s (32-value groups, the file's fp16 d, w = d * (q - 8) or d * q), so
-they become that layout for the Pallas W4A16 / W8A16 kernel, and so do per-channel int8 weights (one group of all
-K rows); the other GGML types have no GPU kernel and are de-quantized to their float dtype."""
+"""Weights re-laid at load for the kernels of a matmul backend (`quant.matmul.LAYOUTS`), both ways between GGML
+blocks and grouped integers:
+- `for_gpu` (the GPU backends): GGUF's Q4_0 and Q8_0 blocks are exactly `PackedIntWeight`s (32-value groups, the
+  file's fp16 d, w = d * (q - 8) or d * q), so they become that layout for the Pallas W4A16 / W8A16 kernel, and so
+  do per-channel int8 weights (one group of all K rows); the other GGML types have no GPU kernel and are
+  de-quantized to their float dtype.
+- `for_cpu` (the CPU backends): AWQ / GPTQ / compressed-tensors grouped integers become the GGML blocks the CPU
+  kernels stream (4 bits: Q4_0 when symmetric, Q4_1 with zero points; 8 bits symmetric: Q8_0), act-order weights
+  with their rows sorted by group (`PermutedWeight`)."""
 
 from __future__ import annotations
 
@@ -9,11 +14,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from netra_jax.ops import ggml_blocks
-from netra_jax.quant.weights import GGMLWeight, PackedIntWeight, QuantizedWeight
+from netra_jax.quant.weights import GGMLWeight, PackedIntWeight, PermutedWeight, QuantizedWeight
 
-__all__ = ["for_gpu", "pack_along_k", "packed_from_ggml", "packed_from_int8"]
+__all__ = ["for_cpu", "for_gpu", "ggml_from_packed", "pack_along_k", "packed_from_ggml", "packed_from_int8"]
 
 
 def pack_along_k(q: jax.Array, bits: int) -> jax.Array:
@@ -77,3 +83,59 @@ def for_gpu(params):
         return w.dequantize() if packed is None else packed
 
     return jax.tree.map(one, params, is_leaf=lambda v: isinstance(v, GGMLWeight | QuantizedWeight))
+
+
+def _ggml_type(w: PackedIntWeight) -> str | None:
+    """The GGML type holding w's values as they are: 4 bits as Q4_0 (symmetric: every zero point 8) or Q4_1 (d * q
+    + m, m = -zero * d), 8 bits as Q8_0 when symmetric; None otherwise (8 bits with zero points, other widths)."""
+    middle = 1 << (w.bits - 1)
+    symmetric = w.zero is None or bool(np.all(np.asarray(w.zero) == middle))
+    if w.bits == 4:
+        return "Q4_0" if symmetric else "Q4_1"
+    return "Q8_0" if w.bits == 8 and symmetric else None
+
+
+@functools.partial(jax.jit, static_argnums=3)  # one program per shape and type
+def _blocks(w: PackedIntWeight, order: jax.Array | None, block_group: jax.Array, qtype: str) -> jax.Array:
+    q = w.values()  # [K, N]
+    if order is not None:
+        q = q[order]  # the input rows sorted by group
+    d = w.scale[block_group]  # [K / 32, N]: each 32-row block's group scale
+    m = None
+    if qtype == "Q4_1":
+        m = (-(w.zero[block_group].astype(jnp.float32) * d.astype(jnp.float32))).T  # rounded to fp16 in the block
+    return ggml_blocks.pack_rows(q.T, d.T, qtype, m)  # [N, K / 32 * block_bytes]
+
+
+def ggml_from_packed(w: PackedIntWeight) -> GGMLWeight | PermutedWeight | None:
+    """A grouped integer weight as the GGML blocks of `_ggml_type` (rows sorted by group first when it has an
+    act-order g_idx: a PermutedWeight), or None when its values do not fit them as they are: another bit width, K or
+    a group not in whole 32-row blocks, or scales that float16 does not hold exactly (the blocks' d is fp16).
+    Q4_1's m = -zero * scale is rounded once to fp16 (at most 2^-11 of zero * scale, the order of the format's own
+    fp16 rounding of each de-quantized weight)."""
+    qtype = _ggml_type(w)
+    k = w.shape[0]
+    if qtype is None or k % 32:
+        return None
+    scale = np.asarray(w.scale)
+    if not np.array_equal(scale.astype(np.float16).astype(np.float32), scale.astype(np.float32)):
+        return None
+    order = None if w.g_idx is None else np.argsort(np.asarray(w.g_idx), kind="stable").astype(np.int32)
+    groups = np.asarray(w.groups()) if order is None else np.asarray(w.g_idx)[order]  # [K] in stored order
+    blocks = groups.reshape(-1, 32)
+    if not np.all(blocks == blocks[:, :1]):
+        return None  # a 32-row block spans two groups
+    data = _blocks(w, order, jnp.asarray(blocks[:, 0]), qtype)
+    out = GGMLWeight(data.reshape(*w.shape[1:], -1), qtype, True, jnp.dtype(w.dtype))  # [*out, row_bytes]
+    return out if order is None else PermutedWeight(out, jnp.asarray(order))
+
+
+def for_cpu(params):
+    """`params` with every grouped integer weight (AWQ, GPTQ, compressed-tensors pack-quantized) re-laid as the GGML
+    blocks the CPU kernels read (`ggml_from_packed`; the ones that do not fit keep the jnp reference); the other
+    weights stay as they are."""
+
+    def one(w):
+        return (ggml_from_packed(w) or w) if isinstance(w, PackedIntWeight) else w
+
+    return jax.tree.map(one, params, is_leaf=lambda v: isinstance(v, PackedIntWeight))
