@@ -1,6 +1,9 @@
 """The GGML-block matmul kernel (netra_jax/ops/cpu_ggml_matmul.cc) per type on Llama-1B-like shapes, against XLA's
 float32 dot of the de-quantized weight and the float32 few-row kernel: ms per call and GB/s of weight bytes read
-(the quantized bytes for the kernel, 4 bytes a weight for the float dots).
+(the quantized bytes for the kernel, 4 bytes a weight for the float dots). The case "int4_g128" is a 4-bit weight
+with zero points in groups of 128 (AWQ / GPTQ / compressed-tensors W4A16, `PackedIntWeight`): its jnp reference
+(XLA's dot over the de-quantized weight, every step) against the Q4_1 blocks the CPU backends re-lay it as at load
+(`quant.repack.for_cpu`), GB/s of the bytes each reads.
 
 Each call reads the next of a ring of weight copies (together --ring-mib, beyond the last-level cache), so the
 weights come from memory as in a decode step. Random blocks with sane fp16 scales (the speed does not depend on
@@ -10,7 +13,8 @@ array, best of 5) is recorded next to it, the roofline of the GB/s column.
 
 Writes benchmarks/results/<date>-ggml_matmul.json (or --out).
 
-Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0] [--rows 1,8,32] [--ring-mib 1024] [--out F]
+Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0,int4_g128] [--rows 1,8,32] [--ring-mib 1024]
+       [--out F]
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels, cpu_matmul
 from netra_jax.ops.ggml_blocks import FORMATS
+from netra_jax.quant import PackedIntWeight, matmul
+from netra_jax.quant.repack import ggml_from_packed, pack_along_k
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPES = [(2048, 8192), (8192, 2048)]  # (K, N): a Llama-1B FFN's gate / up, and its down
+GROUPED = "int4_g128"  # a W4A16 weight with zero points, group 128
 
 
 def random_blocks(rng, qtype: str, copies: int, n: int, k: int) -> np.ndarray:
@@ -43,6 +50,31 @@ def random_blocks(rng, qtype: str, copies: int, n: int, k: int) -> np.ndarray:
     for at in fields:
         w[..., at : at + 2] = np.array([rng.uniform(1e-3, 1e-2)], np.float16).view(np.uint8)
     return w.reshape(copies, n, -1)
+
+
+def random_grouped(rng, copies: int, n: int, k: int, group: int = 128) -> list[PackedIntWeight]:
+    """`copies` random 4-bit weights [k, n] with zero points and fp16 scales in [1e-3, 1e-2] per group of rows."""
+    out = []
+    for _ in range(copies):
+        q = jnp.asarray(rng.integers(0, 16, (k, n), dtype=np.int32))
+        zero = rng.integers(0, 16, (k // group, n), dtype=np.int32)
+        scale = rng.uniform(1e-3, 1e-2, (k // group, n)).astype(np.float16)
+        out.append(PackedIntWeight(pack_along_k(q, 4), scale, zero, None, bits=4, group=group, shape=(k, n)))
+    return out
+
+
+def grouped_variants(rng, copies: int, n: int, k: int) -> dict:
+    """For the GROUPED case: x kind -> (jitted fn(x, w), its ring, the bytes of one weight it reads)."""
+    packed = random_grouped(rng, copies, n, k)
+    w0 = packed[0]
+    packed_bytes = w0.packed.nbytes + w0.scale.nbytes + w0.zero.nbytes
+    relaid = [ggml_from_packed(w) for w in packed]  # Q4_1 blocks
+    q4_1_bytes = relaid[0].data.nbytes
+    return {
+        "float32, reference": (jax.jit(lambda x, w: matmul(x, w, backend="xla")), packed, packed_bytes),
+        "float32, Q4_1": (jax.jit(lambda x, w: matmul(x, w, backend="cpu_rows")), relaid, q4_1_bytes),
+        "int8, Q4_1": (jax.jit(lambda x, w: matmul(x, w, backend="cpu_rows_q8")), relaid, q4_1_bytes),
+    }
 
 
 def time_ring(fn, x, ring, passes: int) -> tuple[float, float]:
@@ -71,7 +103,7 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default=",".join(cpu_ggml_matmul.TYPES))
+    ap.add_argument("--types", default=",".join((*cpu_ggml_matmul.TYPES, GROUPED)))
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--ring-mib", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=3)
@@ -85,11 +117,15 @@ def main() -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, ring of {args.ring_mib} MiB of weights per case")
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s (XLA sum over 1 GiB, all cores)")
-    print(f"{'K x N':>11} {'weights x':>16} {'M':>3} {'ms':>8} {'GB/s':>6}   (GB/s: weight bytes read per second)")
+    print(f"{'K x N':>11} {'weights x':>28} {'M':>3} {'ms':>8} {'GB/s':>6}   (GB/s: weight bytes read per second)")
     cases = []
     for k, n in SHAPES:
         for name in ("XLA f32 dot", "f32 kernel", *types):
-            if name in cpu_ggml_matmul.TYPES:
+            if name == GROUPED:
+                copies = max(2, args.ring_mib * 2**20 // (n * k * 5 // 8))  # about 5 bits a weight
+                grouped = grouped_variants(rng, copies, n, k)
+                variants = {kind: fn for kind, (fn, _, _) in grouped.items()}
+            elif name in cpu_ggml_matmul.TYPES:
                 qk, block_bytes = FORMATS[name].qk, FORMATS[name].block_bytes
                 nbytes = n * k // qk * block_bytes
                 copies = max(2, args.ring_mib * 2**20 // nbytes)
@@ -110,9 +146,11 @@ def main() -> None:
                 if name == "f32 kernel" and not cpu_matmul.takes(x, ring[0]):
                     continue
                 for x_kind, fn in variants.items():
+                    if name == GROUPED:
+                        _, ring, nbytes = grouped[x_kind]
                     s, median = time_ring(fn, x, ring, args.passes)
                     label = f"{name} x {x_kind}"
-                    print(f"{k:>5}x{n:<5} {label:>16} {m:>3} {s * 1e3:>8.3f} {nbytes / s / 1e9:>6.1f}", flush=True)
+                    print(f"{k:>5}x{n:<5} {label:>28} {m:>3} {s * 1e3:>8.3f} {nbytes / s / 1e9:>6.1f}", flush=True)
                     cases.append(
                         {
                             "K": k,
@@ -125,7 +163,7 @@ def main() -> None:
                             "weight_gbs": nbytes / s / 1e9,
                         }
                     )
-            del ring
+            ring = grouped = None
     doc = {
         "benchmark": "ggml_matmul",
         "machine": machine_info(),
