@@ -1,9 +1,11 @@
-"""The CPU few-row matmul kernels (netra_jax/ops/cpu_matmul.cc), float32 and int8 weights, against float64 numpy
-over the shapes their tiling splits (row tiles, column panels, single vectors, leftover columns, partial K blocks),
-their fallbacks, derivatives and build cache, and the engine running them: the steps that take them call them, the
-others do not, and greedy tokens match transformers' references and XLA's dot."""
+"""The CPU few-row matmul kernels (netra_jax/ops/cpu_matmul.cc), float32, int8 and fp8 e4m3 weights, against float64
+numpy over the shapes their tiling splits (row tiles, column panels, single vectors, leftover columns, partial K
+blocks), their fallbacks, derivatives and build cache, and the engine running them: the steps that take them call
+them, the others do not, and greedy tokens match transformers' references and XLA's dot."""
 
 from __future__ import annotations
+
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -216,22 +218,23 @@ def test_int8_other_shapes_run_xla_and_derivative_in_x():
     np.testing.assert_allclose(np.asarray(got), np.asarray(c) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("method, target", [("int8", "netra_small_matmul_i8"), ("fp8", "netra_small_matmul_e4m3")])
 @pytest.mark.parametrize("rows", [1, 6])
-def test_quantized_matmul_on_the_kernel_equals_xla(rows):
-    """int8 weight-only matmul, plain and einsum form: the kernel's (x @ q) * scale against XLA's."""
+def test_quantized_matmul_on_the_kernel_equals_xla(rows, method, target):
+    """int8 / fp8 weight-only matmul, plain and einsum form: the kernel's (x @ q) * scale against XLA's."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 40), dtype=np.float32))
     for w, spec in (
         (rng.standard_normal((40, 24), dtype=np.float32), None),
         (rng.standard_normal((40, 2, 24), dtype=np.float32), "th,hki->tki"),
     ):
-        qw = quantize_weight(jnp.asarray(w))
+        qw = quantize_weight(jnp.asarray(w), method)
         got = matmul(x, qw, spec, backend="cpu_rows")
         want = matmul(x, qw, spec, backend="xla")
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         text = jax.jit(lambda x, qw, spec=spec: matmul(x, qw, spec, backend="cpu_rows")).lower(x, qw).as_text()
-        assert "netra_small_matmul_i8" in text
+        assert target in text
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +260,65 @@ def test_int8_engine_steps_call_the_kernel_and_match_xla(int8_engines):
         for llm in (kernel, xla)
     ]
     assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------- fp8 (e4m3fn) weights
+
+E4M3_BITS = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # every pattern but the two NaNs
+
+
+def random_e4m3(rng, k: int, n: int) -> np.ndarray:
+    """[k, n] float8_e4m3fn of random bit patterns (no NaN), every pattern in column 0 when k allows."""
+    bits = rng.choice(E4M3_BITS, (k, n))
+    m = min(k, len(E4M3_BITS))
+    bits[:m, 0] = E4M3_BITS[:m]
+    return bits.view(jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 576, 1536), (1, 254, 33), *SHAPES])
+def test_e4m3_kernel_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + N + 11)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = random_e4m3(rng, K, N)
+    assert cpu_matmul.takes(jnp.asarray(x), jnp.asarray(w))
+    y = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.sqrt(K) * np.abs(ref).max() + 1e-30
+    assert y.shape == (M, N) and y.dtype == np.float32
+    np.testing.assert_array_less(np.abs(y - ref), 1e-6 * scale)
+    text = jax.jit(cpu_matmul.rows_matmul).lower(x, w).compile().as_text()
+    assert "netra_small_matmul_e4m3" in text and "bitcast-convert" not in text  # the weight is read in place
+
+
+def test_e4m3_every_bit_pattern_widens_exactly():
+    """One-hot rows of x pick single weights: every e4m3 value (subnormals, zeros of both signs, the largest 448)
+    comes out as ml_dtypes' float32 of it, in the vector loads (16 columns) and the leftover columns alike."""
+    w = np.stack([E4M3_BITS] * 19, axis=1).view(jnp.float8_e4m3fn)  # [254, 19]
+    for k0 in range(0, len(E4M3_BITS), 32):
+        x = np.eye(len(E4M3_BITS), dtype=np.float32)[k0 : k0 + 32]
+        y = np.asarray(cpu_matmul.rows_matmul(jnp.asarray(x), jnp.asarray(w)))
+        want = w[k0 : k0 + 32].astype(np.float32)
+        np.testing.assert_array_equal(y, want)
+
+
+@pytest.fixture(scope="module")
+def other_e4m3_builds(tmp_path_factory):
+    """FFI target per build of cpu_matmul.cc's e4m3 handler for another instruction set: AVX2 + F16C (8-float
+    vectors) and portable x86-64 (scalar widening)."""
+    if cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the other builds are x86-64 instruction sets")
+    builds = {"avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"], "portable": ["-march=x86-64", "-mtune=generic"]}
+    out = tmp_path_factory.mktemp("matmul_builds")
+    source = cpu_kernels.HERE / "cpu_matmul.cc"
+    return cpu_kernels.register_builds(source, "NetraSmallMatmulE4M3", "netra_small_matmul_e4m3", builds, out)
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_e4m3_other_builds_match_float64(other_e4m3_builds, build):
+    for M, K, N in [(1, 254, 37), (3, 100, 77), (9, 33, 200)]:
+        rng = np.random.default_rng(M + N)
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        w = random_e4m3(rng, K, N)
+        call = jax.ffi.ffi_call(other_e4m3_builds[build], jax.ShapeDtypeStruct((M, N), jnp.float32))
+        ref = x.astype(np.float64) @ w.astype(np.float64)
+        np.testing.assert_array_less(np.abs(np.asarray(call(x, w)) - ref), 1e-6 * np.sqrt(K) * np.abs(ref).max())

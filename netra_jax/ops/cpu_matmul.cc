@@ -1,5 +1,6 @@
 // Few-row matmuls for CPU, XLA FFI handlers: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]) with float32 x
-// and y, and w in float32 or int8 (converted to float in registers; the caller applies the int8 weight's scales).
+// and y, and w in float32, int8 or float8 e4m3fn (converted to float in registers; the caller applies a quantized
+// weight's scales).
 // Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_kernels.py builds and loads it).
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is a stream of
@@ -12,9 +13,11 @@
 //   weights of a panel's KB rows are strided in memory, so while one block of KB rows is computed, the next block's
 //   lines (contiguous per row) are prefetched into L2 a few at a time.
 // - More than MT rows: the row tiles run inside the block, on weights already in cache.
-// - int8 weights: the same walk over a quarter of the bytes; each weight vector is widened to float as it is loaded.
+// - int8 and fp8 weights: the same walk over a quarter of the bytes; each weight vector is widened to float as it is
+//   loaded (fp8 through float16: its bits moved into a float16's, converted, scaled by 2^8).
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -66,6 +69,42 @@ inline vf load(const int8_t* p) {
   std::memcpy(&out, &v, sizeof(out));
 #else
   for (int i = 0; i < VW; ++i) out[i] = static_cast<float>(p[i]);
+#endif
+  return out;
+}
+
+// float8 e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, S.1111.111 is NaN), as stored.
+struct E4M3 {
+  uint8_t bits;
+};
+
+inline float to_float(float w) { return w; }
+inline float to_float(int8_t w) { return static_cast<float>(w); }
+inline float to_float(E4M3 w) {
+  const int e = (w.bits >> 3) & 15, m = w.bits & 7;
+  const float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return w.bits & 0x80 ? -v : v;
+}
+
+// VW e4m3 weights widened to float. Sign-extended to 16 bits and shifted left by 7, a byte's sign lands in bits 15
+// and 14 and its exponent and mantissa in bits 13-7: masking bit 14 leaves the float16 whose value is the e4m3
+// value / 2^8 (bias 15 against 7; subnormals map to subnormals), which the conversion widens exactly; then x 2^8.
+// The NaN pattern reads as 480 (quantized weights hold none). Five instructions a vector against int8's two, still
+// as fast as int8 at one row (memory-bound: 16.6 against 17.2 GB/s on a 2-core AVX-512 Xeon).
+inline vf load(const E4M3* p) {
+  vf out;
+#if defined(__AVX512F__)
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  for (int i = 0; i < VW; ++i) out[i] = to_float(p[i]);
 #endif
   return out;
 }
@@ -155,7 +194,7 @@ void tail_columns(const Problem<W>& p, int64_t n0, int64_t k0, int64_t kb) {
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t n = n0; n < p.N; ++n) {
       float a = k0 == 0 ? 0.0f : p.y[m * p.N + n];
-      for (int64_t k = k0; k < k0 + kb; ++k) a += p.x[m * p.K + k] * static_cast<float>(p.w[k * p.N + n]);
+      for (int64_t k = k0; k < k0 + kb; ++k) a += p.x[m * p.K + k] * to_float(p.w[k * p.N + n]);
       p.y[m * p.N + n] = a;
     }
   }
@@ -211,7 +250,8 @@ ffi::Error SmallMatmul(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi:
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
     return ffi::Error::InvalidArgument(std::string(name) + " takes x [M, K] and w [K, N]");
   }
-  Problem<W> p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
+  const W* wp = reinterpret_cast<const W*>(w.untyped_data());  // fp8: its bytes as E4M3
+  Problem<W> p{x.typed_data(), wp, y->typed_data(), xd[0], xd[1], wd[1]};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0) {
     std::memset(p.y, 0, sizeof(float) * p.M * p.N);
@@ -238,6 +278,14 @@ ffi::Error SmallMatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return SmallMatmul<int8_t>("netra_small_matmul_i8", pool, x, w, y);
 }
 
+ffi::Error SmallMatmulE4M3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::F8E4M3FN) {  // the FFI has no typed buffer of fp8 elements
+    return ffi::Error::InvalidArgument("netra_small_matmul_e4m3 takes float8_e4m3fn weights");
+  }
+  return SmallMatmul<E4M3>("netra_small_matmul_e4m3", pool, x, w, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulF32, SmallMatmulF32,
@@ -252,4 +300,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulI8, SmallMatmulI8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulE4M3, SmallMatmulE4M3,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // float8_e4m3fn weights
                                   .Ret<ffi::Buffer<ffi::F32>>());

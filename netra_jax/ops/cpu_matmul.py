@@ -6,9 +6,10 @@ through the cores, and XLA's dot streams them at about half speed from 8 rows on
 SmolLM2's [576, 1536] at 8 rows on a 2-core Xeon; see the .cc file for the kernel's layout). The kernel takes
 x [M, K] @ w [K, N] in float32 for ROWS_MIN <= M <= ROWS_MAX; other shapes and dtypes run `jnp.dot`.
 
-int8 weights (for `netra_jax.quant`'s int8 weight-only matmul): x float32 [M, K] @ w int8 [K, N] as float32, the
-weights widened to float in registers, for 1 <= M <= ROWS_MAX (one row too: XLA converts the whole weight to float in
-memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1)."""
+int8 and float8 e4m3fn weights (for `netra_jax.quant`'s weight-only int8 and fp8 matmuls): x float32 [M, K] @ w
+[K, N] as float32, the weights widened to float in registers, for 1 <= M <= ROWS_MAX (one row too: XLA converts the
+whole weight to float in memory before its dot, which reads and writes 9 bytes per weight where the kernel reads 1).
+An e4m3 weight's NaN pattern reads as 480 in the kernel (quantized weights hold none)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from netra_jax.ops import cpu_kernels
 
 __all__ = ["ROWS_MAX", "ROWS_MIN", "TARGETS", "rows_matmul", "takes"]
 
-TARGETS = {jnp.dtype(jnp.float32): "netra_small_matmul_f32", jnp.dtype(jnp.int8): "netra_small_matmul_i8"}  # by w
+TARGETS = {  # by w's dtype
+    jnp.dtype(jnp.float32): "netra_small_matmul_f32",
+    jnp.dtype(jnp.int8): "netra_small_matmul_i8",
+    jnp.dtype(jnp.float8_e4m3fn): "netra_small_matmul_e4m3",
+}
 # One row: XLA's dot streams float32 weights faster (27 against 22 GB/s). Past 32 rows the kernel's row tiles make it
 # compute-bound and XLA's blocked dot catches up.
 ROWS_MIN = 2
@@ -28,10 +33,10 @@ ROWS_MAX = 32
 
 def takes(x: jax.Array, w: jax.Array) -> bool:
     """Whether `rows_matmul` runs a kernel for these operands (else `jnp.dot`): float32 x of ROWS_MIN..ROWS_MAX rows
-    times float32 w, or of 1..ROWS_MAX rows times int8 w."""
+    times float32 w, or of 1..ROWS_MAX rows times int8 or e4m3 w."""
     if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype not in TARGETS:
         return False
-    return (1 if w.dtype == jnp.int8 else ROWS_MIN) <= x.shape[0] <= ROWS_MAX
+    return (ROWS_MIN if w.dtype == jnp.float32 else 1) <= x.shape[0] <= ROWS_MAX
 
 
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -48,15 +53,15 @@ def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def _rows_matmul_jvp(primals, tangents):
     (x, w), (dx, dw) = primals, tangents
     dy = jnp.dot(dx, w.astype(jnp.float32))
-    if w.dtype == jnp.float32:  # an int8 weight has no tangent
+    if w.dtype == jnp.float32:  # a quantized weight has no tangent
         dy = dy + jnp.dot(x, dw)
     return _kernel(x, w), dy  # linear in the tangents: reverse mode transposes it
 
 
 def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] (w float32 or int8, the int8 weight's scales left to the caller) on a CPU kernel when it
-    `takes` them and is `available`, else `jnp.dot` (of the widened weight). Differentiable (forward and reverse,
-    in w too when it is float: the derivative is jnp's). Lowers for CPU only."""
+    """x [M, K] @ w [K, N] (w float32, int8 or e4m3, a quantized weight's scales left to the caller) on a CPU kernel
+    when it `takes` them and is `available`, else `jnp.dot` (of the widened weight). Differentiable (forward and
+    reverse, in w too when it is float: the derivative is jnp's). Lowers for CPU only."""
     if takes(x, w) and cpu_kernels.available():
         return _rows_matmul(x, w)
     return jnp.dot(x, w.astype(x.dtype))

@@ -1,7 +1,8 @@
-"""The "cpu_rows" and "cpu_rows_q8" matmul backends: decode-sized float32 products on the CPU FFI kernels, float32
-and int8 weights on `ops.cpu_matmul`'s few-row kernels and GGML blocks on `ops.cpu_ggml_matmul`'s ("cpu_rows_q8":
-the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first, llama.cpp's arithmetic, for any number of
-rows). Return None for a product they do not take (the entry point then runs the reference)."""
+"""The "cpu_rows" and "cpu_rows_q8" matmul backends: decode-sized float32 products on the CPU FFI kernels, float32,
+int8 and fp8 (e4m3, per output channel) weights on `ops.cpu_matmul`'s few-row kernels and GGML blocks on
+`ops.cpu_ggml_matmul`'s ("cpu_rows_q8": the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first,
+llama.cpp's arithmetic, for any number of rows). Return None for a product they do not take (the entry point then
+runs the reference)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _cpu_rows(x: jax.Array, w, spec: str | None, int8_x: bool) -> jax.Array | No
         return y.reshape(x.shape[0], *w.shape[1:])
     if isinstance(w, QuantizedWeight) and w.batch_dims == 0:
         y = _few_rows(x, w.q)
-        return None if y is None else y * w.scale  # the int8 weights read as they are
+        return None if y is None else y * w.scale  # the int8 or e4m3 weights read as they are
     if is_quantized(w):  # no CPU kernel for its format
         return None
     return _few_rows(x, w.astype(x.dtype))
