@@ -3,7 +3,8 @@ float32 dot of the de-quantized weight and the float32 few-row kernel: ms per ca
 (the quantized bytes for the kernel, 4 bytes a weight for the float dots). The case "int4_g128" is a 4-bit weight
 with zero points in groups of 128 (AWQ / GPTQ / compressed-tensors W4A16, `PackedIntWeight`): its jnp reference
 (XLA's dot over the de-quantized weight, every step) against the Q4_1 blocks the CPU backends re-lay it as at load
-(`quant.repack.for_cpu`), GB/s of the bytes each reads.
+(`quant.repack.for_cpu`), GB/s of the bytes each reads; "int8_channel" and "fp8_channel" are per-output-channel int8
+and e4m3 weights (`--quantization int8 / fp8`, FP8 checkpoints), their reference against the few-row kernel.
 
 Each call reads the next of a ring of weight copies (together --ring-mib, beyond the last-level cache), so the
 weights come from memory as in a decode step. Random blocks with sane fp16 scales (the speed does not depend on
@@ -13,8 +14,8 @@ array, best of 5) is recorded next to it, the roofline of the GB/s column.
 
 Writes benchmarks/results/<date>-ggml_matmul.json (or --out).
 
-Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0,int4_g128] [--rows 1,8,32] [--ring-mib 1024]
-       [--out F]
+Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0,int4_g128,fp8_channel] [--rows 1,8,32]
+       [--ring-mib 1024] [--out F]
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels, cpu_matmul
 from netra_jax.ops.ggml_blocks import FORMATS
-from netra_jax.quant import PackedIntWeight, matmul
+from netra_jax.quant import PackedIntWeight, QuantizedWeight, matmul
 from netra_jax.quant.repack import ggml_from_packed, pack_along_k
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPES = [(2048, 8192), (8192, 2048)]  # (K, N): a Llama-1B FFN's gate / up, and its down
 GROUPED = "int4_g128"  # a W4A16 weight with zero points, group 128
+CHANNEL = {"int8_channel": jnp.int8, "fp8_channel": jnp.float8_e4m3fn}  # per-output-channel weights
 
 
 def random_blocks(rng, qtype: str, copies: int, n: int, k: int) -> np.ndarray:
@@ -77,6 +79,20 @@ def grouped_variants(rng, copies: int, n: int, k: int) -> dict:
     }
 
 
+def channel_variants(rng, copies: int, n: int, k: int, dtype) -> dict:
+    """For a CHANNEL case: x kind -> (jitted fn(x, w), its ring, the bytes of one weight it reads)."""
+    ring = []
+    for _ in range(copies):
+        q = rng.integers(-100, 100, (k, n), dtype=np.int8) if dtype == jnp.int8 else rng.integers(0, 126, (k, n))
+        q = jnp.asarray(q.astype(np.int8) if dtype == jnp.int8 else q.astype(np.uint8).view(jnp.float8_e4m3fn))
+        ring.append(QuantizedWeight(q=q, scale=jnp.asarray(rng.uniform(1e-3, 1e-2, n).astype(np.float32))))
+    nbytes = k * n + n * 4
+    return {
+        "float32, reference": (jax.jit(lambda x, w: matmul(x, w, backend="xla")), ring, nbytes),
+        "float32, kernel": (jax.jit(lambda x, w: matmul(x, w, backend="cpu_rows")), ring, nbytes),
+    }
+
+
 def time_ring(fn, x, ring, passes: int) -> tuple[float, float]:
     """(Fastest, median) seconds per call of fn(x, w) over `passes` walks of the ring of weights."""
     jax.block_until_ready(fn(x, ring[0]))  # compile
@@ -103,7 +119,7 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default=",".join((*cpu_ggml_matmul.TYPES, GROUPED)))
+    ap.add_argument("--types", default=",".join((*cpu_ggml_matmul.TYPES, GROUPED, *CHANNEL)))
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--ring-mib", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=3)
@@ -121,9 +137,12 @@ def main() -> None:
     cases = []
     for k, n in SHAPES:
         for name in ("XLA f32 dot", "f32 kernel", *types):
-            if name == GROUPED:
-                copies = max(2, args.ring_mib * 2**20 // (n * k * 5 // 8))  # about 5 bits a weight
-                grouped = grouped_variants(rng, copies, n, k)
+            if name == GROUPED or name in CHANNEL:
+                if name == GROUPED:
+                    copies = max(2, args.ring_mib * 2**20 // (n * k * 5 // 8))  # about 5 bits a weight
+                    grouped = grouped_variants(rng, copies, n, k)
+                else:
+                    grouped = channel_variants(rng, max(2, args.ring_mib * 2**20 // (n * k)), n, k, CHANNEL[name])
                 variants = {kind: fn for kind, (fn, _, _) in grouped.items()}
             elif name in cpu_ggml_matmul.TYPES:
                 qk, block_bytes = FORMATS[name].qk, FORMATS[name].block_bytes
@@ -146,7 +165,7 @@ def main() -> None:
                 if name == "f32 kernel" and not cpu_matmul.takes(x, ring[0]):
                     continue
                 for x_kind, fn in variants.items():
-                    if name == GROUPED:
+                    if name == GROUPED or name in CHANNEL:
                         _, ring, nbytes = grouped[x_kind]
                     s, median = time_ring(fn, x, ring, args.passes)
                     label = f"{name} x {x_kind}"
