@@ -184,8 +184,8 @@ class LLM:
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
         matmul_backend: "auto" | "xla" | "cpu_rows" | "cpu_rows_q8" | "gpu" | "gpu_sm80" | "gpu_interpret": how
-            matmuls run ("cpu_rows_q8": "cpu_rows" with GGUF Q4_0 ... Q8_0 weights times activations rounded to int8
-            blocks of 32, llama.cpp's arithmetic: faster, not float-exact);
+            matmuls run ("cpu_rows_q8": "cpu_rows" with GGUF Q4_0 ... Q8_0, Q4_K and Q5_K weights times activations
+            rounded to int8 blocks of 32, llama.cpp's arithmetic: faster, not float-exact);
             "auto" runs the CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are
             not split, the GPU kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16
             kernel; fp8 as W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the

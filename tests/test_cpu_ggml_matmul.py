@@ -118,12 +118,13 @@ def test_matches_float64(qtype, M, blocks, N):
 def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
     rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 1)
     w = random_blocks(rng, qtype, N, blocks)
-    x = rng.standard_normal((M, blocks * 32), dtype=np.float32)
+    k = blocks * FORMATS[qtype].qk  # the K-quants: 8 blocks of x a weight block
+    x = rng.standard_normal((M, k), dtype=np.float32)
     x[0, :32] = 0.0  # an all-zero block: d = 0
     y = _jitted(qtype, True)(x, w)
-    assert_close(y, reference(int8_rounded(x), w, qtype), blocks * 32)
+    assert_close(y, reference(int8_rounded(x), w, qtype), k)
     error = np.abs(np.asarray(y, np.float64) - reference(x, w, qtype))
-    bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(blocks * 32) * np.abs(reference(x, w, qtype)).max()
+    bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(k) * np.abs(reference(x, w, qtype)).max()
     assert np.all(error <= bound), f"error over the bound by {(error - bound).max():.3g}"
 
 
@@ -140,14 +141,14 @@ def test_gguf_quantized_blocks(qtype, M, int8_x):
 @pytest.mark.parametrize("M", [2, 9, 200])
 def test_float_x_is_the_default_and_int8_takes_prefill_rows(M):
     rng = np.random.default_rng(M)
-    w, w_k = random_blocks(rng, "Q4_0", 16, 8), random_blocks(rng, "Q4_K", 16, 1)
+    w, w_k = random_blocks(rng, "Q4_0", 16, 8), random_blocks(rng, "Q6_K", 16, 1)
     x = rng.standard_normal((M, 256), dtype=np.float32)
     assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0") == (M <= 128)
     assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0", int8_x=True)
     if M <= 128:
         assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(x, w, "Q4_0"), 256)
-    with pytest.raises(ValueError, match="Q4_K has no int8-activation path"):
-        blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q4_K", int8_x=True)
+    with pytest.raises(ValueError, match="Q6_K has no int8-activation path"):
+        blocks_matmul(jnp.asarray(x), jnp.asarray(w_k), "Q6_K", int8_x=True)
 
 
 @pytest.mark.parametrize("M", [513, 1100])

@@ -30,9 +30,10 @@
 //   over the whole K; with more, each tile's accumulators are kept between steps in a small buffer of partial
 //   vectors, and x is read from a copy laid out step by step. Lanes are summed once at the end. The next tile's
 //   bytes are prefetched over the current tile's steps.
-// - int8 activations (attribute int8_x = 1; the 32-value types): x's rows are quantized once per call to blocks of
-//   32 int8 values and a scale (d = max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as
-//   unsigned bytes (nibbles, fifth bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
+// - int8 activations (attribute int8_x = 1; the 32-value types, and Q4_K / Q5_K as steps of 8 sub-blocks of 32 with
+//   their own scales and mins): x's rows are quantized once per call to blocks of 32 int8 values and a scale (d =
+//   max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as unsigned bytes (nibbles, fifth
+//   bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
 //   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
 //   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
 //   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd
@@ -47,6 +48,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -320,6 +322,44 @@ inline vb with_fifth_bits(vb u, uint32_t h0, uint32_t h1) {
 #endif
 }
 
+// The K-quants' sub-blocks i (and i + 1 with two a vector: i even then) of a 256-value block as bytes: chunk c =
+// i / 2 of qs (32 bytes) holds sub-block 2c in its low nibbles and 2c + 1 in its high ones; FIVE (Q5_K) adds bit j of
+// qh[l] as the fifth bit of value l of sub-block j.
+template <bool FIVE>
+inline vb k4_values(const uint8_t* qh, const uint8_t* qs, int i) {
+#if defined(NETRA_Q8_AVX512)
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * i));  // chunk i / 2
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+  if constexpr (FIVE) {  // bit j of each qh byte, moved to bit 4 (16-bit shifts: a byte's bits 0 and 4 stay its own)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), bit4 = _mm256_set1_epi8(16);
+    const __m256i h_lo = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i)), h_hi = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i + 1));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h_lo, 4), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h_hi, 4), bit4));
+  }
+  return bits_as<vb>(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+#else
+  vb u;
+  const uint8_t* c = qs + 32 * (i / 2);
+  for (int p = 0; p < PB; ++p) {
+    const int j = i + p;  // the sub-block
+    for (int l = 0; l < 32; ++l) {
+      const int five = FIVE ? ((qh[l] >> j) & 1) << 4 : 0;
+      u[32 * p + l] = static_cast<uint8_t>(((j & 1) ? c[l] >> 4 : c[l] & 15) | five);
+    }
+  }
+  return u;
+#endif
+}
+
+// Blocks i and i + 1 (the second: block i again past the step's nb blocks, where its weight in the scales is 0) of
+// a step of 32-value blocks of BYTES bytes.
+template <int BYTES>
+inline std::pair<const uint8_t*, const uint8_t*> block_pair(const uint8_t* step, int i, int nb) {
+  const uint8_t* b0 = step + i * BYTES;
+  return {b0, i + 1 < nb ? b0 + BYTES : b0};
+}
+
 // Signed bytes (Q8_0's qs) as unsigned ones, u = q + 128.
 inline vb biased_bytes(const uint8_t* q0, const uint8_t* q1) {
 #if defined(NETRA_Q8_AVX512)
@@ -398,12 +438,15 @@ inline vf per_block(v8 c, int i) {
 }
 
 struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j]) - 8) d
-  static constexpr int QK = 32, BYTES = 18, GROUP = 8;
+  static constexpr int QK = 32, BYTES = 18, GROUP = 8, STEP_BYTES = 8 * BYTES;
   static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 8;  // byte offsets of the fields (-1: none)
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
   static constexpr int U_BITS = 4;  // int8 activations: u the nibbles, offset -8 d (the scales' second half)
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
+  static vb values(const uint8_t* step, int i, int nb) {
+    const auto [b0, b1] = block_pair<BYTES>(step, i, nb);
+    return nibbles(b0 + QS_AT, b1 + QS_AT);
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), o = splat(s + 8);
@@ -416,12 +459,15 @@ struct Q4_0 {  // half d; qs[16]: y[j] = (lo(qs[j]) - 8) d, y[j + 16] = (hi(qs[j
 };
 
 struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
-  static constexpr int QK = 32, BYTES = 20, GROUP = 8;
+  static constexpr int QK = 32, BYTES = 20, GROUP = 8, STEP_BYTES = 8 * BYTES;
   static constexpr int QS_AT = 4, QH_AT = -1, M_AT = 2, CENTER = 0;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
   static constexpr int U_BITS = 4;  // offset m
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return nibbles(b0 + QS_AT, b1 + QS_AT); }
+  static vb values(const uint8_t* step, int i, int nb) {
+    const auto [b0, b1] = block_pair<BYTES>(step, i, nb);
+    return nibbles(b0 + QS_AT, b1 + QS_AT);
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s), m = splat(s + 8);
@@ -434,12 +480,13 @@ struct Q4_1 {  // half d, m; qs[16]: lo(qs[j]) d + m, hi(qs[j]) d + m
 };
 
 struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4) - 16) d, y[j]'s fifth bit h bit j
-  static constexpr int QK = 32, BYTES = 22, GROUP = 8;
+  static constexpr int QK = 32, BYTES = 22, GROUP = 8, STEP_BYTES = 8 * BYTES;
   static constexpr int QS_AT = 6, QH_AT = 2, M_AT = -1, CENTER = 16;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
   static constexpr int U_BITS = 5;  // offset -16 d
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) {
+  static vb values(const uint8_t* step, int i, int nb) {
+    const auto [b0, b1] = block_pair<BYTES>(step, i, nb);
     return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
   }
   template <typename E>
@@ -455,12 +502,13 @@ struct Q5_0 {  // half d; qh[4] (h, 32 bits); qs[16]: ((nibble | fifth bit << 4)
 };
 
 struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
-  static constexpr int QK = 32, BYTES = 24, GROUP = 8;
+  static constexpr int QK = 32, BYTES = 24, GROUP = 8, STEP_BYTES = 8 * BYTES;
   static constexpr int QS_AT = 8, QH_AT = 4, M_AT = 2, CENTER = 0;
   static void scales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
   static constexpr int U_BITS = 5;  // offset m
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) {
+  static vb values(const uint8_t* step, int i, int nb) {
+    const auto [b0, b1] = block_pair<BYTES>(step, i, nb);
     return with_fifth_bits(nibbles(b0 + QS_AT, b1 + QS_AT), u32(b0 + QH_AT), u32(b1 + QH_AT));
   }
   template <typename E>
@@ -476,12 +524,15 @@ struct Q5_1 {  // half d, m; qh[4]; qs[16]: q d + m
 };
 
 struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
-  static constexpr int QK = 32, BYTES = 34, GROUP = 8;
+  static constexpr int QK = 32, BYTES = 34, GROUP = 8, STEP_BYTES = 8 * BYTES;
   static void scales(const uint8_t* b, int nb, float* s) { block_halves<BYTES, 0>(b, nb, s); }
   static constexpr int U_BITS = 8;  // u = qs + 128, offset -128 d
   static constexpr int QS_AT = 2, QH_AT = -1, M_AT = -1, CENTER = 128;
   static void qscales(const uint8_t* b, int nb, float* s) { scales_32<BYTES>(b, nb, s, M_AT >= 0, -CENTER); }
-  static vb values(const uint8_t* b0, const uint8_t* b1) { return biased_bytes(b0 + QS_AT, b1 + QS_AT); }
+  static vb values(const uint8_t* step, int i, int nb) {
+    const auto [b0, b1] = block_pair<BYTES>(step, i, nb);
+    return biased_bytes(b0 + QS_AT, b1 + QS_AT);
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     const vf d = splat(s);
@@ -545,9 +596,12 @@ inline void block_k4(const uint8_t* qh, const uint8_t* qs, const float* s, E&& e
 }
 
 struct Q4_K {  // half d, dmin; scales[12]; qs[128]
-  static constexpr int QK = 256, BYTES = 144, GROUP = 1;
-  static constexpr int U_BITS = 0;  // no int8-activation path
+  static constexpr int QK = 256, BYTES = 144, GROUP = 1, STEP_BYTES = BYTES;
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
+  // int8 activations: a block is a step of 8 sub-blocks of 32, u the nibbles, offset -dmin m_j
+  static constexpr int U_BITS = 4;
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* step, int i, int) { return k4_values<false>(nullptr, step + 16, i); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     block_k4<false>(nullptr, b + 16, s, emit);
@@ -555,9 +609,11 @@ struct Q4_K {  // half d, dmin; scales[12]; qs[128]
 };
 
 struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
-  static constexpr int QK = 256, BYTES = 176, GROUP = 1;
-  static constexpr int U_BITS = 0;  // no int8-activation path
+  static constexpr int QK = 256, BYTES = 176, GROUP = 1, STEP_BYTES = BYTES;
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
+  static constexpr int U_BITS = 5;  // as Q4_K, the fifth bits from qh
+  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static vb values(const uint8_t* step, int i, int) { return k4_values<true>(step + 16, step + 48, i); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     block_k4<true>(b + 16, b + 48, s, emit);
@@ -565,8 +621,8 @@ struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
 };
 
 struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 values, 16 values per scale.
-  static constexpr int QK = 256, BYTES = 210, GROUP = 1;
-  static constexpr int U_BITS = 0;  // no int8-activation path
+  static constexpr int QK = 256, BYTES = 210, GROUP = 1, STEP_BYTES = BYTES;
+  static constexpr int U_BITS = 0;  // no int8-activation path (16-value scales)
   // s[i] = d * scales[i], s[16 + i] = -32 s[i]
   static void scales(const uint8_t* b, int, float* s) {
     const float d = half(b + 208);
@@ -925,7 +981,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 #endif
 
 template <typename T>
-constexpr bool GROUPED = T::U_BITS == 4 || T::U_BITS == 5;
+constexpr bool GROUPED = T::QK == 32 && (T::U_BITS == 4 || T::U_BITS == 5);
 
 struct Group {
   static constexpr int BLOCKS = 4;  // blocks per group
@@ -1103,8 +1159,8 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
   v8 offsets[R] = {};
   for (int64_t g = 0; g < blocks; g += 8) {
     const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
-    const uint8_t* b = row + g * T::BYTES;
-    if (m0 == 0) prefetch(p, b - p.w + PREFETCH, nb * T::BYTES, limit);
+    const uint8_t* b = row + g / 8 * T::STEP_BYTES;
+    if (m0 == 0) prefetch(p, b - p.w + PREFETCH, nb * T::STEP_BYTES / 8, limit);
     alignas(64) float s[SCALES];  // [d_w x 8, offset_w x 8], zeros past nb
     T::qscales(b, nb, s);
     v8 c[R];  // d_w d_x per block
@@ -1117,8 +1173,7 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
     const auto blocks_of_step = [&](auto whole) {
       constexpr bool WHOLE = decltype(whole)::value;
       for (int i = 0; i < (WHOLE ? 8 : nb); i += PB) {
-        const uint8_t* b0 = b + i * T::BYTES;
-        const vb u = T::values(b0, i + 1 < nb ? b0 + T::BYTES : b0);  // a missing second block: weight 0 in c
+        const vb u = T::values(b, i, nb);  // a missing second block: weight 0 in c
         for (int m = 0; m < R; ++m) {
           const int8_t* q = p.q8->q.get() + ((m0 + m) * bp + g + i) * 32;
           const vf sums = __builtin_convertvector(dot<T::U_BITS>(u, q), vf);
@@ -1187,14 +1242,13 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
       const uint8_t* row = p.w + (n + std::min(j, tn - 1)) * p.row_bytes;  // a partial tile repeats its last row
       for (int64_t g = 0; g < blocks; g += 8) {
         const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
-        const uint8_t* b = row + g * T::BYTES;
+        const uint8_t* b = row + g / 8 * T::STEP_BYTES;
         alignas(64) float s[SCALES];
         T::qscales(b, nb, s);
         std::memcpy(dw.get() + j * bp + g, s, sizeof(float) * 8);  // whole steps (bp a multiple of 8)
         std::memcpy(ow.get() + j * bp + g, s + 8, sizeof(float) * 8);
         for (int i = 0; i < nb; i += PB) {
-          const uint8_t* b0 = b + i * T::BYTES;
-          const vb v = T::values(b0, i + 1 < nb ? b0 + T::BYTES : b0);  // bp > g + i + 1: room for a pair
+          const vb v = T::values(b, i, nb);  // bp > g + i + 1: room for a pair
           std::memcpy(u + (j * bp + g + i) * 32, &v, sizeof(v));
         }
       }

@@ -1,8 +1,8 @@
 """The "cpu_rows" and "cpu_rows_q8" matmul backends: decode-sized float32 products on the CPU FFI kernels, float32,
 int8 and fp8 (e4m3, per output channel) weights on `ops.cpu_matmul`'s few-row kernels and GGML blocks on
-`ops.cpu_ggml_matmul`'s ("cpu_rows_q8": the activations of Q4_0 ... Q8_0 products rounded to int8 blocks of 32 first,
-llama.cpp's arithmetic, for any number of rows). Return None for a product they do not take (the entry point then
-runs the reference)."""
+`ops.cpu_ggml_matmul`'s ("cpu_rows_q8": the activations of `cpu_ggml_matmul.INT8_TYPES` products rounded to int8
+blocks of 32 first, llama.cpp's arithmetic, for any number of rows). Return None for a product they do not take (the
+entry point then runs the reference)."""
 
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ Kernel = Callable[..., jax.Array | None]
 
 # Backend name -> its kernels, tried in order before the reference. "xla": the reference alone (XLA's dot over
 # weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products;
-# "cpu_rows_q8": the same with GGML Q4_0 ... Q8_0 products on int8 activations (llama.cpp's arithmetic); "gpu": the
-# Pallas W4A16 / W8A16 kernel for PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights (CUDA GPUs with fp8,
-# sm89+); "gpu_sm80": the Pallas kernel, fp8 weights as W8A16 (the reference); "gpu_interpret": the Pallas kernel in
-# the interpreter (CPU tests).
+# "cpu_rows_q8": the same with GGML Q4_0 ... Q8_0, Q4_K and Q5_K products on int8 activations (llama.cpp's
+# arithmetic); "gpu": the Pallas W4A16 / W8A16 kernel for PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights
+# (CUDA GPUs with fp8, sm89+); "gpu_sm80": the Pallas kernel, fp8 weights as W8A16 (the reference); "gpu_interpret":
+# the Pallas kernel in the interpreter (CPU tests).
 BACKENDS: dict[str, tuple[Kernel, ...]] = {
     "xla": (),
     "cpu_rows": (cpu_rows_matmul,),
