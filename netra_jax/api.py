@@ -35,7 +35,7 @@ from netra_jax.pooling import (
     pooler_config_from,
     pooling_spec,
 )
-from netra_jax.quant import quantize_params, weight_layout
+from netra_jax.quant import leaf_layout, quantize_params, weight_layout
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
 from netra_jax.spec import SpeculativeConfig, speculative_config_from
@@ -84,6 +84,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     pooling = None
     if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
         pooling = pooling_spec(path, header_cfg.hidden_size, config.pooler_config)
+    backend = config.resolved_matmul_backend()
     cfg, params = load_model(  # a method asked for re-quantizes a GGUF file's weights from their float values
         path,
         config.dtype,
@@ -92,10 +93,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         task=config.task,
         trust_remote_code=remote,
         keep_quantized=not quantization,
+        layout=leaf_layout(backend),  # each kept weight re-laid for the backend's kernels as it is placed
     )
     if quantization:
         params = quantize_params(params, quantization)
-    params = weight_layout(params, config.resolved_matmul_backend())  # re-laid for the backend's kernels (quant.repack)
+    params = weight_layout(params, backend)  # what online quantization made, re-laid too (the rest: unchanged)
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)

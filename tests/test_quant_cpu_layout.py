@@ -6,15 +6,16 @@ reference, and the fixtures the formats' libraries packed give transformers' log
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf_quantized import FIXTURES, reference
+from test_hf_quantized import FIXTURES, reference, write_random_gptq
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.loader import load_model
 from netra_jax.models.transformer import forward_dense
-from netra_jax.quant import GGMLWeight, PackedIntWeight, PermutedWeight, matmul, weight_layout
+from netra_jax.quant import GGMLWeight, PackedIntWeight, PermutedWeight, leaf_layout, matmul, weight_layout
 from netra_jax.quant.repack import for_cpu, ggml_from_packed, pack_along_k
 
 # fixture -> the GGML type its 4-bit weights become (symmetric: Q4_0; zero points: Q4_1)
@@ -141,3 +142,27 @@ def test_served_greedy_tokens_through_the_cpu_kernels(fmt):
         use_tqdm=False,
     )
     assert list(out[0].outputs[0].token_ids) == ref["greedy_ids"].tolist()
+
+
+def test_the_loader_re_lays_each_weight_as_it_is_placed(tmp_path):
+    """`load_model(layout=)` re-lays each parameter as soon as it is placed, so the stored and the re-laid forms of
+    the model are never held together: at every call the live device bytes stay within the final model's plus one
+    stored weight (re-laying the whole tree after the load holds both: about twice the model)."""
+    d = write_random_gptq(tmp_path / "gptq")
+    cpu_layout = leaf_layout("cpu_rows")
+    live: list[int] = []
+    largest = 0
+
+    def layout(w):
+        nonlocal largest
+        largest = max(largest, sum(a.nbytes for a in jax.tree.leaves(w)))
+        out = cpu_layout(w)
+        live.append(sum(a.nbytes for a in jax.live_arrays()))
+        return out
+
+    _, params = load_model(d, cache=False, layout=layout)
+    weights = [w for lp in params["layers"] for w in lp.values() if not isinstance(w, jax.Array)]
+    assert len(weights) >= 4 * 5 and all(isinstance(w, GGMLWeight) and w.qtype == "Q4_1" for w in weights)
+    held = sum(a.nbytes for a in jax.tree.leaves(params))
+    assert max(live) <= held + largest, (max(live), held, largest)
+    assert held >= 0.9 * (d / "model.safetensors").stat().st_size  # the blocks hold the model (here 1.2x the file)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,14 @@ def _open_source(
 
 
 def _load_kept(
-    get, has, cfg: ModelConfig, dtype, without: tuple[str, ...], drop_pages, mesh: jax.sharding.Mesh | None = None
+    get,
+    has,
+    cfg: ModelConfig,
+    dtype,
+    without: tuple[str, ...],
+    drop_pages,
+    mesh: jax.sharding.Mesh | None = None,
+    layout: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """The parameters whose quantized weights (a GGUF file's GGML blocks in the kept formats: Linear weights, experts
     and the embedding; a quantized checkpoint's Linear weights) stay as stored (`weight_reads.BlocksLeaf` /
@@ -112,7 +120,8 @@ def _load_kept(
     device as soon as it is read and the file pages it touched are dropped (`drop_pages`), so the process holds about
     the quantized bytes once. A tied lm_head shares a kept embedding's blocks. mesh: each device receives only its
     slice of every parameter (blocks sliced by rows or by whole blocks along K, see `quant.shard_specs`; KV heads
-    replicated as `parallel.shard_params` does)."""
+    replicated as `parallel.shard_params` does). layout: applied to each parameter as it is placed (see
+    `load_model`)."""
     tp = parallel.tp_size(mesh)
     reader = weight_map.WeightReader(cfg, get, has, dtype, without, keep_quantized=True)
     leaves = reader.leaves(parallel.kv_replicas(cfg, tp))
@@ -127,7 +136,7 @@ def _load_kept(
         else:
             value = jax.tree.map(jax.numpy.asarray, leaf.read_all())  # one copy: the file's pages to the device
         drop_pages()
-        return value
+        return value if layout is None else layout(value)
 
     is_leaf = lambda x: isinstance(x, parallel.LEAVES)  # noqa: E731
     if mesh is None:
@@ -164,6 +173,7 @@ def load_model(
     task: str = "generate",
     trust_remote_code: bool = False,
     keep_quantized: bool = True,
+    layout: Callable[[Any], Any] | None = None,
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Load a model: (ModelConfig, parameter pytree of jax arrays as `models.transformer.forward` takes it).
 
@@ -178,7 +188,9 @@ def load_model(
     auto_map with the native implementation of its architecture (see `ModelConfig.from_hf_dict`).
     keep_quantized: keep a GGUF file's GGML blocks in the kept formats (see the module docstring); False
     de-quantizes every tensor to `dtype`, as for a file of other types (e.g. to quantize the model another way).
-    A quantized Hugging Face checkpoint is always read as stored (False is refused)."""
+    A quantized Hugging Face checkpoint is always read as stored (False is refused). layout: a function of one
+    parameter applied to each kept-quantized one as soon as it is placed (a matmul backend's re-lay,
+    `quant.leaf_layout`), so that the stored and the re-laid forms of the whole model are never held together."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if task not in TASKS:
@@ -207,7 +219,7 @@ def load_model(
             raise CheckpointError(f"{path}: a {scheme.method} checkpoint is not supported with tensor parallelism yet")
         ck = HFCheckpoint(path)
         get, has = hf_quant.view(ck, scheme)
-        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, ck.drop_pages)
+        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, ck.drop_pages, layout=layout)
         log.info(
             "loaded %s (%s, %s weights kept quantized) in %.2fs", path, dt, scheme.describe(), time.perf_counter() - t0
         )
@@ -223,7 +235,7 @@ def load_model(
             return cfg, params
     if is_gguf and keep_quantized and source.kept_tensors():
         get, has = gguf_names.hf_view(source, cfg)
-        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, source.drop_pages, mesh)
+        params = _load_kept(get, has, cfg, _NP_DTYPES[dt], without, source.drop_pages, mesh, layout)
         how = "" if mesh is None else f", sharded {parallel.tp_size(mesh)} ways"
         log.info("loaded %s (%s, GGML blocks kept quantized%s) in %.2fs", path, dt, how, time.perf_counter() - t0)
         return cfg, params

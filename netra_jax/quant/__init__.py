@@ -2,7 +2,16 @@
 float checkpoint (`online`), the jnp reference (`reference`) and the backends' kernels behind one entry point
 (`matmul`, with the layout each backend reads the weights in: `repack`, GPU and CPU)."""
 
-from netra_jax.quant.matmul import BACKENDS, CPU_BACKENDS, GPU_BACKENDS, LAYOUTS, MATMULS, matmul, weight_layout
+from netra_jax.quant.matmul import (
+    BACKENDS,
+    CPU_BACKENDS,
+    GPU_BACKENDS,
+    LAYOUTS,
+    MATMULS,
+    leaf_layout,
+    matmul,
+    weight_layout,
+)
 from netra_jax.quant.online import BATCH_DIMS, METHODS, QUANTIZABLE, quantize_params, quantize_q4_0, quantize_weight
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import (
@@ -36,6 +45,7 @@ __all__ = [
     "concatenate_outputs",
     "embedding_rows",
     "is_quantized",
+    "leaf_layout",
     "matmul",
     "quantize_params",
     "quantize_q4_0",

@@ -4,13 +4,14 @@ kernels first, the jnp reference (`quant.reference`) for any product they do not
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from netra_jax.quant import gpu, repack
 from netra_jax.quant.cpu_rows import cpu_rows_matmul, cpu_rows_q8_matmul
 from netra_jax.quant.reference import reference_matmul
-from netra_jax.quant.weights import PermutedWeight
+from netra_jax.quant.weights import PermutedWeight, is_quantized
 
 # A backend kernel: (x, w, spec, preferred_element_type) -> x @ w, or None when it does not take the product.
 Kernel = Callable[..., jax.Array | None]
@@ -32,18 +33,25 @@ BACKENDS: dict[str, tuple[Kernel, ...]] = {
 GPU_BACKENDS = ("gpu", "gpu_sm80")  # the backends whose kernels need a CUDA GPU
 CPU_BACKENDS = ("cpu_rows", "cpu_rows_q8")  # the backends whose kernels are the CPU FFI library's
 MATMULS = tuple(BACKENDS)
-# Backend name -> the layout its kernels read the weights in, applied once at load (`weight_layout`); backends not
-# listed read the weights as loaded.
-LAYOUTS: dict[str, Callable[[dict], dict]] = {
-    **{name: repack.for_gpu for name in (*GPU_BACKENDS, "gpu_interpret")},
-    **{name: repack.for_cpu for name in CPU_BACKENDS},
+# Backend name -> the layout its kernels read a weight in (a function of one parameter, returning it as it is when
+# it needs nothing), applied once at load (`leaf_layout` as each parameter is placed, `weight_layout` over a tree);
+# backends not listed read the weights as loaded.
+LAYOUTS: dict[str, Callable[[Any], Any]] = {
+    **{name: repack.gpu_weight for name in (*GPU_BACKENDS, "gpu_interpret")},
+    **{name: repack.cpu_weight for name in CPU_BACKENDS},
 }
+
+
+def leaf_layout(backend: str) -> Callable[[Any], Any] | None:
+    """The function re-laying one parameter for `backend`'s kernels (LAYOUTS), or None when it reads them as loaded.
+    Applying it again to a re-laid parameter changes nothing."""
+    return LAYOUTS.get(backend)
 
 
 def weight_layout(params: dict, backend: str) -> dict:
     """`params` in the layout `backend`'s kernels read (LAYOUTS; as they are for the others)."""
-    layout = LAYOUTS.get(backend)
-    return params if layout is None else layout(params)
+    layout = leaf_layout(backend)
+    return params if layout is None else jax.tree.map(layout, params, is_leaf=is_quantized)
 
 
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:

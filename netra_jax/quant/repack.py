@@ -19,7 +19,16 @@ import numpy as np
 from netra_jax.ops import ggml_blocks
 from netra_jax.quant.weights import GGMLWeight, PackedIntWeight, PermutedWeight, QuantizedWeight
 
-__all__ = ["for_cpu", "for_gpu", "ggml_from_packed", "pack_along_k", "packed_from_ggml", "packed_from_int8"]
+__all__ = [
+    "cpu_weight",
+    "for_cpu",
+    "for_gpu",
+    "ggml_from_packed",
+    "gpu_weight",
+    "pack_along_k",
+    "packed_from_ggml",
+    "packed_from_int8",
+]
 
 
 def pack_along_k(q: jax.Array, bits: int) -> jax.Array:
@@ -68,21 +77,22 @@ def packed_from_int8(w: QuantizedWeight) -> PackedIntWeight | None:
     return PackedIntWeight(_repack_int8(w.q), scale, None, None, bits=8, group=k, shape=tuple(w.shape))
 
 
+def gpu_weight(w):
+    """One parameter re-laid for the GPU kernels: GGML Q4_0 and Q8_0 and int8 as PackedIntWeight, the other GGML
+    types de-quantized to their float dtype (no kernel of ours reads them on GPU); fp8 weights stay as they are, and
+    so do GGML embedding tables (their rows are de-quantized as they are looked up), MoE experts (the grouped matmul
+    de-quantizes the experts a step uses) and everything else."""
+    if isinstance(w, QuantizedWeight):
+        return packed_from_int8(w) or w
+    if not isinstance(w, GGMLWeight) or not w.transposed or w.batch_dims:
+        return w  # not a matmul weight, a table read by rows, or experts (models.moe reads their blocks)
+    packed = packed_from_ggml(w)
+    return w.dequantize() if packed is None else packed
+
+
 def for_gpu(params):
-    """`params` with every quantized matmul weight re-laid for the GPU kernels: GGML Q4_0 and Q8_0 and int8 as
-    PackedIntWeight, the other GGML types de-quantized to their float dtype (no kernel of ours reads them on GPU);
-    fp8 weights stay as they are, and so do GGML embedding tables (their rows are de-quantized as they are looked up)
-    and MoE experts (the grouped matmul de-quantizes the experts a step uses)."""
-
-    def one(w):
-        if isinstance(w, QuantizedWeight):
-            return packed_from_int8(w) or w
-        if not isinstance(w, GGMLWeight) or not w.transposed or w.batch_dims:
-            return w  # not a matmul weight, a table read by rows, or experts (models.moe reads their blocks)
-        packed = packed_from_ggml(w)
-        return w.dequantize() if packed is None else packed
-
-    return jax.tree.map(one, params, is_leaf=lambda v: isinstance(v, GGMLWeight | QuantizedWeight))
+    """`params` with every weight re-laid by `gpu_weight`."""
+    return jax.tree.map(gpu_weight, params, is_leaf=lambda v: isinstance(v, GGMLWeight | QuantizedWeight))
 
 
 def _ggml_type(w: PackedIntWeight) -> str | None:
@@ -130,12 +140,13 @@ def ggml_from_packed(w: PackedIntWeight) -> GGMLWeight | PermutedWeight | None:
     return out if order is None else PermutedWeight(out, jnp.asarray(order))
 
 
+def cpu_weight(w):
+    """One parameter re-laid for the CPU kernels: a grouped integer weight (AWQ, GPTQ, compressed-tensors
+    pack-quantized) as the GGML blocks they read (`ggml_from_packed`; one that does not fit keeps the jnp
+    reference); anything else as it is."""
+    return (ggml_from_packed(w) or w) if isinstance(w, PackedIntWeight) else w
+
+
 def for_cpu(params):
-    """`params` with every grouped integer weight (AWQ, GPTQ, compressed-tensors pack-quantized) re-laid as the GGML
-    blocks the CPU kernels read (`ggml_from_packed`; the ones that do not fit keep the jnp reference); the other
-    weights stay as they are."""
-
-    def one(w):
-        return (ggml_from_packed(w) or w) if isinstance(w, PackedIntWeight) else w
-
-    return jax.tree.map(one, params, is_leaf=lambda v: isinstance(v, PackedIntWeight))
+    """`params` with every weight re-laid by `cpu_weight`."""
+    return jax.tree.map(cpu_weight, params, is_leaf=lambda v: isinstance(v, PackedIntWeight))
