@@ -113,6 +113,47 @@ def test_hlo_gemms_and_entry_buffers_are_parsed():
     ]
 
 
+def _kernel_fusion(block_tables: str) -> str:
+    """A compiled step's dynamic-slice fusion around the Mosaic attention call (its module text cut out), the block
+    tables taken from the packed step array by `block_tables` (a slice or dynamic-slice instruction)."""
+    return f"""\
+%dynamic-slice-fusion (p0: s32[1024], p1: s32[1], p2: bf16[8192,16,8,128], p3: s32[4,8,2]) -> f32[8,1,8,8] {{
+  %p0 = s32[1024]{{0}} parameter(0)
+  %p1 = s32[1]{{0}} parameter(1)
+  %p3 = s32[4,8,2]{{2,1,0}} parameter(3)
+  {block_tables}
+  %bitcast.138 = s32[1,128]{{1,0}} bitcast(%slice.75), metadata={{op_name="jit(_step)/slice"}}
+  %p2 = bf16[8192,16,8,128]{{3,2,1,0}} parameter(2)
+  ROOT %mpmd_map.6 = f32[8,1,8,8]{{3,2,1,0}} custom-call(%p1, %bitcast.138, /*index=2*/%p2), \
+custom_call_target="mosaic_gpu_v2", metadata={{op_name="jit(_step)/ragged_paged_attention_mgpu_r8/mpmd_map"}}
+}}
+"""
+
+
+def test_mosaic_operands_sliced_off_alignment_are_found():
+    """XLA hands a Mosaic GPU call a slice of a larger buffer as an address inside it; the kernel refuses one that
+    is not 256-byte aligned when it runs (the H200 failure: block tables at element 8 of the packed step array)."""
+    bad = _kernel_fusion("%slice.75 = s32[128]{0} slice(%p0), slice={[8:136]}")
+    assert capture.misaligned_kernel_operands(bad) == [
+        "ragged_paged_attention_mgpu_r8 operand 1: a slice of %p0 at byte offset 32"
+    ]
+    assert (
+        capture.misaligned_kernel_operands(_kernel_fusion("%slice.75 = s32[128]{0} slice(%p0), slice={[448:576]}"))
+        == []
+    )
+    # a 3-d slice: its start corner's offset counts every dimension's stride (row 1 of [4, 8, 2]: 16 int32 = 64 B)
+    corner = "%slice.75 = s32[1,8,2]{2,1,0} slice(%p3), slice={[1:2], [0:8], [0:2]}"
+    assert capture.misaligned_kernel_operands(_kernel_fusion(corner)) == [
+        "ragged_paged_attention_mgpu_r8 operand 1: a slice of %p3 at byte offset 64"
+    ]
+    # a slice at a run-time offset along a dimension whose stride is 4 bytes may land anywhere
+    dyn = "%slice.75 = s32[128]{0} dynamic-slice(%p0, %p1), dynamic_slice_sizes={128}"
+    assert capture.misaligned_kernel_operands(_kernel_fusion(dyn)) == [
+        "ragged_paged_attention_mgpu_r8 operand 1: a dynamic slice of %p0 along dimension(s) [0]"
+    ]
+    assert capture.misaligned_kernel_operands(HLO) == []  # no Mosaic call there
+
+
 def test_budget_violations():
     b = GpuBudget(registers=200, smem_bytes=1000)
     assert b.violations(200, 0, 1000) == []

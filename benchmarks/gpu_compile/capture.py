@@ -203,3 +203,81 @@ def entry_buffers(hlo: str) -> list[tuple[str, str, tuple[int, ...], str]]:
             dims = tuple(int(d) for d in m.group(3).split(",") if d)
             out.append((m.group(1), m.group(2), dims, m.group(4)))
     return out
+
+
+# Mosaic GPU kernels refuse, when they run, any input or output buffer that is not 256-byte aligned (jaxlib's
+# custom_call.cc: "Input buffer 3 is not 256-byte aligned"). XLA places its own buffers on such boundaries, but it
+# hands a custom call a slice of another buffer as an address inside it (a dynamic-slice fusion), so a slice at an
+# unaligned offset compiles and then fails at the first step. Read off the compiled HLO here.
+MOSAIC_ALIGN_BYTES = 256
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\(.*?\)|\S+) ([\w-]+)\(([^)]*)\)")
+_ARRAY = re.compile(r"^([a-z]+\d*)\[([\d,]*)\](?:\{([\d,]*)\})?")
+_SLICE_STARTS = re.compile(r"slice=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4}
+
+
+def _bits(etype: str) -> int:
+    if etype in _BITS:
+        return _BITS[etype]
+    m = re.search(r"(\d+)", etype)
+    return int(m.group(1)) if m else 8
+
+
+def _strides(dims: tuple[int, ...], minor_to_major: tuple[int, ...]) -> list[int]:
+    """Element strides of each dimension of an array laid out `minor_to_major` (default: row-major)."""
+    order = minor_to_major or tuple(reversed(range(len(dims))))
+    strides, step = [0] * len(dims), 1
+    for d in order:
+        strides[d] = step
+        step *= dims[d]
+    return strides
+
+
+def misaligned_kernel_operands(hlo: str) -> list[str]:
+    """Operands of the Mosaic GPU custom calls of a compiled HLO module that are slices of a larger buffer at an
+    offset that is not a multiple of MOSAIC_ALIGN_BYTES (static slices), or may not be (dynamic slices along a
+    dimension whose stride is not); each as "<kernel> operand <i>: <why>"."""
+    out: list[str] = []
+    ops: dict[str, tuple[str, str, list[str], str]] = {}  # the current computation's: name -> (type, op, args, line)
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation starts: names are its own
+            ops = {}
+            continue
+        m = _HLO_OP.match(line)
+        if m is None:
+            continue
+        name, typ, op, args = m.groups()
+        arg_names = [a.split("%", 1)[1].strip() for a in args.split(",") if "%" in a]
+        ops[name] = (typ, op, arg_names, line[:2000])
+        if op != "custom-call" or 'custom_call_target="mosaic_gpu' not in line:
+            continue
+        path = (m.group(1) if (m := _OP_NAME.search(line)) else name).split("/")
+        kernel = path[-2] if len(path) > 1 else path[-1]  # ".../<kernel name>/mpmd_map"
+        for i, arg in enumerate(arg_names):
+            while arg in ops and ops[arg][1] == "bitcast":  # a bitcast is the same address
+                arg = ops[arg][2][0]
+            if arg not in ops or ops[arg][1] not in ("slice", "dynamic-slice"):
+                continue
+            _, op_kind, src_args, src_line = ops[arg]
+            src = ops.get(src_args[0])
+            a = _ARRAY.match(src[0]) if src else None
+            if a is None:
+                continue
+            dims = tuple(int(d) for d in a.group(2).split(",") if d)
+            layout = tuple(int(d) for d in (a.group(3) or "").split(",") if d)
+            strides, bits = _strides(dims, layout), _bits(a.group(1))
+            if op_kind == "slice":
+                starts = [int(s.strip(" [").split(":")[0]) for s in _SLICE_STARTS.search(src_line).group(1).split("],")]
+                offset = sum(s * st for s, st in zip(starts, strides, strict=False)) * bits // 8
+                if offset % MOSAIC_ALIGN_BYTES:
+                    out.append(f"{kernel} operand {i}: a slice of %{src_args[0]} at byte offset {offset}")
+            else:
+                size = _ARRAY.match(ops[arg][0])
+                sliced = tuple(int(d) for d in size.group(2).split(",") if d) if size else dims
+                bad = [
+                    d for d in range(len(dims)) if sliced[d] != dims[d] and strides[d] * bits // 8 % MOSAIC_ALIGN_BYTES
+                ]
+                if bad:
+                    out.append(f"{kernel} operand {i}: a dynamic slice of %{src_args[0]} along dimension(s) {bad}")
+    return out

@@ -264,8 +264,13 @@ def compile_step(
     reports = capture.ptxas_reports(out.text)
     row["pallas_kernels"] = sorted({k.name for k in reports if k.name.startswith(PALLAS_PREFIXES)})
     row["spilling_kernels"] = sorted({f"{k.name} ({k.spill_bytes} B)" for k in reports if k.spill_bytes})
+    hlo = compiled.as_text()
     if quantization:  # which GEMMs the quantized weights reached (fp8 operands: W8A8)
-        row["gemm_operands"] = sorted({f"{a} x {b}" for _, a, b in capture.gemms(compiled.as_text())})
+        row["gemm_operands"] = sorted({f"{a} x {b}" for _, a, b in capture.gemms(hlo)})
+    row["misaligned_operands"] = capture.misaligned_kernel_operands(hlo)
+    row["problems"] = row.get("problems", []) + [
+        f"a Mosaic GPU kernel would refuse its buffer at run time: {m}" for m in row["misaligned_operands"]
+    ]
     spills = [f"a Pallas kernel spills: {k}" for k in row["spilling_kernels"] if k.startswith(PALLAS_PREFIXES)]
     row["problems"] = row.get("problems", []) + spills
     del compiled, lowered

@@ -15,6 +15,7 @@ from netra_jax.paged import token_slots
 
 __all__ = [
     "PROMPT_LOGPROB_ROWS",
+    "FIELD_ALIGN",
     "BatchShape",
     "PackedBatch",
     "StepLayout",
@@ -51,9 +52,16 @@ class BatchShape:
         return self.layout.size
 
 
+# Every field starts on a 256-byte boundary. XLA passes a static slice of the packed array to a custom call as an
+# address inside it (dynamic-slice fusion), and Mosaic GPU kernels refuse any buffer not 256-byte aligned ("Input
+# buffer 3 is not 256-byte aligned": the block tables at element 8 of the array, seen on an H200).
+FIELD_ALIGN = 64  # int32 elements: 256 bytes
+
+
 @dataclass(frozen=True)
 class StepLayout:
-    """Named fields of the packed step array, in order, each with its length; offsets follow from the order."""
+    """Named fields of the packed step array, in order, each with its length; offsets follow from the order, each
+    rounded up to FIELD_ALIGN elements (the gaps hold zeros)."""
 
     fields: tuple[tuple[str, int], ...]
 
@@ -87,13 +95,14 @@ class StepLayout:
     def offsets(self) -> dict[str, tuple[int, int]]:
         out, o = {}, 0
         for name, n in self.fields:
+            o = -(-o // FIELD_ALIGN) * FIELD_ALIGN
             out[name] = (o, o + n)
             o += n
         return out
 
     @property
     def size(self) -> int:
-        return sum(n for _, n in self.fields)
+        return max(hi for _, hi in self.offsets.values())
 
     def view(self, buf, name: str):
         """The field `name` of a packed array (numpy: a writable view; jax: a slice)."""
