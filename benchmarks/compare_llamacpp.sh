@@ -32,7 +32,7 @@
 #                 llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec (llamacpp_gguf: the same, named
 #                 for any file)
 #   TAG           appended to every result's label and to the report's name (a second run on the same day keeps the
-#                 first one's files)
+#                 first one's files; the quantized preset puts the GGUF file's name before it)
 #   SPEC_K=5 SPEC_NGRAM_MAX=4 SPEC_NGRAM_MIN=2   n-gram speculation of the *_spec runs: netra-jax gets
 #                 --speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": MAX,
 #                 "prompt_lookup_min": MIN}'; llama-server its prompt-lookup equivalent, LLAMA_SPEC_ARGS (default
@@ -91,9 +91,13 @@ NETRA_SPEC_ARGS="--speculative-config '$SPEC_JSON'"
 LLAMA_SPEC_DEFAULT="--spec-type ngram-simple --spec-ngram-simple-size-n $SPEC_NGRAM_MIN"
 LLAMA_SPEC_DEFAULT+=" --spec-ngram-simple-size-m $SPEC_K"
 LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:-$LLAMA_SPEC_DEFAULT}
-PREFIX=""  # result labels: <preset>_<engine>[_<TAG>] except for the default preset
+PREFIX=""  # result labels: <preset>_<engine>[_<file>][_<TAG>] except for the default preset
 [ "$PRESET" = random ] || PREFIX="${PRESET}_"
 SUFFIX=${TAG:+_$TAG}
+if [ "$PRESET" = quantized ] && [ -n "${GGUF:-}" ]; then  # runs on two files the same day keep their own results
+  STEM=$(basename "$GGUF" .gguf)
+  SUFFIX="_${STEM//[^A-Za-z0-9_]/_}$SUFFIX"
+fi
 
 F32=""
 if [ -n "${GGUF:-}" ]; then
