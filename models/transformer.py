@@ -120,9 +120,14 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
     """Attention of layer i before its output projection: x [T, hidden] -> (each head's output [T, q_heads,
     head_dim], K pages, V pages)."""
     T = x.shape[0]
-    q = _linear(x, lp["wq"], lp.get("bq"), mb).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = _linear(x, lp["wk"], lp.get("bk"), mb).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(x, lp["wv"], lp.get("bv"), mb).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if "wqkv" in lp:  # the three projections as one matmul (fuse_qkv)
+        qkv = _linear(x, lp["wqkv"], lp.get("bqkv"), mb)  # [T, q_size + 2 kv_size]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
+    else:
+        q, k, v = (_linear(x, lp[w], lp.get(b), mb) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -177,6 +182,30 @@ def _layer(
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
     x = point("resid_post", x + point("mlp_out", h))
     return x, kp, vp, records
+
+
+def fuse_qkv(params: dict) -> dict:
+    """The parameters with each layer's q, k and v projections joined along their outputs into one weight
+    "wqkv" [hidden, q_size + 2 kv_size] (and their biases into "bqkv"): one matmul a layer instead of three, the
+    same products (the forward splits its output). A decode step on CPU is a stream of small matmuls, each paying
+    XLA's dispatch and thread wake-ups: this takes 60 of SmolLM2's 180 away. Layers whose three weights are not
+    plain arrays of one dtype (quantized weights), or that have some of the three biases and not the others, are
+    left as they are. Until the caller drops the old tree, the joined weights are held beside the originals (the
+    q, k and v share of the model: 12% of SmolLM2's bytes)."""
+    layers = []
+    for lp in params["layers"]:
+        ws = [lp.get(k) for k in ("wq", "wk", "wv")]
+        bs = [lp.get(k) for k in ("bq", "bk", "bv")]
+        plain = all(isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == ws[0].dtype for w in ws)
+        if not plain or (any(b is not None for b in bs) and any(b is None for b in bs)):
+            layers.append(lp)
+            continue
+        fused = {k: v for k, v in lp.items() if k not in ("wq", "wk", "wv", "bq", "bk", "bv")}
+        fused["wqkv"] = jnp.concatenate(ws, axis=1)
+        if bs[0] is not None:
+            fused["bqkv"] = jnp.concatenate(bs)
+        layers.append(fused)
+    return {**params, "layers": layers}
 
 
 def embed_tokens(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, Sch
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model, quantization_method
 from netra_jax.models.hooks import Hooks
+from netra_jax.models.transformer import fuse_qkv
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
     EmbeddingOutput,
@@ -98,6 +99,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if quantization:
         params = quantize_params(params, quantization)
     params = weight_layout(params, backend)  # what online quantization made, re-laid too (the rest: unchanged)
+    if mesh is None and jax.default_backend() == "cpu":  # one q/k/v matmul a layer instead of three
+        params = fuse_qkv(params)
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
