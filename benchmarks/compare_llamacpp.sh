@@ -46,7 +46,9 @@
 # Writes RESULT_DIR/<date>-serve_<preset>_<engine>.json for each engine (random: <date>-serve_<engine>.json), one PNG
 # of all of them, and RESULT_DIR/<date>-llamacpp_compare[_<preset>].md: settings, the machine (CPU, speed flags, jax)
 # and a table of output tok/s, median TTFT and TPOT per concurrency, with the draft acceptance rate and mean
-# acceptance length read from each server's /metrics when speculation ran.
+# acceptance length read from each server's /metrics when speculation ran; then each row against the machine's own
+# limits, measured before and after the runs (netra_jax.bench.limits: read bandwidth, float32 FMA peak): the decode
+# step's bytes and FLOPs over its TPOT, so that a ratio that moves between hosts can be read against the host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -151,8 +153,12 @@ run_llama() {  # run_llama LABEL MODEL_FILE [llama-server flags]: start llama-se
   stop_llama
 }
 
+LIMITS_BEFORE=$(mktemp) LIMITS_AFTER=$(mktemp)  # this machine's read bandwidth and FMA peak, around the runs
+"$PY" -m netra_jax.bench.limits measure "$LIMITS_BEFORE"
+
 FILES=()
 LABELS=()
+FRACTIONS=()  # per result: --result JSON LABEL KV_BYTES MODEL for the limits table
 for engine in $ENGINES; do
   echo "=== $engine ==="
   label=$PREFIX$engine$SUFFIX
@@ -185,8 +191,12 @@ for engine in $ENGINES; do
   if [ -n "$RESULT" ]; then
     FILES+=("$RESULT")
     LABELS+=("$name")
+    case $engine in *_f32*) served=$F32 ;; *) served=$GGUF ;; esac
+    case $engine in llamacpp_*) kv_bytes=2 ;; *) kv_bytes=4 ;; esac  # llama-server's f16 KV; our float32 one
+    FRACTIONS+=(--result "$RESULT" "$name" "$kv_bytes" "$served")
   fi
 done
+"$PY" -m netra_jax.bench.limits measure "$LIMITS_AFTER"
 [ ${#FILES[@]} -gt 0 ] || { echo "error: no results" >&2; exit 1; }
 
 DATE=$(date +%F)
@@ -215,7 +225,12 @@ BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail
   echo "- Plot: \`${PLOT##*/}\`"
   echo
   cat "$TABLE"
+  echo
+  echo "Against this machine's limits (\`python -m netra_jax.bench.limits\`: a decode step's bytes and FLOPs over"
+  echo "its median TPOT; the bandwidth fraction is the one-user figure, the FMA fraction the many-user one):"
+  echo
+  "$PY" -m netra_jax.bench.limits table --limits "$LIMITS_BEFORE" "$LIMITS_AFTER" "${FRACTIONS[@]}"
 } >"$MD"
-rm -f "$TABLE"
+rm -f "$TABLE" "$LIMITS_BEFORE" "$LIMITS_AFTER"
 cat "$MD"
 echo "wrote $MD"

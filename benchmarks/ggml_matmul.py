@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax.bench.limits import read_bandwidth_gbs
 from netra_jax.bench.machine import machine_info
 from netra_jax.bench.results import write_result
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels, cpu_matmul
@@ -103,18 +104,6 @@ def time_ring(fn, x, ring, passes: int) -> tuple[float, float]:
             jax.block_until_ready(fn(x, w))
             times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
-
-
-def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s of XLA's sum over a float32 array of `nbytes` (every core reading), the best of `repeats`."""
-    a = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        jax.block_until_ready(total(a))
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def main() -> None:
