@@ -153,8 +153,9 @@ def _kernel_rows(llm, tokens: int) -> list[int]:
 def test_engine_steps_call_the_kernel_where_it_takes_them(engines):
     kernel, xla = engines
     assert kernel.engine.runner.matmul_backend == "cpu_rows" and xla.engine.runner.matmul_backend == "xla"
-    # 8 decode rows: q, k, v, o, gate-up and down in the layer function (alike layers share one), and the lm_head
-    assert _kernel_rows(kernel, 8) == [8] * 7
+    # 8 decode rows: q, k and v (one matmul: the engine fuses them on CPU), o, gate-up and down in the layer function
+    # (alike layers share one), and the lm_head
+    assert _kernel_rows(kernel, 8) == [8] * 5
     assert _kernel_rows(kernel, 1) == []  # one row: XLA's dot
     # a prefill-sized step: XLA's dot in the layers; only its few sampled rows go through the lm_head kernel
     assert all(m <= cpu_matmul.ROWS_MAX for m in _kernel_rows(kernel, 64)) and len(_kernel_rows(kernel, 64)) <= 1
