@@ -8,6 +8,8 @@ Parameter pytree (weights stored [in, out] so activations multiply on the left; 
     layers: list of dicts with
         attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,
         hidden], optional bq/bk/bv/bo biases, optional q_norm/k_norm [head_dim], mlp_norm [hidden],
+        or, after `fuse_qkv` (the engine's layout on CPU), wqkv [hidden, (q_heads + 2 kv_heads)*head_dim] and
+        optional bqkv in place of wq/wk/wv and bq/bk/bv,
         with attention_sinks: sinks [q_heads] float32 (a sink logit per head joins its softmax),
         with sandwich_norms: post_attn_norm, post_mlp_norm [hidden],
         dense MLP layers: w_gate_up [hidden, 2, intermediate], w_down [intermediate, hidden],
