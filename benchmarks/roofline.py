@@ -285,8 +285,13 @@ def component_times(llm, batch: int, context: int, repeats: int = 3) -> dict:
     def matmuls(params, x):
         side = jnp.zeros((), jnp.float32)
         for lp in params["layers"]:
-            q = x @ lp["wq"]
-            side += (x @ lp["wk"]).sum() + (x @ lp["wv"]).sum()
+            if "wqkv" in lp:  # the engine's CPU layout: q, k and v in one matmul
+                qkv = x @ lp["wqkv"]
+                q = qkv[:, : cfg.q_size]
+                side += qkv[:, cfg.q_size :].sum()
+            else:
+                q = x @ lp["wq"]
+                side += (x @ lp["wk"]).sum() + (x @ lp["wv"]).sum()
             gu = jnp.einsum("th,hki->tki", x, lp["w_gate_up"])
             x = x + 1e-3 * (q @ lp["wo"] + (gu[:, 0] * gu[:, 1]) @ lp["w_down"])
         return x, side

@@ -6,7 +6,7 @@
 // softmax over them (with the attention sink in the denominator when given), then one pass over the values. The
 // jnp path reads its keys in gathered chunks inside XLA while loops, which at decode sizes costs more in loop and
 // gather overhead than in arithmetic. (token, KV head) pairs are spread over XLA's intra-op thread pool and the
-// calling thread. A token's result depends on its own position and keys only: the same alone or in any batch.
+// calling thread, four at a time, or one at a time when there are fewer than four per thread. A token's result depends on its own position and keys only: the same alone or in any batch.
 //
 // The pages are float32, or int8 / fp8 (e4m3fn, e5m2) with one float32 scale per (slot, KV head): each stored
 // element is widened in the dot products' loops (fp8 through a 256-entry table) and the row's scale applied to the
@@ -175,13 +175,13 @@ void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
 struct Work {
   Problem p;
   int64_t items;  // count * KH
+  int64_t batch;  // items claimed at once: 4, or 1 when there are too few to keep every thread busy in fours
   std::atomic<int64_t> next{0}, finished{0};
 
   void run() {
     std::vector<float> scratch;
-    constexpr int64_t BATCH = 4;  // items claimed at once
-    for (int64_t i; (i = next.fetch_add(BATCH, std::memory_order_relaxed)) < items;) {
-      const int64_t end = std::min(items, i + BATCH);
+    for (int64_t i; (i = next.fetch_add(batch, std::memory_order_relaxed)) < items;) {
+      const int64_t end = std::min(items, i + batch);
       for (int64_t w = i; w < end; ++w) {
         const int64_t t = p.idx[w / p.KH];
         if (t < 0 || t >= p.T) continue;
@@ -247,7 +247,11 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   work->p = p;
   work->items = p.count * p.KH;
   if (work->items == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), (work->items + 3) / 4) - 1;
+  // one decode token has KH items, each a pass over its whole context: claimed in fours, they would all go to one
+  // thread (a 6000-token context on one core of two); one at a time below four per thread
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->batch = work->items >= 4 * threads ? 4 : 1;
+  const int64_t helpers = std::min<int64_t>(threads, (work->items + work->batch - 1) / work->batch) - 1;
   netra::run_on_pool(pool, work, helpers, work->items);
   return ffi::Error::Success();
 }
