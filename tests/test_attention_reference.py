@@ -59,6 +59,9 @@ def dense(q, k, v, md, *, scale, sliding_window=None, soft_cap=None, sinks=None)
         ([(0, 300)], dict(sliding_window=50), dict(G=2, D=64, P=64, KH=2)),
         (MIXED, dict(sinks=SINKS[:6]), dict(G=3, D=64, P=16, KH=2)),
         (LONG, dict(sinks=SINKS[:4], sliding_window=30, soft_cap=5.0), dict(G=2, D=64, P=16, KH=2)),
+        # one or two decode tokens over long contexts: the C++ kernel splits each token's keys in parts and merges them
+        ([(1500, 1)], {}, dict(G=3, D=64, P=16, KH=1)),
+        ([(2100, 1), (700, 1)], dict(sinks=SINKS[:2], sliding_window=1100, soft_cap=5.0), dict(G=2, D=64, P=16, KH=1)),
     ],
     ids=[
         "mixed",
@@ -69,6 +72,8 @@ def dense(q, k, v, md, *, scale, sliding_window=None, soft_cap=None, sinks=None)
         "one_long_prompt_window",
         "sinks",
         "sinks_all",
+        "decode_long_split",
+        "decode_long_split_sinks_window",
     ],
 )
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

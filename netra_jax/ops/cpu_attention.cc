@@ -107,16 +107,47 @@ void exp_shifted(float* x, int64_t n, float m) {
   }
 }
 
-// Attention of token t's query heads of KV head kh, pages stored as ELEMS says. s: scratch of at least G * (pos + 1)
-// floats.
+// The parts' statistics and unnormalized outputs when a token's keys are split, one slot per work item (listed token,
+// KV head, part): o [items, G, D], m and l [items, G].
+struct Partial {
+  float* o;
+  float* m;
+  float* l;
+};
+
+// The keys token t sees: [lo, pos] (window or not); an empty range (hi < lo) for padding.
+inline void key_range(const Problem& p, int64_t t, int64_t* lo, int64_t* hi) {
+  const int64_t pos = p.pos[t];
+  *hi = p.valid[t] && pos >= 0 ? pos : -1;
+  *lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
+
+// Part `part` of `parts` (equal ranges of its keys) of the attention of token t's query heads of KV head kh, pages
+// stored as ELEMS says. One part: the finished attention into p.out. Several: each part's softmax statistics (m: its
+// largest score, l: the sum of exp(score - m)) and unnormalized output sum(exp(score - m) v) into `partial`, for
+// `combine` to merge. s: scratch, grown as needed.
 template <typename ELEMS>
-void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
+void attend(const Problem& p, int64_t t, int64_t kh, int64_t part, int64_t parts, const Partial& partial,
+            int64_t slot, std::vector<float>& s) {
   using T = typename ELEMS::T;
   const int64_t G = p.H / p.KH, D = p.D;
+  int64_t lo, pos;
+  key_range(p, t, &lo, &pos);
+  const int64_t all = pos + 1 - lo;
   float* o = p.out + (t * p.H + kh * G) * D;  // [G, D]
-  const int64_t pos = p.pos[t];
-  if (!p.valid[t] || pos < 0) return;  // zeros, written before
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+  float* m_out = nullptr;
+  float* l_out = nullptr;
+  if (parts > 1) {
+    o = partial.o + slot * G * D;
+    m_out = partial.m + slot * G;
+    l_out = partial.l + slot * G;
+    for (int64_t g = 0; g < G; ++g) m_out[g] = -INFINITY, l_out[g] = 0.0f;
+    std::memset(o, 0, sizeof(float) * G * D);
+    const int64_t a = lo + all * part / parts, b = lo + all * (part + 1) / parts;  // [a, b)
+    lo = a;
+    pos = b - 1;
+  }
+  if (pos < lo) return;  // zeros (written before), or an empty part
   const int64_t n = pos + 1 - lo;
   if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
   std::vector<float> qs(G * D);  // scaled queries [G, D]
@@ -154,11 +185,17 @@ void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s.data() + g * n;
     float m = *std::max_element(sg, sg + n);
-    const float sink = p.has_sinks ? p.sinks[kh * G + g] : 0.0f;
-    if (p.has_sinks) m = std::max(m, sink);
-    float l = p.has_sinks ? std::exp(sink - m) : 0.0f;
+    const bool sink_here = p.has_sinks && m_out == nullptr;  // a part leaves the sink to `combine`
+    const float sink = sink_here ? p.sinks[kh * G + g] : 0.0f;
+    if (sink_here) m = std::max(m, sink);
+    float l = sink_here ? std::exp(sink - m) : 0.0f;
     exp_shifted(sg, n, m);
     for (int64_t j = 0; j < n; ++j) l += sg[j];
+    if (m_out != nullptr) {  // a part: unnormalized, its statistics kept
+      m_out[g] = m;
+      l_out[g] = l;
+      continue;
+    }
     const float inv = 1.0f / l;
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
@@ -174,7 +211,9 @@ void attend(const Problem& p, int64_t t, int64_t kh, std::vector<float>& s) {
 
 struct Work {
   Problem p;
-  int64_t items;  // count * KH
+  int64_t parts;  // each (token, KV head)'s keys split in this many equal parts (1: not split)
+  Partial partial{nullptr, nullptr, nullptr};
+  int64_t items;  // count * KH * parts
   int64_t batch;  // items claimed at once: 4, or 1 when there are too few to keep every thread busy in fours
   std::atomic<int64_t> next{0}, finished{0};
 
@@ -183,23 +222,56 @@ struct Work {
     for (int64_t i; (i = next.fetch_add(batch, std::memory_order_relaxed)) < items;) {
       const int64_t end = std::min(items, i + batch);
       for (int64_t w = i; w < end; ++w) {
-        const int64_t t = p.idx[w / p.KH];
+        const int64_t t = p.idx[w / (p.KH * parts)], kh = w / parts % p.KH, part = w % parts;
         if (t < 0 || t >= p.T) continue;
         switch (p.kv_format) {
           case kI8:
-            attend<I8Elems>(p, t, w % p.KH, scratch);
+            attend<I8Elems>(p, t, kh, part, parts, partial, w, scratch);
             break;
           case kE4M3:
-            attend<Fp8Elems<kE4M3Table>>(p, t, w % p.KH, scratch);
+            attend<Fp8Elems<kE4M3Table>>(p, t, kh, part, parts, partial, w, scratch);
             break;
           case kE5M2:
-            attend<Fp8Elems<kE5M2Table>>(p, t, w % p.KH, scratch);
+            attend<Fp8Elems<kE5M2Table>>(p, t, kh, part, parts, partial, w, scratch);
             break;
           default:
-            attend<F32Elems>(p, t, w % p.KH, scratch);
+            attend<F32Elems>(p, t, kh, part, parts, partial, w, scratch);
         }
       }
       finished.fetch_add(end - i, std::memory_order_release);
+    }
+  }
+
+  // The parts of each (token, KV head) merged into p.out: every part's output and sum rescaled to the largest
+  // score among them (and the sink's), summed, divided.
+  void combine() const {
+    const int64_t G = p.H / p.KH, D = p.D;
+    for (int64_t i = 0; i < p.count; ++i) {
+      const int64_t t = p.idx[i];
+      if (t < 0 || t >= p.T) continue;
+      int64_t lo, hi;
+      key_range(p, t, &lo, &hi);
+      if (hi < lo) continue;  // padding: zeros
+      for (int64_t kh = 0; kh < p.KH; ++kh) {
+        const int64_t first = (i * p.KH + kh) * parts;
+        for (int64_t g = 0; g < G; ++g) {
+          const float sink = p.has_sinks ? p.sinks[kh * G + g] : -INFINITY;
+          float top = sink;
+          for (int64_t part = 0; part < parts; ++part) top = std::max(top, partial.m[(first + part) * G + g]);
+          float l = p.has_sinks ? std::exp(sink - top) : 0.0f;
+          float* o = p.out + (t * p.H + kh * G + g) * D;
+          for (int64_t part = 0; part < parts; ++part) {
+            const int64_t slot = first + part;
+            if (partial.l[slot * G + g] == 0.0f) continue;  // an empty part
+            const float w = std::exp(partial.m[slot * G + g] - top);
+            l += w * partial.l[slot * G + g];
+            const float* po = partial.o + (slot * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
+          }
+          const float inv = 1.0f / l;
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
+      }
     }
   }
 };
@@ -245,14 +317,35 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
   auto work = std::make_shared<Work>();
   work->p = p;
-  work->items = p.count * p.KH;
-  if (work->items == 0) return ffi::Error::Success();
-  // one decode token has KH items, each a pass over its whole context: claimed in fours, they would all go to one
-  // thread (a 6000-token context on one core of two); one at a time below four per thread
+  const int64_t pairs = p.count * p.KH;
+  if (pairs == 0) return ffi::Error::Success();
+  // Few (token, KV head) pairs over long contexts (one decode token has KH of them): each pair's keys are split in
+  // parts so that every thread gets two or more items of about equal size, merged after (`combine`). Parts of at
+  // least MIN_PART keys: below that the merge costs more than the balance gains.
+  constexpr int64_t MIN_PART = 512;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t longest = 0;
+  for (int64_t i = 0; i < p.count; ++i) {
+    const int64_t t = p.idx[i];
+    if (t < 0 || t >= p.T) continue;
+    int64_t lo, hi;
+    key_range(p, t, &lo, &hi);
+    longest = std::max(longest, hi + 1 - lo);
+  }
+  work->parts = pairs >= 2 * threads ? 1 : std::clamp<int64_t>(longest / MIN_PART, 1, (2 * threads + pairs - 1) / pairs);
+  std::vector<float> partial_o, partial_ml;
+  if (work->parts > 1) {
+    const int64_t slots = pairs * work->parts, G = p.H / p.KH;
+    partial_o.resize(slots * G * p.D);
+    partial_ml.resize(2 * slots * G);
+    work->partial = Partial{partial_o.data(), partial_ml.data(), partial_ml.data() + slots * G};
+  }
+  work->items = pairs * work->parts;
+  // claimed in fours, a decode token's few items would all go to one thread: one at a time below four per thread
   work->batch = work->items >= 4 * threads ? 4 : 1;
   const int64_t helpers = std::min<int64_t>(threads, (work->items + work->batch - 1) / work->batch) - 1;
   netra::run_on_pool(pool, work, helpers, work->items);
+  if (work->parts > 1) work->combine();
   return ffi::Error::Success();
 }
 
