@@ -5,8 +5,11 @@
 // all its query heads in one pass over the keys (each key row read once for the G query heads sharing it), an exact
 // softmax over them (with the attention sink in the denominator when given), then one pass over the values. The
 // jnp path reads its keys in gathered chunks inside XLA while loops, which at decode sizes costs more in loop and
-// gather overhead than in arithmetic. (token, KV head) pairs are spread over XLA's intra-op thread pool and the
-// calling thread, four at a time, or one at a time when there are fewer than four per thread. A token's result depends on its own position and keys only: the same alone or in any batch.
+// gather overhead than in arithmetic. (token, KV head) pairs are claimed one at a time by XLA's intra-op thread pool
+// and the calling thread (claimed in fours, one decode token's pairs all went to one thread). Keys that span several
+// 1024-position chunks are computed a chunk at a time (so one long-context token keeps every thread busy) and merged
+// by the chunks' softmax statistics. A token's result depends on its own position and keys only (its chunks are
+// fixed by its positions): the same alone or in any batch.
 //
 // The pages are float32, or int8 / fp8 (e4m3fn, e5m2) with one float32 scale per (slot, KV head): each stored
 // element is widened in the dot products' loops (fp8 through a 256-entry table) and the row's scale applied to the
@@ -107,8 +110,17 @@ void exp_shifted(float* x, int64_t n, float m) {
   }
 }
 
-// The parts' statistics and unnormalized outputs when a token's keys are split, one slot per work item (listed token,
-// KV head, part): o [items, G, D], m and l [items, G].
+// A token's keys are computed in parts when they span more than one CHUNK of absolute positions: the parts are those
+// chunks, so how a token is computed depends on its own positions alone, never on the batch around it.
+constexpr int64_t CHUNK = 1024;
+
+// One work item: token t's attention for KV head kh over keys [a, b]; slot >= 0: a part, whose softmax statistics
+// and unnormalized output go to the partial buffers' slot, < 0: the whole range, finished into the output.
+struct Item {
+  int64_t t, kh, a, b, slot;
+};
+
+// The parts' statistics and unnormalized outputs: o [slots, G, D], m and l [slots, G].
 struct Partial {
   float* o;
   float* m;
@@ -122,33 +134,23 @@ inline void key_range(const Problem& p, int64_t t, int64_t* lo, int64_t* hi) {
   *lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
 }
 
-// Part `part` of `parts` (equal ranges of its keys) of the attention of token t's query heads of KV head kh, pages
-// stored as ELEMS says. One part: the finished attention into p.out. Several: each part's softmax statistics (m: its
-// largest score, l: the sum of exp(score - m)) and unnormalized output sum(exp(score - m) v) into `partial`, for
-// `combine` to merge. s: scratch, grown as needed.
+// Item `it` of the attention of token it.t's query heads of KV head it.kh, pages stored as ELEMS says: the whole
+// range finished into p.out, or a part's softmax statistics (m: its largest score, l: the sum of exp(score - m)) and
+// unnormalized output sum(exp(score - m) v) into `partial`, for `combine` to merge. s: scratch, grown as needed.
 template <typename ELEMS>
-void attend(const Problem& p, int64_t t, int64_t kh, int64_t part, int64_t parts, const Partial& partial,
-            int64_t slot, std::vector<float>& s) {
+void attend(const Problem& p, const Item& it, const Partial& partial, std::vector<float>& s) {
   using T = typename ELEMS::T;
-  const int64_t G = p.H / p.KH, D = p.D;
-  int64_t lo, pos;
-  key_range(p, t, &lo, &pos);
-  const int64_t all = pos + 1 - lo;
+  const int64_t G = p.H / p.KH, D = p.D, t = it.t, kh = it.kh;
+  const int64_t lo = it.a, pos = it.b;
   float* o = p.out + (t * p.H + kh * G) * D;  // [G, D]
   float* m_out = nullptr;
   float* l_out = nullptr;
-  if (parts > 1) {
-    o = partial.o + slot * G * D;
-    m_out = partial.m + slot * G;
-    l_out = partial.l + slot * G;
-    for (int64_t g = 0; g < G; ++g) m_out[g] = -INFINITY, l_out[g] = 0.0f;
-    std::memset(o, 0, sizeof(float) * G * D);
-    const int64_t a = lo + all * part / parts, b = lo + all * (part + 1) / parts;  // [a, b)
-    lo = a;
-    pos = b - 1;
+  if (it.slot >= 0) {
+    o = partial.o + it.slot * G * D;
+    m_out = partial.m + it.slot * G;
+    l_out = partial.l + it.slot * G;
   }
-  if (pos < lo) return;  // zeros (written before), or an empty part
-  const int64_t n = pos + 1 - lo;
+  const int64_t n = pos + 1 - lo;  // >= 1: items cover non-empty ranges
   if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
   std::vector<float> qs(G * D);  // scaled queries [G, D]
   const float* q = p.q + (t * p.H + kh * G) * D;
@@ -211,67 +213,50 @@ void attend(const Problem& p, int64_t t, int64_t kh, int64_t part, int64_t parts
 
 struct Work {
   Problem p;
-  int64_t parts;  // each (token, KV head)'s keys split in this many equal parts (1: not split)
+  std::vector<Item> items;
   Partial partial{nullptr, nullptr, nullptr};
-  int64_t items;  // count * KH * parts
-  int64_t batch;  // items claimed at once: 4, or 1 when there are too few to keep every thread busy in fours
   std::atomic<int64_t> next{0}, finished{0};
 
   void run() {
     std::vector<float> scratch;
-    for (int64_t i; (i = next.fetch_add(batch, std::memory_order_relaxed)) < items;) {
-      const int64_t end = std::min(items, i + batch);
-      for (int64_t w = i; w < end; ++w) {
-        const int64_t t = p.idx[w / (p.KH * parts)], kh = w / parts % p.KH, part = w % parts;
-        if (t < 0 || t >= p.T) continue;
-        switch (p.kv_format) {
-          case kI8:
-            attend<I8Elems>(p, t, kh, part, parts, partial, w, scratch);
-            break;
-          case kE4M3:
-            attend<Fp8Elems<kE4M3Table>>(p, t, kh, part, parts, partial, w, scratch);
-            break;
-          case kE5M2:
-            attend<Fp8Elems<kE5M2Table>>(p, t, kh, part, parts, partial, w, scratch);
-            break;
-          default:
-            attend<F32Elems>(p, t, kh, part, parts, partial, w, scratch);
-        }
+    const int64_t count = static_cast<int64_t>(items.size());
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < count;) {  // one at a time: balanced
+      switch (p.kv_format) {
+        case kI8:
+          attend<I8Elems>(p, items[w], partial, scratch);
+          break;
+        case kE4M3:
+          attend<Fp8Elems<kE4M3Table>>(p, items[w], partial, scratch);
+          break;
+        case kE5M2:
+          attend<Fp8Elems<kE5M2Table>>(p, items[w], partial, scratch);
+          break;
+        default:
+          attend<F32Elems>(p, items[w], partial, scratch);
       }
-      finished.fetch_add(end - i, std::memory_order_release);
+      finished.fetch_add(1, std::memory_order_release);
     }
   }
 
-  // The parts of each (token, KV head) merged into p.out: every part's output and sum rescaled to the largest
-  // score among them (and the sink's), summed, divided.
-  void combine() const {
-    const int64_t G = p.H / p.KH, D = p.D;
-    for (int64_t i = 0; i < p.count; ++i) {
-      const int64_t t = p.idx[i];
-      if (t < 0 || t >= p.T) continue;
-      int64_t lo, hi;
-      key_range(p, t, &lo, &hi);
-      if (hi < lo) continue;  // padding: zeros
-      for (int64_t kh = 0; kh < p.KH; ++kh) {
-        const int64_t first = (i * p.KH + kh) * parts;
-        for (int64_t g = 0; g < G; ++g) {
-          const float sink = p.has_sinks ? p.sinks[kh * G + g] : -INFINITY;
-          float top = sink;
-          for (int64_t part = 0; part < parts; ++part) top = std::max(top, partial.m[(first + part) * G + g]);
-          float l = p.has_sinks ? std::exp(sink - top) : 0.0f;
-          float* o = p.out + (t * p.H + kh * G + g) * D;
-          for (int64_t part = 0; part < parts; ++part) {
-            const int64_t slot = first + part;
-            if (partial.l[slot * G + g] == 0.0f) continue;  // an empty part
-            const float w = std::exp(partial.m[slot * G + g] - top);
-            l += w * partial.l[slot * G + g];
-            const float* po = partial.o + (slot * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
-          }
-          const float inv = 1.0f / l;
-          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-        }
+  // Each split (token, KV head)'s parts (items [w, w + parts), in key order) merged into p.out: every part's output
+  // and sum rescaled to the largest score among them (and the sink's), summed in order, divided.
+  void combine(int64_t w, int64_t parts) const {
+    const int64_t G = p.H / p.KH, D = p.D, t = items[w].t, kh = items[w].kh, first = items[w].slot;
+    for (int64_t g = 0; g < G; ++g) {
+      const float sink = p.has_sinks ? p.sinks[kh * G + g] : -INFINITY;
+      float top = sink;
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, partial.m[(first + part) * G + g]);
+      float l = p.has_sinks ? std::exp(sink - top) : 0.0f;
+      float* o = p.out + (t * p.H + kh * G + g) * D;
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t slot = first + part;
+        const float scale = std::exp(partial.m[slot * G + g] - top);
+        l += scale * partial.l[slot * G + g];
+        const float* po = partial.o + (slot * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += scale * po[d];
       }
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
 };
@@ -317,35 +302,39 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
   auto work = std::make_shared<Work>();
   work->p = p;
-  const int64_t pairs = p.count * p.KH;
-  if (pairs == 0) return ffi::Error::Success();
-  // Few (token, KV head) pairs over long contexts (one decode token has KH of them): each pair's keys are split in
-  // parts so that every thread gets two or more items of about equal size, merged after (`combine`). Parts of at
-  // least MIN_PART keys: below that the merge costs more than the balance gains.
-  constexpr int64_t MIN_PART = 512;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t longest = 0;
+  // the items: per listed token and KV head its whole key range, or its parts, one per CHUNK of positions it spans
+  std::vector<std::pair<int64_t, int64_t>> split;  // (first item, parts) of each split (token, KV head)
+  int64_t slots = 0;
   for (int64_t i = 0; i < p.count; ++i) {
     const int64_t t = p.idx[i];
     if (t < 0 || t >= p.T) continue;
     int64_t lo, hi;
     key_range(p, t, &lo, &hi);
-    longest = std::max(longest, hi + 1 - lo);
+    if (hi < lo) continue;  // padding: zeros
+    const int64_t parts = hi / CHUNK - lo / CHUNK + 1;
+    for (int64_t kh = 0; kh < p.KH; ++kh) {
+      if (parts == 1) {
+        work->items.push_back({t, kh, lo, hi, -1});
+        continue;
+      }
+      split.emplace_back(static_cast<int64_t>(work->items.size()), parts);
+      for (int64_t c = lo / CHUNK; c <= hi / CHUNK; ++c) {
+        work->items.push_back({t, kh, std::max(lo, c * CHUNK), std::min(hi, c * CHUNK + CHUNK - 1), slots++});
+      }
+    }
   }
-  work->parts = pairs >= 2 * threads ? 1 : std::clamp<int64_t>(longest / MIN_PART, 1, (2 * threads + pairs - 1) / pairs);
+  const int64_t n_items = static_cast<int64_t>(work->items.size());
+  if (n_items == 0) return ffi::Error::Success();
   std::vector<float> partial_o, partial_ml;
-  if (work->parts > 1) {
-    const int64_t slots = pairs * work->parts, G = p.H / p.KH;
+  if (slots > 0) {
+    const int64_t G = p.H / p.KH;
     partial_o.resize(slots * G * p.D);
     partial_ml.resize(2 * slots * G);
     work->partial = Partial{partial_o.data(), partial_ml.data(), partial_ml.data() + slots * G};
   }
-  work->items = pairs * work->parts;
-  // claimed in fours, a decode token's few items would all go to one thread: one at a time below four per thread
-  work->batch = work->items >= 4 * threads ? 4 : 1;
-  const int64_t helpers = std::min<int64_t>(threads, (work->items + work->batch - 1) / work->batch) - 1;
-  netra::run_on_pool(pool, work, helpers, work->items);
-  if (work->parts > 1) work->combine();
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n_items) - 1;
+  netra::run_on_pool(pool, work, helpers, n_items);
+  for (const auto& [w, parts] : split) work->combine(w, parts);
   return ffi::Error::Success();
 }
 
