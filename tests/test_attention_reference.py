@@ -114,3 +114,45 @@ def test_build_work_splits_runs():
     assert ni == 4 and len(start) == num_items(80, 6)
     assert list(start[:4]) == [1, 33, 65, 72] and list(length[:4]) == [32, 32, 6, 3] and list(seq[:4]) == [1, 1, 1, 3]
     assert not length[4:].any()
+
+
+def test_cpu_kernel_token_result_does_not_depend_on_the_batch():
+    """The C++ kernel computes a long-context token's keys in parts (fixed 1024-position chunks) and merges them: a
+    token's output is bit for bit the same listed alone as listed with others of other lengths (batch-invariant
+    greedy decoding rests on it)."""
+    if not cpu_kernels.available():
+        pytest.skip(f"the C++ kernels are not built: {cpu_kernels.unavailable_reason()}")
+    from netra_jax.ops.cpu_attention import token_attention
+
+    rng = np.random.default_rng(5)
+    T, H, KH, D, P, pages = 6, 3, 1, 64, 16, 400
+    positions = np.array([2500, 3000, 40, 700, 1100, 5000], np.int32)
+    q = jnp.asarray(rng.standard_normal((T, H, D), dtype=np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((pages, P, KH, D), dtype=np.float32)) for _ in range(2))
+    rows = jnp.asarray(np.stack([rng.permutation(pages) for _ in range(T)]).astype(np.int32))
+    valid = jnp.ones((T,), bool)
+
+    def run(listed):
+        tokens = jnp.asarray(np.array(listed + [T] * (T - len(listed)), np.int32))
+        return np.asarray(
+            token_attention(
+                q,
+                k,
+                v,
+                tokens,
+                jnp.int32(len(listed)),
+                jnp.asarray(positions),
+                valid,
+                rows,
+                scale=0.125,
+                sliding_window=None,
+                soft_cap=None,
+                sinks=None,
+            )
+        )
+
+    together = run(list(range(T)))
+    for t in (0, 5, 2):
+        alone = run([t])
+        np.testing.assert_array_equal(alone[t], together[t])
+        assert not np.delete(alone, t, axis=0).any()  # rows not listed: zeros
