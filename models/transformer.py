@@ -37,6 +37,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from netra_jax.config import ModelConfig
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
@@ -198,7 +199,7 @@ def fuse_qkv(params: dict) -> dict:
     for lp in params["layers"]:
         ws = [lp.get(k) for k in ("wq", "wk", "wv")]
         bs = [lp.get(k) for k in ("bq", "bk", "bv")]
-        plain = all(isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == ws[0].dtype for w in ws)
+        plain = all(isinstance(w, jax.Array | np.ndarray) and w.ndim == 2 and w.dtype == ws[0].dtype for w in ws)
         if not plain or (any(b is not None for b in bs) and any(b is None for b in bs)):
             layers.append(lp)
             continue

@@ -320,8 +320,9 @@ class LLM:
 
     def update_params(self, params) -> ParamsUpdate:
         """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `LLM.params`; e.g.
-        a modified copy). The prefix cache, computed with the old weights, is dropped, so no later request reuses
-        stale KV; compiled programs are reused. Used as a context manager (`with llm.update_params(new): ...`),
+        a modified copy; or `load_model`'s layout, q, k and v apart, which a CPU engine joins as it holds them).
+        The prefix cache, computed with the old weights, is dropped, so no later request reuses stale KV; compiled
+        programs are reused. Used as a context manager (`with llm.update_params(new): ...`),
         the previous weights come back on exit.
 
         Returns:

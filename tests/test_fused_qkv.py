@@ -51,3 +51,22 @@ def test_the_cpu_engine_runs_fused_and_keeps_greedy_tokens():
         use_tqdm=False,
     )
     assert list(out[0].outputs[0].token_ids) == case["greedy_ids"]
+
+
+def test_update_params_takes_the_loaders_layout_on_a_fused_engine():
+    """Weights as `load_model` gives them (q, k and v apart) update a CPU engine that holds them joined: joined on
+    the way in, so the engine answers as it did with its own copy."""
+    name = "tiny-llama"
+    case = reference(name)["cases"][0]
+    llm = LLM(FIXTURES / name, dtype="float32", warmup=False, max_num_seqs=2)
+    _, loaded = load_model(FIXTURES / name, "float32", cache=False)
+    previous = llm.params
+    with llm.update_params(loaded):
+        assert llm.params is not previous and "wqkv" in llm.params["layers"][0]
+        out = llm.generate(
+            [{"prompt_token_ids": case["prompt_ids"]}],
+            SamplingParams(max_tokens=len(case["greedy_ids"]), temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert list(out[0].outputs[0].token_ids) == case["greedy_ids"]
+    np.testing.assert_array_equal(llm.params["layers"][0]["wqkv"], previous["layers"][0]["wqkv"])  # restored

@@ -25,6 +25,7 @@ from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
+from netra_jax.models.transformer import fuse_qkv
 from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
@@ -253,14 +254,19 @@ class LLMEngine:
         return True
 
     def update_params(self, params) -> None:
-        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `runner.params`), placed
-        as the current ones; the prefix cache, computed with the old weights, is dropped. Compiled steps are reused
+        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `runner.params`, or
+        `load_model`'s with q, k and v apart for an engine holding them joined), placed as the current ones; the
+        prefix cache, computed with the old weights, is dropped. Compiled steps are reused
         (the weights are arguments). RuntimeError while requests run; ValueError for a mismatched pytree."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot update the weights while requests are running; finish or abort them first")
         old = self.runner.params
         old_leaves, treedef = jax.tree.flatten_with_path(old)
         new_leaves, new_def = jax.tree.flatten_with_path(params)
+        joined = any("wqkv" in lp for lp in old.get("layers", ()))
+        if new_def != treedef and joined and isinstance(params, dict) and isinstance(params.get("layers"), list):
+            # q, k and v apart, as `load_model` gives them, for an engine that holds them joined (CPU): join them too
+            new_leaves, new_def = jax.tree.flatten_with_path(fuse_qkv(params))
         if new_def != treedef:
             raise ValueError(f"new params do not have the structure of the model's pytree: {new_def} vs {treedef}")
         placed = []
