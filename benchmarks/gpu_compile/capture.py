@@ -252,14 +252,15 @@ def misaligned_kernel_operands(hlo: str) -> list[str]:
         ops[name] = (typ, op, arg_names, line[:2000])
         if op != "custom-call" or 'custom_call_target="mosaic_gpu' not in line:
             continue
-        path = (m.group(1) if (m := _OP_NAME.search(line)) else name).split("/")
+        op_name = _OP_NAME.search(line)
+        path = (op_name.group(1) if op_name else name).split("/")
         kernel = path[-2] if len(path) > 1 else path[-1]  # ".../<kernel name>/mpmd_map"
         for i, arg in enumerate(arg_names):
             while arg in ops and ops[arg][1] == "bitcast":  # a bitcast is the same address
                 arg = ops[arg][2][0]
             if arg not in ops or ops[arg][1] not in ("slice", "dynamic-slice"):
                 continue
-            _, op_kind, src_args, src_line = ops[arg]
+            _, op_kind, src_args, slice_line = ops[arg]
             src = ops.get(src_args[0])
             a = _ARRAY.match(src[0]) if src else None
             if a is None:
@@ -268,7 +269,9 @@ def misaligned_kernel_operands(hlo: str) -> list[str]:
             layout = tuple(int(d) for d in (a.group(3) or "").split(",") if d)
             strides, bits = _strides(dims, layout), _bits(a.group(1))
             if op_kind == "slice":
-                starts = [int(s.strip(" [").split(":")[0]) for s in _SLICE_STARTS.search(src_line).group(1).split("],")]
+                starts = [
+                    int(s.strip(" [").split(":")[0]) for s in _SLICE_STARTS.search(slice_line).group(1).split("],")
+                ]
                 offset = sum(s * st for s, st in zip(starts, strides, strict=False)) * bits // 8
                 if offset % MOSAIC_ALIGN_BYTES:
                     out.append(f"{kernel} operand {i}: a slice of %{src_args[0]} at byte offset {offset}")
