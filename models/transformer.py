@@ -42,7 +42,8 @@ import numpy as np
 from netra_jax.config import ModelConfig
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
 from netra_jax.models.moe import moe_mlp
-from netra_jax.models.rope import rope
+from netra_jax.models.rope import rope, rope_tables
+from netra_jax.ops import cpu_decode_layer
 from netra_jax.ops.attention import (
     AttentionMetadata,
     attention,
@@ -266,7 +267,20 @@ def hidden_states(
     new_k, new_v = [], []
     records: dict[str, jax.Array] = {}
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
+    one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and hooks is None and mesh is None
+    tables: dict = {}  # RoPE tables per rope setting, for the layers run as one kernel call
     for i, lp in enumerate(params["layers"]):
+        if one_call and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0]):
+            rc = cfg.layer_rope(i)
+            if rc not in tables:
+                tables[rc] = rope_tables(positions, rc, cfg.rotary_dim)
+            lay = md.layout
+            x, kp, vp = cpu_decode_layer.decode_layer(
+                x, lp, kv.k[i], kv.v[i], *tables[rc], md.slot_mapping, lay.q_pos, lay.valid, lay.rows, cfg=cfg, i=i
+            )
+            new_k.append(kp)
+            new_v.append(vp)
+            continue
         like = first_of_kind.setdefault((cfg.layer_window(i), cfg.layer_rope(i), cfg.is_moe_layer(i)), i)
         lh = None if hooks is None else hooks.for_layer(i)
         x, kp, vp, rec = _layer(

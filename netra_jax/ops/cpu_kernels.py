@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, `cpu_ggml_matmul.cc`, sharing `cpu_pool.h`): compiled
+"""The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, `cpu_ggml_matmul.cc`, `cpu_decode_layer.cc`, sharing
+`cpu_pool.h` and the matmul's and attention's cores in `cpu_matmul.h` and `cpu_attention.h`): compiled
 on first use into one shared library for this machine's CPU and registered as XLA FFI targets; `available()` says
 whether they are ready.
 
@@ -30,8 +31,13 @@ __all__ = ["SOURCES", "TARGETS", "available", "build", "register_builds", "unava
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc", HERE / "cpu_ggml_matmul.cc")
-HEADERS = (HERE / "cpu_pool.h",)
+SOURCES = (
+    HERE / "cpu_matmul.cc",
+    HERE / "cpu_attention.cc",
+    HERE / "cpu_ggml_matmul.cc",
+    HERE / "cpu_decode_layer.cc",
+)
+HEADERS = (HERE / "cpu_pool.h", HERE / "cpu_matmul.h", HERE / "cpu_attention.h")
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
@@ -39,6 +45,7 @@ TARGETS = {
     "netra_small_matmul_e4m3": "NetraSmallMatmulE4M3",
     "netra_token_attention_f32": "NetraTokenAttentionF32",
     "netra_ggml_matmul_f32": "NetraGgmlMatmulF32",
+    "netra_decode_layer_f32": "NetraDecodeLayerF32",
 }
 # reassociated float sums let the compiler vectorize the attention's dot products (the matmul's vectors are explicit)
 _FLAGS = (

@@ -1,0 +1,349 @@
+// One decoder layer for a decode-sized step on CPU, an XLA FFI handler: x [T, hidden] -> x after the layer, this
+// step's keys and values written into the layer's float32 pages (aliased in place), for T up to a few dozen tokens.
+//
+// Why: at decode sizes a layer is about ten small programs in XLA (norms, the projections, RoPE, the KV write,
+// attention, the activation, residuals), each a dispatch and a wake-up of the thread pool, and XLA's dot reads
+// SmolLM2's one-row weights at 20 of the 27 GB/s two cores can read. Here the layer is one call: the calling thread
+// and helpers from XLA's intra-op pool go through its phases together, claiming pieces of each from a counter and
+// waiting (spinning) only where a phase needs the whole output of the one before:
+//
+//   1. qkv: per group of heads, the attention norm of x (each thread its own copy), the group's columns of
+//      x @ wqkv (+ bias), then per head the q/k norm, RoPE (cos and sin given per token), and the keys' and values'
+//      write into their page slots;
+//   2. attention: per (token, KV head) and 1024-position part, as cpu_attention.h computes it (every token per
+//      token: keys of this step's earlier tokens are already written); 3. the parts of long contexts merged;
+//   4. o: per column range, attention @ wo (+ bias) added to x (Gemma's sandwich norm: 5. per token, after it);
+//   6. mlp: per range of the intermediate columns, the MLP norm of x (each thread its own copy), gate and up,
+//      act(gate) * up;  7. down: per column range, @ w_down added to x (8. the sandwich norm, per token).
+//
+// The matmuls are cpu_matmul.h's (each output summed over k in order: batch-invariant); the attention is the FFI
+// attention's code. The jnp layer in models/transformer.py is the reference.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpu_attention.h"
+#include "cpu_matmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+namespace att = netra::attention;
+using netra::rows::columns;
+using netra::rows::VW;
+using RowsProblem = netra::rows::Problem<float>;
+
+enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+enum Phase { kQkv, kAttend, kCombine, kO, kONorm, kMlp, kDown, kDownNorm, kPhases };
+
+struct Layer {
+  // shapes
+  int64_t T, hidden, H, KH, D, I, num_pages, P, max_pages, half;
+  int64_t nqkv() const { return (H + 2 * KH) * D; }
+  // inputs
+  const float *x, *attn_norm, *wqkv, *bqkv, *q_norm, *k_norm, *cos, *sin, *sinks, *wo, *bo, *post_attn_norm,
+      *mlp_norm, *w_gate_up, *w_down, *post_mlp_norm;
+  const int32_t *slots, *pos, *rows;
+  const bool* valid;
+  // outputs
+  float *out, *k_pages, *v_pages;
+  // attributes
+  float eps;
+  bool qk_norm, sandwich;
+  int64_t act;
+  // scratch: qkv [T, nqkv], q [T, H, D], attn [T, H, D], mid [T, hidden], o [T, hidden], gu [T, 2I], a [T, I]
+  float *qkv, *q, *attn, *mid, *o, *gu, *a;
+};
+
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w for `n` rows of `dim`, as the jnp rms_norm computes it
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t n, int64_t dim, float eps) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * dim;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) ss += xr[d] * xr[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t d = 0; d < dim; ++d) y[r * dim + d] = xr[d] * inv * w[d];
+  }
+}
+
+// Pieces of a range of `n` columns: `pieces` ranges of whole vectors, the last one ending at n.
+std::pair<int64_t, int64_t> piece_columns(int64_t n, int64_t pieces, int64_t i) {
+  const int64_t vectors = (n + VW - 1) / VW, per = (vectors + pieces - 1) / pieces;
+  return {std::min(n, i * per * VW), std::min(n, (i + 1) * per * VW)};
+}
+
+struct Job {
+  Layer L;
+  att::Problem ap;  // the attention over q / attn and the pages
+  std::vector<att::Item> items;
+  std::vector<std::pair<int64_t, int64_t>> splits;
+  att::Partial partial{nullptr, nullptr, nullptr};
+  int64_t head_group = 1;  // heads per qkv piece
+  int64_t pieces[kPhases] = {};
+  std::atomic<int64_t> claimed[kPhases], done[kPhases];
+
+  Job() {
+    for (int ph = 0; ph < kPhases; ++ph) claimed[ph] = 0, done[ph] = 0;
+  }
+
+  // Every phase in order: claim pieces until none is left, then wait for the others' pieces of it.
+  void run() {
+    std::vector<float> normed, scores;  // this thread's normed rows, attention scratch
+    bool attn_normed = false, mlp_normed = false;
+    for (int ph = 0; ph < kPhases; ++ph) {
+      for (int64_t i; (i = claimed[ph].fetch_add(1, std::memory_order_relaxed)) < pieces[ph];) {
+        switch (ph) {
+          case kQkv:
+            if (!attn_normed) norm_into(normed, L.x, L.attn_norm), attn_normed = true;
+            qkv_piece(normed.data(), i);
+            break;
+          case kAttend:
+            att::attend_any(ap, items[i], partial, scores);
+            break;
+          case kCombine:
+            att::combine(ap, items, partial, splits[i].first, splits[i].second);
+            break;
+          case kO:
+            o_piece(i);
+            break;
+          case kONorm:
+            sandwich_row(L.x, L.post_attn_norm, L.mid, i);
+            break;
+          case kMlp:
+            if (!mlp_normed) norm_into(normed, L.mid, L.mlp_norm), mlp_normed = true;
+            mlp_piece(normed.data(), i);
+            break;
+          case kDown:
+            down_piece(i);
+            break;
+          case kDownNorm:
+            sandwich_row(L.mid, L.post_mlp_norm, L.out, i);
+            break;
+        }
+        done[ph].fetch_add(1, std::memory_order_release);
+      }
+      while (done[ph].load(std::memory_order_acquire) < pieces[ph]) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+    }
+  }
+
+  void norm_into(std::vector<float>& h, const float* x, const float* w) const {
+    h.resize(L.T * L.hidden);
+    rms_norm_rows(x, w, h.data(), L.T, L.hidden, L.eps);
+  }
+
+  // heads [h0, h1) of q, k and v (in that order along wqkv's columns)
+  void qkv_piece(const float* h, int64_t i) {
+    const int64_t nh = L.H + 2 * L.KH, N = L.nqkv(), D = L.D;
+    const int64_t h0 = i * head_group, h1 = std::min(nh, h0 + head_group);
+    columns(RowsProblem{h, L.wqkv, L.qkv, L.T, L.hidden, N}, h0 * D, h1 * D);
+    const int64_t slots_total = L.num_pages * L.P;
+    for (int64_t t = 0; t < L.T; ++t) {
+      for (int64_t head = h0; head < h1; ++head) {
+        float* r = L.qkv + t * N + head * D;
+        for (int64_t d = 0; d < D; ++d) r[d] += L.bqkv[head * D + d];
+        const bool is_q = head < L.H, is_k = !is_q && head < L.H + L.KH;
+        if (is_q || is_k) {
+          if (L.qk_norm) rms_norm_rows(r, is_q ? L.q_norm : L.k_norm, r, 1, D, L.eps);
+          const float* c = L.cos + t * L.half;
+          const float* s = L.sin + t * L.half;
+          for (int64_t d = 0; d < L.half; ++d) {
+            const float x1 = r[d], x2 = r[d + L.half];
+            r[d] = x1 * c[d] - x2 * s[d];
+            r[d + L.half] = x2 * c[d] + x1 * s[d];
+          }
+        }
+        if (is_q) {
+          std::memcpy(L.q + (t * L.H + head) * D, r, sizeof(float) * D);
+          std::memset(L.attn + (t * L.H + head) * D, 0, sizeof(float) * D);
+          continue;
+        }
+        const int64_t slot = L.slots[t];
+        if (slot < 0 || slot >= slots_total) continue;  // padding: dropped
+        const int64_t kh = is_k ? head - L.H : head - L.H - L.KH;
+        float* pages = is_k ? L.k_pages : L.v_pages;
+        std::memcpy(pages + (slot * L.KH + kh) * D, r, sizeof(float) * D);
+      }
+    }
+  }
+
+  void o_piece(int64_t i) {
+    const auto [n0, n1] = piece_columns(L.hidden, pieces[kO], i);
+    columns(RowsProblem{L.attn, L.wo, L.o, L.T, L.H * L.D, L.hidden}, n0, n1);
+    for (int64_t t = 0; t < L.T; ++t) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int64_t e = t * L.hidden + n;
+        L.o[e] += L.bo[n];
+        if (!L.sandwich) L.mid[e] = L.x[e] + L.o[e];
+      }
+    }
+  }
+
+  // out[t] = x[t] + rms_norm(o[t]) * w (the sandwich norm after a block)
+  void sandwich_row(const float* x, const float* w, float* out, int64_t t) const {
+    float* o = L.o + t * L.hidden;
+    rms_norm_rows(o, w, o, 1, L.hidden, L.eps);
+    for (int64_t n = 0; n < L.hidden; ++n) out[t * L.hidden + n] = x[t * L.hidden + n] + o[n];
+  }
+
+  void mlp_piece(const float* h, int64_t i) {
+    const auto [n0, n1] = piece_columns(L.I, pieces[kMlp], i);
+    const RowsProblem p{h, L.w_gate_up, L.gu, L.T, L.hidden, 2 * L.I};
+    columns(p, n0, n1);  // gate
+    columns(p, L.I + n0, L.I + n1);  // up
+    for (int64_t t = 0; t < L.T; ++t) {
+      const float* gate = L.gu + t * 2 * L.I;
+      const float* up = gate + L.I;
+      float* a = L.a + t * L.I;
+      for (int64_t n = n0; n < n1; ++n) {
+        const float g = gate[n];
+        float act;
+        if (L.act == kSilu) {
+          act = g * (1.0f / (1.0f + std::exp(-g)));
+        } else {
+          act = g * (0.5f * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * (g * g * g)))));
+        }
+        a[n] = act * up[n];
+      }
+    }
+  }
+
+  void down_piece(int64_t i) {
+    const auto [n0, n1] = piece_columns(L.hidden, pieces[kDown], i);
+    columns(RowsProblem{L.a, L.w_down, L.o, L.T, L.I, L.hidden}, n0, n1);
+    if (L.sandwich) return;
+    for (int64_t t = 0; t < L.T; ++t) {
+      for (int64_t n = n0; n < n1; ++n) L.out[t * L.hidden + n] = L.mid[t * L.hidden + n] + L.o[t * L.hidden + n];
+    }
+  }
+};
+
+ffi::Error DecodeLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm,
+                       ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv, ffi::Buffer<ffi::F32> q_norm,
+                       ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                       ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> slots,
+                       ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> rows,
+                       ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> bo,
+                       ffi::Buffer<ffi::F32> post_attn_norm, ffi::Buffer<ffi::F32> mlp_norm,
+                       ffi::Buffer<ffi::F32> w_gate_up, ffi::Buffer<ffi::F32> w_down,
+                       ffi::Buffer<ffi::F32> post_mlp_norm, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps, float scale,
+                       float soft_cap, int64_t window, bool has_sinks, int64_t act, bool qk_norm, bool sandwich,
+                       int64_t rotary_dim) {
+  const auto xd = x.dimensions(), kd = k_pages.dimensions(), rd = rows.dimensions(), gd = w_gate_up.dimensions();
+  const auto od = wo.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || rd.size() != 2 || gd.size() != 3 || od.size() != 2 || gd[1] != 2) {
+    return ffi::Error::InvalidArgument(
+        "netra_decode_layer_f32: x [T, hidden], pages [N, P, KH, D], rows [T, pages], w_gate_up [hidden, 2, I]");
+  }
+  Layer L{};
+  L.T = xd[0], L.hidden = xd[1], L.num_pages = kd[0], L.P = kd[1], L.KH = kd[2], L.D = kd[3], L.max_pages = rd[1];
+  L.H = od[0] / L.D, L.I = gd[2], L.half = rotary_dim / 2;
+  if (L.H * L.D != od[0] || L.H % L.KH != 0 || wqkv.dimensions()[1] != L.nqkv() || rotary_dim > L.D ||
+      rotary_dim % 2 != 0 || cos.dimensions()[1] != L.half) {
+    return ffi::Error::InvalidArgument("netra_decode_layer_f32: head shapes of wqkv, wo, the pages and RoPE disagree");
+  }
+  if (L.T == 0) return ffi::Error::Success();
+  L.x = x.typed_data(), L.attn_norm = attn_norm.typed_data(), L.wqkv = wqkv.typed_data();
+  L.bqkv = bqkv.typed_data(), L.q_norm = q_norm.typed_data(), L.k_norm = k_norm.typed_data();
+  L.cos = cos.typed_data(), L.sin = sin.typed_data(), L.sinks = sinks.typed_data(), L.wo = wo.typed_data();
+  L.bo = bo.typed_data(), L.post_attn_norm = post_attn_norm.typed_data(), L.mlp_norm = mlp_norm.typed_data();
+  L.w_gate_up = w_gate_up.typed_data(), L.w_down = w_down.typed_data();
+  L.post_mlp_norm = post_mlp_norm.typed_data();
+  L.slots = slots.typed_data(), L.pos = pos.typed_data(), L.rows = rows.typed_data(), L.valid = valid.typed_data();
+  L.out = out->typed_data(), L.k_pages = k_out->typed_data(), L.v_pages = v_out->typed_data();
+  L.eps = eps, L.qk_norm = qk_norm, L.sandwich = sandwich, L.act = act;
+  if (L.k_pages != k_pages.typed_data()) {  // not aliased: start from the given pages
+    std::memcpy(L.k_pages, k_pages.typed_data(), k_pages.size_bytes());
+  }
+  if (L.v_pages != v_pages.typed_data()) std::memcpy(L.v_pages, v_pages.typed_data(), v_pages.size_bytes());
+
+  const int64_t T = L.T, QD = L.H * L.D;
+  std::unique_ptr<float[]> scratch(
+      new float[T * (L.nqkv() + 2 * QD + 2 * L.hidden + 3 * L.I)]);  // no initial values: every piece writes first
+  L.qkv = scratch.get(), L.q = L.qkv + T * L.nqkv(), L.attn = L.q + T * QD, L.mid = L.attn + T * QD;
+  L.o = L.mid + T * L.hidden, L.gu = L.o + T * L.hidden, L.a = L.gu + T * 2 * L.I;
+
+  auto job = std::make_shared<Job>();
+  job->L = L;
+  std::vector<int32_t> all_tokens(T);
+  for (int64_t t = 0; t < T; ++t) all_tokens[t] = static_cast<int32_t>(t);
+  job->ap = att::Problem{L.q,     L.k_pages,   L.v_pages,   nullptr, nullptr, all_tokens.data(),
+                         L.pos,   L.valid,     L.rows,      L.sinks, L.attn,  T,
+                         L.H,     L.D,         L.P,         L.KH,    L.max_pages,
+                         L.num_pages, T,       scale,       soft_cap, window, has_sinks, att::kF32};
+  const int64_t slots_needed = att::plan(job->ap, &job->items, &job->splits);
+  std::vector<float> partial(slots_needed * (L.H / L.KH) * (L.D + 2));
+  if (slots_needed > 0) {
+    const int64_t G = L.H / L.KH;
+    job->partial = att::Partial{partial.data(), partial.data() + slots_needed * G * L.D,
+                                partial.data() + slots_needed * G * (L.D + 1)};
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t target = threads;  // pieces per matmul phase: one run of columns per thread (longer runs stream faster)
+  const int64_t heads = L.H + 2 * L.KH;
+  job->head_group = (heads + target - 1) / target;
+  job->pieces[kQkv] = (heads + job->head_group - 1) / job->head_group;
+  job->pieces[kAttend] = static_cast<int64_t>(job->items.size());
+  job->pieces[kCombine] = static_cast<int64_t>(job->splits.size());
+  job->pieces[kO] = std::min(target, (L.hidden + VW - 1) / VW);
+  job->pieces[kONorm] = sandwich ? T : 0;
+  job->pieces[kMlp] = std::min(target, (L.I + VW - 1) / VW);
+  job->pieces[kDown] = std::min(target, (L.hidden + VW - 1) / VW);
+  job->pieces[kDownNorm] = sandwich ? T : 0;
+  for (int64_t i = 0; i + 1 < threads; ++i) pool.Schedule([job] { job->run(); });
+  job->run();  // returns once every phase is done; a helper still in its loop finds nothing left to claim
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraDecodeLayerF32, DecodeLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [T, hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // attn_norm [hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // wqkv [hidden, (H + 2 KH) D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bqkv [(H + 2 KH) D] (zeros: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, rotary_dim / 2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, rotary_dim / 2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pages [N, P, KH, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot of each token [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // position of each token [T]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // real token [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block-table rows [T, max_pages]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // wo [H D, hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bo [hidden] (zeros: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // post_attn_norm [hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // mlp_norm [hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w_gate_up [hidden, 2, I]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w_down [I, hidden]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // post_mlp_norm [hidden]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // x out [T, hidden]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // k pages (aliased to the input)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // v pages (aliased to the input)
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("has_sinks")
+                                  .Attr<int64_t>("act")
+                                  .Attr<bool>("qk_norm")
+                                  .Attr<bool>("sandwich")
+                                  .Attr<int64_t>("rotary_dim"));
