@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each case without the C++ CPU kernels: XLA's dot for every matmul and the jnp attention",
     )
+    ap.add_argument("--model", default=None, help="a checkpoint (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     from netra_jax.engine_config import EngineConfig
 
     load0 = os.getloadavg()
-    engine = build_engine(EngineConfig(dtype="float32", warmup=False))  # overlapped steps, as the server runs them
+    model = {"model": a.model} if a.model else {}
+    engine = build_engine(
+        EngineConfig(**model, dtype="float32", warmup=False)
+    )  # overlapped steps, as the server runs them
     rng, counter = random.Random(0), itertools.count()
     cases = a.cases or GRID
     steps = [build_step(engine.pool, rng, counter, d, ctx, chunks) for d, ctx, chunks in cases]
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "step_cost",
         "date": datetime.date.today().isoformat(),
-        "model": "SmolLM2-135M-Instruct (default), float32",
+        "model": f"{a.model or 'SmolLM2-135M-Instruct (default)'}, float32",
         "matmul_backend": engine.runner.matmul_backend,
         "attention_backend": engine.runner.backend,
         "machine": machine_info(),
