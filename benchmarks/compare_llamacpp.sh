@@ -204,6 +204,10 @@ MD="$RESULT_DIR/$DATE-llamacpp_compare${PREFIX:+_$PRESET}$SUFFIX.md"
 TABLE=$(mktemp)
 PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS[@]}" --result-dir "$RESULT_DIR" \
   --table "$TABLE" | sed -n 's/^wrote \(.*\.png\)$/\1/p')
+if [ -n "$PLOT" ] && [ -n "$SUFFIX" ]; then  # tagged like the table, so a later run of the day keeps this one's
+  mv "$PLOT" "${PLOT%.png}$SUFFIX.png"
+  PLOT="${PLOT%.png}$SUFFIX.png"
+fi
 VERSION=$("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version || true)
 MACHINE=$("$PY" -c 'from netra_jax.bench.machine import describe, machine_info; print(describe(machine_info()))')
 BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail -n1)

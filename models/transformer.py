@@ -28,6 +28,9 @@ Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode
 reference (`netra_jax.ops.attention.paged_attention_dense`, memory T x block-table keys per layer), the experts'
 grouped matmul's is `jax.lax.ragged_dot`'s (quantized experts: in the activations, not the weights). Forward
 mode (`jax.jvp`) is not provided.
+With matmul_backend "cpu_rows" (the CPU engine's), a step of at most 32 tokens runs its dense float32 layers as one
+C++ call each (`netra_jax.ops.cpu_decode_layer`, this module's `_layer` its reference), which is not differentiable:
+take "xla" for gradients.
 """
 
 from __future__ import annotations
@@ -351,7 +354,9 @@ def forward(
     hook_request [T] int32 each token's request index for `HookContext.request` (default 0, -1 for padding): see
     `netra_jax.models.hooks`. Recorded activations are [T, ...] over all rows (padding included).
     matmul_backend: "xla" (jnp's dot), or "cpu_rows" to run float32 matmuls of decode-sized batches on the CPU kernel
-    of `netra_jax.ops.cpu_matmul` (what the engine runs on CPU; unsharded parameters only, lowers for CPU only).
+    of `netra_jax.ops.cpu_matmul` and, with the "cpu" attention backend and no hooks, the dense float32 layers of a
+    step of at most 32 tokens as one call each of `netra_jax.ops.cpu_decode_layer` (what the engine runs on CPU;
+    unsharded parameters only, lowers for CPU only, not differentiable).
     Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
     activations {hook name: array}.
     """
