@@ -3,21 +3,22 @@
 //
 // Why: at decode sizes a layer is about ten small programs in XLA (norms, the projections, RoPE, the KV write,
 // attention, the activation, residuals), each a dispatch and a wake-up of the thread pool, and XLA's dot reads
-// SmolLM2's one-row weights at 20 of the 27 GB/s two cores can read. Here the layer is one call: the calling thread
+// SmolLM2's one-row weights at 20 of the 30 GB/s two cores can read. Here the layer is one call: the calling thread
 // and helpers from XLA's intra-op pool go through its phases together, claiming pieces of each from a counter and
 // waiting (spinning) only where a phase needs the whole output of the one before:
 //
-//   1. qkv: per group of heads, the attention norm of x (each thread its own copy), the group's columns of
-//      x @ wqkv (+ bias), then per head the q/k norm, RoPE (cos and sin given per token), and the keys' and values'
-//      write into their page slots;
-//   2. attention: per (token, KV head) and 1024-position part, as cpu_attention.h computes it (every token per
-//      token: keys of this step's earlier tokens are already written); 3. the parts of long contexts merged;
-//   4. o: per column range, attention @ wo (+ bias) added to x (Gemma's sandwich norm: 5. per token, after it);
-//   6. mlp: per range of the intermediate columns, the MLP norm of x (each thread its own copy), gate and up,
-//      act(gate) * up;  7. down: per column range, @ w_down added to x (8. the sandwich norm, per token).
+//   qkv: the attention norm of x (each thread its own copy), then x @ wqkv per K segment (see `segment`);
+//   qkv post: per group of heads, the segments' sum + bias, the q/k norm, RoPE (cos and sin given per token), the
+//     keys' and values' write into their page slots;
+//   attention: per (token, KV head) and 1024-position part, as cpu_attention.h computes it (every token per token:
+//     keys of this step's earlier tokens are already written); combine: the parts of long contexts merged;
+//   o, o post: attention @ wo per K segment; per token, the sum + bias (Gemma's sandwich norm) added to x;
+//   mlp, mlp post: the MLP norm of x (each thread its own copy), gate and up per K segment; act(gate) * up;
+//   down, down post: @ w_down per K segment; per token, the sum (sandwich norm) added to x.
 //
-// The matmuls are cpu_matmul.h's (each output summed over k in order: batch-invariant); the attention is the FFI
-// attention's code. The jnp layer in models/transformer.py is the reference.
+// The matmuls are cpu_matmul.h's (each output summed over k in order within a segment, the two segments added:
+// batch-invariant); the attention is the FFI attention's code. The jnp layer in models/transformer.py is the
+// reference.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -43,7 +44,21 @@ using RowsProblem = netra::rows::Problem<float>;
 
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
-enum Phase { kQkv, kAttend, kCombine, kO, kONorm, kMlp, kDown, kDownNorm, kPhases };
+enum Phase { kQkv, kQkvPost, kAttend, kCombine, kO, kOPost, kMlp, kMlpPost, kDown, kDownPost, kPhases };
+
+// A matmul's sum over k in two fixed segments, each summed in order by one piece, then added (first + second): at
+// one row each piece streams a contiguous half of the weight (the columns split instead, every weight row is two
+// short runs the prefetchers follow less well: 27 against 30 GB/s for SmolLM2's layers on a 2-core AVX-512 Xeon).
+// The segments depend on K alone, so a row's result does not depend on the rows or threads around it.
+constexpr int SEGMENTS = 2;
+
+inline int64_t segment_count(int64_t K) { return K >= 64 ? SEGMENTS : 1; }
+
+inline std::pair<int64_t, int64_t> segment(int64_t K, int64_t s) {
+  if (segment_count(K) == 1) return {0, K};
+  const int64_t mid = K / 2 / 32 * 32;
+  return s == 0 ? std::pair<int64_t, int64_t>{0, mid} : std::pair<int64_t, int64_t>{mid, K};
+}
 
 struct Layer {
   // shapes
@@ -60,8 +75,9 @@ struct Layer {
   float eps;
   bool qk_norm, sandwich;
   int64_t act;
-  // scratch: qkv [T, nqkv], q [T, H, D], attn [T, H, D], mid [T, hidden], o [T, hidden], gu [T, 2I], a [T, I]
-  float *qkv, *q, *attn, *mid, *o, *gu, *a;
+  // scratch, each matmul's output per K segment: qkv [2][T, nqkv], gu [2][T, 2I], o [2][T, hidden] (o, then down);
+  // q [T, H, D], attn [T, H, D], mid [T, hidden], a [T, I]
+  float *qkv[SEGMENTS], *gu[SEGMENTS], *o[SEGMENTS], *q, *attn, *mid, *a;
 };
 
 // y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w for `n` rows of `dim`, as the jnp rms_norm computes it
@@ -81,13 +97,19 @@ std::pair<int64_t, int64_t> piece_columns(int64_t n, int64_t pieces, int64_t i) 
   return {std::min(n, i * per * VW), std::min(n, (i + 1) * per * VW)};
 }
 
+// the matmul's sum: its segments' partial outputs added in order
+inline float total(float* const* parts, int64_t nseg, int64_t e) {
+  return nseg == 1 ? parts[0][e] : parts[0][e] + parts[1][e];
+}
+
 struct Job {
   Layer L;
   att::Problem ap;  // the attention over q / attn and the pages
   std::vector<att::Item> items;
   std::vector<std::pair<int64_t, int64_t>> splits;
   att::Partial partial{nullptr, nullptr, nullptr};
-  int64_t head_group = 1;  // heads per qkv piece
+  int64_t col_pieces = 1;  // column ranges per matmul (times its K segments: its pieces)
+  int64_t head_group = 1;  // heads per qkv post piece
   int64_t pieces[kPhases] = {};
   std::atomic<int64_t> claimed[kPhases], done[kPhases];
 
@@ -104,7 +126,10 @@ struct Job {
         switch (ph) {
           case kQkv:
             if (!attn_normed) norm_into(normed, L.x, L.attn_norm), attn_normed = true;
-            qkv_piece(normed.data(), i);
+            matmul_piece(normed.data(), L.wqkv, L.hidden, L.nqkv(), L.qkv, i);
+            break;
+          case kQkvPost:
+            qkv_post(i);
             break;
           case kAttend:
             att::attend_any(ap, items[i], partial, scores);
@@ -113,20 +138,23 @@ struct Job {
             att::combine(ap, items, partial, splits[i].first, splits[i].second);
             break;
           case kO:
-            o_piece(i);
+            matmul_piece(L.attn, L.wo, L.H * L.D, L.hidden, L.o, i);
             break;
-          case kONorm:
-            sandwich_row(L.x, L.post_attn_norm, L.mid, i);
+          case kOPost:
+            residual_row(L.x, L.bo, L.post_attn_norm, L.H * L.D, L.mid, i);
             break;
           case kMlp:
             if (!mlp_normed) norm_into(normed, L.mid, L.mlp_norm), mlp_normed = true;
-            mlp_piece(normed.data(), i);
+            matmul_piece(normed.data(), L.w_gate_up, L.hidden, 2 * L.I, L.gu, i);
+            break;
+          case kMlpPost:
+            mlp_post(i);
             break;
           case kDown:
-            down_piece(i);
+            matmul_piece(L.a, L.w_down, L.I, L.hidden, L.o, i);
             break;
-          case kDownNorm:
-            sandwich_row(L.mid, L.post_mlp_norm, L.out, i);
+          case kDownPost:
+            residual_row(L.mid, nullptr, L.post_mlp_norm, L.I, L.out, i);
             break;
         }
         done[ph].fetch_add(1, std::memory_order_release);
@@ -144,29 +172,37 @@ struct Job {
     rms_norm_rows(x, w, h.data(), L.T, L.hidden, L.eps);
   }
 
-  // heads [h0, h1) of q, k and v (in that order along wqkv's columns)
-  void qkv_piece(const float* h, int64_t i) {
-    const int64_t nh = L.H + 2 * L.KH, N = L.nqkv(), D = L.D;
+  // Piece i of x [T, K] @ w [K, N]: a column range and one K segment, into that segment's output.
+  void matmul_piece(const float* x, const float* w, int64_t K, int64_t N, float* const* out, int64_t i) const {
+    const int64_t nseg = segment_count(K), s = i % nseg;
+    const auto [n0, n1] = piece_columns(N, col_pieces, i / nseg);
+    const auto [k0, k1] = segment(K, s);
+    columns(RowsProblem{x, w, nullptr, L.T, K, N}.segment(k0, k1, out[s]), n0, n1);
+  }
+
+  // heads [h0, h1) of q, k and v (in that order along wqkv's columns): bias, q/k norm, RoPE, the KV write
+  void qkv_post(int64_t i) {
+    const int64_t nh = L.H + 2 * L.KH, N = L.nqkv(), D = L.D, nseg = segment_count(L.hidden);
     const int64_t h0 = i * head_group, h1 = std::min(nh, h0 + head_group);
-    columns(RowsProblem{h, L.wqkv, L.qkv, L.T, L.hidden, N}, h0 * D, h1 * D);
     const int64_t slots_total = L.num_pages * L.P;
+    float* r = L.qkv[0];  // the sum goes into the first segment's output
     for (int64_t t = 0; t < L.T; ++t) {
       for (int64_t head = h0; head < h1; ++head) {
-        float* r = L.qkv + t * N + head * D;
-        for (int64_t d = 0; d < D; ++d) r[d] += L.bqkv[head * D + d];
+        float* v = r + t * N + head * D;
+        for (int64_t d = 0; d < D; ++d) v[d] = total(L.qkv, nseg, t * N + head * D + d) + L.bqkv[head * D + d];
         const bool is_q = head < L.H, is_k = !is_q && head < L.H + L.KH;
         if (is_q || is_k) {
-          if (L.qk_norm) rms_norm_rows(r, is_q ? L.q_norm : L.k_norm, r, 1, D, L.eps);
+          if (L.qk_norm) rms_norm_rows(v, is_q ? L.q_norm : L.k_norm, v, 1, D, L.eps);
           const float* c = L.cos + t * L.half;
           const float* s = L.sin + t * L.half;
           for (int64_t d = 0; d < L.half; ++d) {
-            const float x1 = r[d], x2 = r[d + L.half];
-            r[d] = x1 * c[d] - x2 * s[d];
-            r[d + L.half] = x2 * c[d] + x1 * s[d];
+            const float x1 = v[d], x2 = v[d + L.half];
+            v[d] = x1 * c[d] - x2 * s[d];
+            v[d + L.half] = x2 * c[d] + x1 * s[d];
           }
         }
         if (is_q) {
-          std::memcpy(L.q + (t * L.H + head) * D, r, sizeof(float) * D);
+          std::memcpy(L.q + (t * L.H + head) * D, v, sizeof(float) * D);
           std::memset(L.attn + (t * L.H + head) * D, 0, sizeof(float) * D);
           continue;
         }
@@ -174,58 +210,37 @@ struct Job {
         if (slot < 0 || slot >= slots_total) continue;  // padding: dropped
         const int64_t kh = is_k ? head - L.H : head - L.H - L.KH;
         float* pages = is_k ? L.k_pages : L.v_pages;
-        std::memcpy(pages + (slot * L.KH + kh) * D, r, sizeof(float) * D);
+        std::memcpy(pages + (slot * L.KH + kh) * D, v, sizeof(float) * D);
       }
     }
   }
 
-  void o_piece(int64_t i) {
-    const auto [n0, n1] = piece_columns(L.hidden, pieces[kO], i);
-    columns(RowsProblem{L.attn, L.wo, L.o, L.T, L.H * L.D, L.hidden}, n0, n1);
-    for (int64_t t = 0; t < L.T; ++t) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const int64_t e = t * L.hidden + n;
-        L.o[e] += L.bo[n];
-        if (!L.sandwich) L.mid[e] = L.x[e] + L.o[e];
-      }
-    }
+  // out[t] = x[t] + h, h the block's output (the matmul over K, + bias), Gemma's sandwich norm applied to h first
+  void residual_row(const float* x, const float* bias, const float* norm, int64_t K, float* out, int64_t t) const {
+    const int64_t nseg = segment_count(K), row = t * L.hidden;
+    float* h = L.o[0] + row;  // the sum goes into the first segment's output
+    for (int64_t n = 0; n < L.hidden; ++n) h[n] = total(L.o, nseg, row + n) + (bias ? bias[n] : 0.0f);
+    if (L.sandwich) rms_norm_rows(h, norm, h, 1, L.hidden, L.eps);
+    for (int64_t n = 0; n < L.hidden; ++n) out[row + n] = x[row + n] + h[n];
   }
 
-  // out[t] = x[t] + rms_norm(o[t]) * w (the sandwich norm after a block)
-  void sandwich_row(const float* x, const float* w, float* out, int64_t t) const {
-    float* o = L.o + t * L.hidden;
-    rms_norm_rows(o, w, o, 1, L.hidden, L.eps);
-    for (int64_t n = 0; n < L.hidden; ++n) out[t * L.hidden + n] = x[t * L.hidden + n] + o[n];
-  }
-
-  void mlp_piece(const float* h, int64_t i) {
-    const auto [n0, n1] = piece_columns(L.I, pieces[kMlp], i);
-    const RowsProblem p{h, L.w_gate_up, L.gu, L.T, L.hidden, 2 * L.I};
-    columns(p, n0, n1);  // gate
-    columns(p, L.I + n0, L.I + n1);  // up
+  // act(gate) * up over a range of the intermediate columns
+  void mlp_post(int64_t i) {
+    const int64_t nseg = segment_count(L.hidden);
+    const auto [n0, n1] = piece_columns(L.I, pieces[kMlpPost], i);
     for (int64_t t = 0; t < L.T; ++t) {
-      const float* gate = L.gu + t * 2 * L.I;
-      const float* up = gate + L.I;
+      const int64_t row = t * 2 * L.I;
       float* a = L.a + t * L.I;
       for (int64_t n = n0; n < n1; ++n) {
-        const float g = gate[n];
+        const float g = total(L.gu, nseg, row + n), up = total(L.gu, nseg, row + L.I + n);
         float act;
         if (L.act == kSilu) {
           act = g * (1.0f / (1.0f + std::exp(-g)));
         } else {
           act = g * (0.5f * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * (g * g * g)))));
         }
-        a[n] = act * up[n];
+        a[n] = act * up;
       }
-    }
-  }
-
-  void down_piece(int64_t i) {
-    const auto [n0, n1] = piece_columns(L.hidden, pieces[kDown], i);
-    columns(RowsProblem{L.a, L.w_down, L.o, L.T, L.I, L.hidden}, n0, n1);
-    if (L.sandwich) return;
-    for (int64_t t = 0; t < L.T; ++t) {
-      for (int64_t n = n0; n < n1; ++n) L.out[t * L.hidden + n] = L.mid[t * L.hidden + n] + L.o[t * L.hidden + n];
     }
   }
 };
@@ -271,10 +286,14 @@ ffi::Error DecodeLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (L.v_pages != v_pages.typed_data()) std::memcpy(L.v_pages, v_pages.typed_data(), v_pages.size_bytes());
 
   const int64_t T = L.T, QD = L.H * L.D;
-  std::unique_ptr<float[]> scratch(
-      new float[T * (L.nqkv() + 2 * QD + 2 * L.hidden + 3 * L.I)]);  // no initial values: every piece writes first
-  L.qkv = scratch.get(), L.q = L.qkv + T * L.nqkv(), L.attn = L.q + T * QD, L.mid = L.attn + T * QD;
-  L.o = L.mid + T * L.hidden, L.gu = L.o + T * L.hidden, L.a = L.gu + T * 2 * L.I;
+  const int64_t per_segment = T * (L.nqkv() + 2 * L.I + L.hidden);
+  std::unique_ptr<float[]> scratch(new float[SEGMENTS * per_segment + T * (2 * QD + L.hidden + L.I)]);
+  float* next = scratch.get();  // no initial values: every piece writes before it reads
+  for (int s = 0; s < SEGMENTS; ++s) {
+    L.qkv[s] = next, L.gu[s] = next + T * L.nqkv(), L.o[s] = L.gu[s] + T * 2 * L.I;
+    next += per_segment;
+  }
+  L.q = next, L.attn = L.q + T * QD, L.mid = L.attn + T * QD, L.a = L.mid + T * L.hidden;
 
   auto job = std::make_shared<Job>();
   job->L = L;
@@ -292,17 +311,20 @@ ffi::Error DecodeLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                                 partial.data() + slots_needed * G * (L.D + 1)};
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t target = threads;  // pieces per matmul phase: one run of columns per thread (longer runs stream faster)
+  // a matmul's pieces: its K segments times column ranges, about one piece per thread (longer runs stream faster)
+  job->col_pieces = std::max<int64_t>(1, (threads + SEGMENTS - 1) / SEGMENTS);
   const int64_t heads = L.H + 2 * L.KH;
-  job->head_group = (heads + target - 1) / target;
-  job->pieces[kQkv] = (heads + job->head_group - 1) / job->head_group;
+  job->head_group = (heads + 2 * threads - 1) / (2 * threads);
+  job->pieces[kQkv] = job->col_pieces * segment_count(L.hidden);
+  job->pieces[kQkvPost] = (heads + job->head_group - 1) / job->head_group;
   job->pieces[kAttend] = static_cast<int64_t>(job->items.size());
   job->pieces[kCombine] = static_cast<int64_t>(job->splits.size());
-  job->pieces[kO] = std::min(target, (L.hidden + VW - 1) / VW);
-  job->pieces[kONorm] = sandwich ? T : 0;
-  job->pieces[kMlp] = std::min(target, (L.I + VW - 1) / VW);
-  job->pieces[kDown] = std::min(target, (L.hidden + VW - 1) / VW);
-  job->pieces[kDownNorm] = sandwich ? T : 0;
+  job->pieces[kO] = job->col_pieces * segment_count(QD);
+  job->pieces[kOPost] = T;
+  job->pieces[kMlp] = job->col_pieces * segment_count(L.hidden);
+  job->pieces[kMlpPost] = std::min(threads, (L.I + VW - 1) / VW);
+  job->pieces[kDown] = job->col_pieces * segment_count(L.I);
+  job->pieces[kDownPost] = T;
   for (int64_t i = 0; i + 1 < threads; ++i) pool.Schedule([job] { job->run(); });
   job->run();  // returns once every phase is done; a helper still in its loop finds nothing left to claim
   return ffi::Error::Success();

@@ -117,10 +117,18 @@ inline vf madd(vf x, vf w, vf acc) {
 
 template <typename W>
 struct Problem {
-  const float* x;  // [M, K]
+  const float* x;  // [M, K], rows ldx apart
   const W* w;      // [K, N]
   float* y;        // [M, N]
   int64_t M, K, N;
+  int64_t ldx = 0;  // x's row stride (0: K); a K segment of a wider x keeps the full stride
+
+  int64_t x_stride() const { return ldx ? ldx : K; }
+
+  // rows [k0, k1) of the sum: x's columns and w's rows there, into y
+  Problem segment(int64_t k0, int64_t k1, float* out) const {
+    return Problem{x + k0, w + k0 * N, out, M, k1 - k0, N, x_stride()};
+  }
 };
 
 // Spreads the prefetch of block rows [row0, row0 + rows) x columns [n0, n1) over `steps` calls of `next()`.
@@ -156,14 +164,14 @@ void tile(const Problem<W>& p, int64_t m0, int64_t n, int64_t k0, int64_t kb, Pr
       acc[m][j] = k0 == 0 ? vf{} : load(p.y + (m0 + m) * p.N + n + j * VW);
     }
   }
-  const float* xr = p.x + m0 * p.K + k0;
+  const float* xr = p.x + m0 * p.x_stride() + k0;
   const W* wr = p.w + k0 * p.N + n;
   for (int64_t k = 0; k < kb; ++k, wr += p.N) {
     if (pf) pf->next();
     vf wv[TN];
     for (int j = 0; j < TN; ++j) wv[j] = load(wr + j * VW);
     for (int m = 0; m < TM; ++m) {
-      const vf xb = vf{} + xr[m * p.K + k];
+      const vf xb = vf{} + xr[m * p.x_stride() + k];
       for (int j = 0; j < TN; ++j) acc[m][j] = madd(xb, wv[j], acc[m][j]);
     }
   }
@@ -198,7 +206,7 @@ void tail_columns(const Problem<W>& p, int64_t n0, int64_t n1, int64_t k0, int64
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t n = n0; n < n1; ++n) {
       float a = k0 == 0 ? 0.0f : p.y[m * p.N + n];
-      for (int64_t k = k0; k < k0 + kb; ++k) a = std::fma(p.x[m * p.K + k], to_float(p.w[k * p.N + n]), a);
+      for (int64_t k = k0; k < k0 + kb; ++k) a = std::fma(p.x[m * p.x_stride() + k], to_float(p.w[k * p.N + n]), a);
       p.y[m * p.N + n] = a;
     }
   }
@@ -255,7 +263,7 @@ void stream(const Problem<W>& p, int64_t n0, int64_t n1) {
         for (int j = 0; j < STREAM_K; ++j) __builtin_prefetch(ahead + j * p.N + n, 0, 2);
       }
       for (int64_t m = 0; m < p.M; ++m) {
-        const float* xr = p.x + m * p.K + k;
+        const float* xr = p.x + m * p.x_stride() + k;
         vf acc = load(p.y + m * p.N + n);
         for (int j = 0; j < STREAM_K; ++j) acc = madd(vf{} + xr[j], wv[j], acc);
         store(p.y + m * p.N + n, acc);
@@ -268,7 +276,7 @@ void stream(const Problem<W>& p, int64_t n0, int64_t n1) {
       const vf wv = load(wr + n);
       for (int64_t m = 0; m < p.M; ++m) {
         vf acc = load(p.y + m * p.N + n);
-        acc = madd(vf{} + p.x[m * p.K + k], wv, acc);
+        acc = madd(vf{} + p.x[m * p.x_stride() + k], wv, acc);
         store(p.y + m * p.N + n, acc);
       }
     }
