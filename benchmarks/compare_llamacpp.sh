@@ -202,12 +202,15 @@ done
 DATE=$(date +%F)
 MD="$RESULT_DIR/$DATE-llamacpp_compare${PREFIX:+_$PRESET}$SUFFIX.md"
 TABLE=$(mktemp)
-PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS[@]}" --result-dir "$RESULT_DIR" \
+PLOT_DIR=$(mktemp -d)  # drawn aside, then moved in tagged like the table: an earlier run's plot of the day stays
+PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS[@]}" --result-dir "$PLOT_DIR" \
   --table "$TABLE" | sed -n 's/^wrote \(.*\.png\)$/\1/p')
-if [ -n "$PLOT" ] && [ -n "$SUFFIX" ]; then  # tagged like the table, so a later run of the day keeps this one's
-  mv "$PLOT" "${PLOT%.png}$SUFFIX.png"
-  PLOT="${PLOT%.png}$SUFFIX.png"
+if [ -n "$PLOT" ]; then
+  NAME=$(basename "$PLOT" .png)
+  mv "$PLOT" "$RESULT_DIR/$NAME$SUFFIX.png"
+  PLOT="$RESULT_DIR/$NAME$SUFFIX.png"
 fi
+rmdir "$PLOT_DIR" 2>/dev/null || true
 VERSION=$("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version || true)
 MACHINE=$("$PY" -c 'from netra_jax.bench.machine import describe, machine_info; print(describe(machine_info()))')
 BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail -n1)
