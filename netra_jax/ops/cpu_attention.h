@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_matmul.h"
+
 namespace netra::attention {
 
 // The pages' storage formats (the `kv_format` attribute).
@@ -122,49 +124,42 @@ inline void key_range(const Problem& p, int64_t t, int64_t* lo, int64_t* hi) {
 // registers across its keys, for D a whole number of vectors and G x D within the register budget. The generic
 // loops below keep the outputs in memory and reload each query per key: at 32 decode rows the attention was 44% of a
 // SmolLM2 layer, its loads and stores of the outputs half of that.
+// the few-row matmul's vectors (VW floats) and their loads and stores
+using netra::rows::load;
+using netra::rows::store;
+using netra::rows::vf;
+using netra::rows::VW;
 #if defined(__AVX512F__)
-constexpr int AVW = 16;   // floats per vector
 constexpr int AREGS = 24;  // vectors of queries or outputs kept in registers (of 32)
 #elif defined(__AVX__)
-constexpr int AVW = 8;
 constexpr int AREGS = 10;  // of 16
 #else
-constexpr int AVW = 4;
 constexpr int AREGS = 8;
 #endif
-typedef float avf __attribute__((vector_size(AVW * sizeof(float))));
 
-inline avf aload(const float* p) {
-  avf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void astore(float* p, avf v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float hsum(avf v) {
+inline float hsum(vf v) {
   float r = 0.0f;
-  for (int i = 0; i < AVW; ++i) r += v[i];
+  for (int i = 0; i < VW; ++i) r += v[i];
   return r;
 }
 
 template <int G, int DV>
 struct RegWalk {
-  static constexpr int D = DV * AVW;
+  static constexpr int D = DV * VW;
 
   // s[g * n + j - lo] = (soft-capped) q_g . k_j for the keys for_keys visits; qs: [G, D] scaled queries
   template <typename ForKeys>
   static void scores(const float* qs, ForKeys&& for_keys, const void* pages, float* s, int64_t n, int64_t lo,
                      float soft_cap) {
-    avf q[G][DV];
+    vf q[G][DV];
     for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < DV; ++c) q[g][c] = aload(qs + g * D + c * AVW);
+      for (int c = 0; c < DV; ++c) q[g][c] = load(qs + g * D + c * VW);
     }
     for_keys(pages, nullptr, [&](int64_t j, const float* kr, float) {
-      avf k[DV];
-      for (int c = 0; c < DV; ++c) k[c] = aload(kr + c * AVW);
+      vf k[DV];
+      for (int c = 0; c < DV; ++c) k[c] = load(kr + c * VW);
       for (int g = 0; g < G; ++g) {
-        avf acc = q[g][0] * k[0];
+        vf acc = q[g][0] * k[0];
         for (int c = 1; c < DV; ++c) acc += q[g][c] * k[c];
         float a = hsum(acc);
         if (soft_cap > 0.0f) a = soft_cap * std::tanh(a / soft_cap);
@@ -176,20 +171,20 @@ struct RegWalk {
   // o [G, D] += probabilities [G, n] @ values, over the keys for_keys visits
   template <typename ForKeys>
   static void values(const float* s, ForKeys&& for_keys, const void* pages, float* o, int64_t n, int64_t lo) {
-    avf acc[G][DV];
+    vf acc[G][DV];
     for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < DV; ++c) acc[g][c] = aload(o + g * D + c * AVW);
+      for (int c = 0; c < DV; ++c) acc[g][c] = load(o + g * D + c * VW);
     }
     for_keys(pages, nullptr, [&](int64_t j, const float* vr, float) {
-      avf v[DV];
-      for (int c = 0; c < DV; ++c) v[c] = aload(vr + c * AVW);
+      vf v[DV];
+      for (int c = 0; c < DV; ++c) v[c] = load(vr + c * VW);
       for (int g = 0; g < G; ++g) {
-        const avf w = avf{} + s[g * n + (j - lo)];
+        const vf w = vf{} + s[g * n + (j - lo)];
         for (int c = 0; c < DV; ++c) acc[g][c] += w * v[c];
       }
     });
     for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < DV; ++c) astore(o + g * D + c * AVW, acc[g][c]);
+      for (int c = 0; c < DV; ++c) store(o + g * D + c * VW, acc[g][c]);
     }
   }
 };
@@ -212,11 +207,11 @@ bool try_heads(int64_t g, int64_t dv, F& f) {
          try_walk<7, DV>(g, dv, f) || try_walk<8, DV>(g, dv, f);
 }
 
-// Calls f(RegWalk<G, D / AVW>{}) when a register walk takes (G, D); false when none does.
+// Calls f(RegWalk<G, D / VW>{}) when a register walk takes (G, D); false when none does.
 template <typename F>
 bool with_reg_walk(int64_t G, int64_t D, F&& f) {
-  if (D % AVW != 0) return false;
-  const int64_t dv = D / AVW;
+  if (D % VW != 0) return false;
+  const int64_t dv = D / VW;
   return try_heads<1>(G, dv, f) || try_heads<2>(G, dv, f) || try_heads<4>(G, dv, f) || try_heads<8>(G, dv, f);
 }
 
