@@ -93,13 +93,8 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t slots = plan(p, &work->items, &split);
   const int64_t n_items = static_cast<int64_t>(work->items.size());
   if (n_items == 0) return ffi::Error::Success();
-  std::vector<float> partial_o, partial_ml;
-  if (slots > 0) {
-    const int64_t G = p.H / p.KH;
-    partial_o.resize(slots * G * p.D);
-    partial_ml.resize(2 * slots * G);
-    work->partial = Partial{partial_o.data(), partial_ml.data(), partial_ml.data() + slots * G};
-  }
+  PartialStore partial(slots, p.H / p.KH, p.D);
+  work->partial = partial.view;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n_items) - 1;
   netra::run_on_pool(pool, work, helpers, n_items);
   for (const auto& [w, parts] : split) combine(p, work->items, work->partial, w, parts);

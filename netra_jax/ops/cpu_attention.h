@@ -309,6 +309,16 @@ void attend(const Problem& p, const Item& it, const Partial& partial, std::vecto
 }
 
 
+// Storage for `slots` parts' unnormalized outputs [slots, G, D] and statistics m, l [slots, G], and its view.
+struct PartialStore {
+  std::vector<float> data;
+  Partial view{nullptr, nullptr, nullptr};
+
+  PartialStore(int64_t slots, int64_t G, int64_t D) : data(slots * G * (D + 2)) {
+    if (slots > 0) view = Partial{data.data(), data.data() + slots * G * D, data.data() + slots * G * (D + 1)};
+  }
+};
+
 // The items of the listed tokens p.idx[:p.count]: per token and KV head its whole key range, or its parts, one per
 // CHUNK of positions it spans (their partial slots numbered in order). splits: (first item, parts) of each split
 // (token, KV head). Returns the number of partial slots.

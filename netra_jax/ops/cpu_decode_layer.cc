@@ -304,12 +304,8 @@ ffi::Error DecodeLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                          L.H,     L.D,         L.P,         L.KH,    L.max_pages,
                          L.num_pages, T,       scale,       soft_cap, window, has_sinks, att::kF32};
   const int64_t slots_needed = att::plan(job->ap, &job->items, &job->splits);
-  std::vector<float> partial(slots_needed * (L.H / L.KH) * (L.D + 2));
-  if (slots_needed > 0) {
-    const int64_t G = L.H / L.KH;
-    job->partial = att::Partial{partial.data(), partial.data() + slots_needed * G * L.D,
-                                partial.data() + slots_needed * G * (L.D + 1)};
-  }
+  att::PartialStore partial(slots_needed, L.H / L.KH, L.D);
+  job->partial = partial.view;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // a matmul's pieces: its K segments times column ranges, about one piece per thread (longer runs stream faster)
   job->col_pieces = std::max<int64_t>(1, (threads + SEGMENTS - 1) / SEGMENTS);
