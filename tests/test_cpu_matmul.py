@@ -22,7 +22,8 @@ from netra_jax.quant import matmul, quantize_weight
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
 
 # (M, K, N): 1..32 rows (the row stream up to 4, whole and partial row tiles beyond); N = whole panels, panels
-# plus single vectors, plus a few columns, fewer columns than a vector; K = partial and whole blocks of 32 rows, and 1
+# plus single vectors, plus a few columns, fewer columns than a vector; K = partial and whole blocks of 32 rows, and 1;
+# rows of w longer than the row stream's run (4096 float32 columns): whole runs, a partial last one, a tail
 SHAPES = [
     (1, 64, 48),
     (1, 1536, 576),
@@ -35,6 +36,8 @@ SHAPES = [
     (31, 1, 130),
     (32, 576, 192),
     (5, 96, 4100),
+    (1, 40, 9000),
+    (4, 33, 20483),
 ]
 
 
