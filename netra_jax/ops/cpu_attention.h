@@ -137,17 +137,34 @@ constexpr int AREGS = 10;  // of 16
 constexpr int AREGS = 8;
 #endif
 
-inline float hsum(vf v) {
-  float r = 0.0f;
-  for (int i = 0; i < VW; ++i) r += v[i];
-  return r;
+// Lanes of x and y for one level of `lane_sums`: x holds VW / B keys' partial sums of B lanes each (so does y);
+// H = 0 takes the first half of each key's lanes, H = 1 the second, x's keys before y's.
+template <int B, int H, int... I>
+inline vf pick(vf x, vf y, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(
+      x, y, ((I < VW / 2 ? 0 : VW) + ((I % (VW / 2)) / (B / 2)) * B + H * (B / 2) + (I % (VW / 2)) % (B / 2))...);
+}
+
+// v[0..B): VW / B keys' partial sums per vector, B lanes each -> v[0] lane i: key i's sum (keys in order). A tree:
+// each level adds the two halves of every key's lanes, two vectors into one, log2(VW) levels for VW keys.
+template <int B>
+inline void lane_sums(vf* v) {
+  if constexpr (B > 1) {
+    constexpr auto lanes = std::make_integer_sequence<int, VW>{};
+    for (int i = 0; i < B / 2; ++i) {
+      v[i] = pick<B, 0>(v[2 * i], v[2 * i + 1], lanes) + pick<B, 1>(v[2 * i], v[2 * i + 1], lanes);
+    }
+    lane_sums<B / 2>(v);
+  }
 }
 
 template <int G, int DV>
 struct RegWalk {
   static constexpr int D = DV * VW;
 
-  // s[g * n + j - lo] = (soft-capped) q_g . k_j for the keys for_keys visits; qs: [G, D] scaled queries
+  // s[g * n + j - lo] = (soft-capped) q_g . k_j for the keys for_keys visits (in order, consecutive); qs: [G, D]
+  // scaled queries. Each key's products are summed lane-wise, then VW keys' lanes at once (`lane_sums`): one lane
+  // sum per key took more instructions than its products.
   template <typename ForKeys>
   static void scores(const float* qs, ForKeys&& for_keys, const void* pages, float* s, int64_t n, int64_t lo,
                      float soft_cap) {
@@ -155,17 +172,31 @@ struct RegWalk {
     for (int g = 0; g < G; ++g) {
       for (int c = 0; c < DV; ++c) q[g][c] = load(qs + g * D + c * VW);
     }
+    vf part[G][VW];  // the block's keys' lane-wise products, per query head
+    int64_t nb = 0, first = 0;  // keys in the block, the first one's index in s
+    auto flush = [&] {
+      for (int g = 0; g < G; ++g) {
+        for (int64_t i = nb; i < VW; ++i) part[g][i] = vf{};
+        lane_sums<VW>(part[g]);
+        float* out = s + g * n + first;
+        for (int64_t i = 0; i < nb; ++i) {
+          const float a = part[g][0][i];
+          out[i] = soft_cap > 0.0f ? soft_cap * std::tanh(a / soft_cap) : a;
+        }
+      }
+    };
     for_keys(pages, nullptr, [&](int64_t j, const float* kr, float) {
       vf k[DV];
       for (int c = 0; c < DV; ++c) k[c] = load(kr + c * VW);
+      if (nb == 0) first = j - lo;
       for (int g = 0; g < G; ++g) {
         vf acc = q[g][0] * k[0];
         for (int c = 1; c < DV; ++c) acc += q[g][c] * k[c];
-        float a = hsum(acc);
-        if (soft_cap > 0.0f) a = soft_cap * std::tanh(a / soft_cap);
-        s[g * n + (j - lo)] = a;
+        part[g][nb] = acc;
       }
+      if (++nb == VW) flush(), nb = 0;
     });
+    if (nb > 0) flush();
   }
 
   // o [G, D] += probabilities [G, n] @ values, over the keys for_keys visits
