@@ -207,8 +207,9 @@ PLOT=$("$PY" -m netra_jax.cli bench serve --plot "${FILES[@]}" --label "${LABELS
   --table "$TABLE" | sed -n 's/^wrote \(.*\.png\)$/\1/p')
 if [ -n "$PLOT" ]; then
   NAME=$(basename "$PLOT" .png)
-  mv "$PLOT" "$RESULT_DIR/$NAME$SUFFIX.png"
-  PLOT="$RESULT_DIR/$NAME$SUFFIX.png"
+  PLOT_NAME="$NAME${PREFIX:+_$PRESET}$SUFFIX.png"  # the preset too: a long run's plot must not replace a random one's
+  mv "$PLOT" "$RESULT_DIR/$PLOT_NAME"
+  PLOT="$RESULT_DIR/$PLOT_NAME"
 fi
 rmdir "$PLOT_DIR" 2>/dev/null || true
 VERSION=$("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version || true)
