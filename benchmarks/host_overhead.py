@@ -119,7 +119,7 @@ def replay_model_ms(engine, step, repeats: int = 20) -> float:
     times = []
     for _ in range(repeats + 2):
         t0 = time.perf_counter()
-        logits, _ = runner._dispatch(pb.host, pb.shape, None)
+        logits = runner._dispatch(pb.host, pb.shape, None)[0]  # (logits, prompt logprobs, records)
         out = sampling.sample(logits, batch.arrays, key=batch.key)
         if runner.overlap:
             jax.block_until_ready(runner.widen(out.token_ids))
