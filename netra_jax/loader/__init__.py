@@ -41,9 +41,10 @@ from netra_jax.config import ConfigError, ModelConfig
 from netra_jax.engine_config import TASKS
 from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, hf_quant, mxfp4
+from netra_jax.loader.errors import CheckpointError
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
-from netra_jax.loader.hf import CheckpointError, HFCheckpoint, stored_float_dtype
+from netra_jax.loader.hf import HFCheckpoint, stored_float_dtype
 from netra_jax.models import weight_map, weight_reads
 
 __all__ = [

@@ -20,7 +20,8 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from netra_jax.loader.hf import CheckpointError, release_pages
+from netra_jax.loader.errors import CheckpointError
+from netra_jax.loader.hf import release_pages
 from netra_jax.ops.ggml_blocks import FORMATS
 
 GGUF_MAGIC = b"GGUF"

@@ -25,8 +25,8 @@ import numpy as np
 
 from netra_jax.config import ModelConfig
 from netra_jax.loader import gguf_loader
+from netra_jax.loader.errors import CheckpointError
 from netra_jax.loader.gguf_loader import GGUFFile
-from netra_jax.loader.hf import CheckpointError
 from netra_jax.models import weight_map
 from netra_jax.models.weight_reads import Interleaved
 from netra_jax.ops.ggml_blocks import FORMATS

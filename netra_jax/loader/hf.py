@@ -16,6 +16,9 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from netra_jax.loader.errors import CheckpointError
+from netra_jax.loader.mxfp4 import dequantize_gpt_oss_experts
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -74,10 +77,6 @@ def stored_float_dtype(model_dir: str | Path) -> str | None:
     return max(size, key=size.get) if size else None
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, truncated, corrupt or of a refused kind."""
-
-
 class SafetensorsShard:
     """Zero-copy numpy views of the tensors of one safetensors file."""
 
@@ -125,7 +124,6 @@ class Mxfp4Experts:
         self.dtype = np.dtype(np.float32)
 
     def __getitem__(self, idx: tuple[slice, slice, slice]) -> np.ndarray:
-        from netra_jax.loader.mxfp4 import dequantize_gpt_oss_experts
 
         e, cols, rows = (s if isinstance(s, slice) else slice(s, s + 1) for s in idx)
         c0, c1, step = cols.indices(self.shape[1])

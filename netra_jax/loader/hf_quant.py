@@ -41,7 +41,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from netra_jax.loader.hf import CheckpointError, HFCheckpoint
+from netra_jax.loader.errors import CheckpointError
+from netra_jax.loader.hf import HFCheckpoint
 from netra_jax.models.weight_reads import WeightError
 from netra_jax.quant import BlockFP8Weight, PackedIntWeight, QuantizedWeight
 

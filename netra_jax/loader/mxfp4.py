@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from netra_jax.loader.hf import CheckpointError
+from netra_jax.loader.errors import CheckpointError
 
 __all__ = ["FP4_E2M1", "dequantize_mxfp4", "dequantize_gpt_oss_experts"]
 
