@@ -5,14 +5,13 @@ from netra_jax import paged
 from netra_jax.api import LLM, build_engine
 from netra_jax.config import ModelConfig
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
+from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.models.hooks import HookContext, Hooks
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.scoring import ContinuationScore
-from netra_jax.spec import SpeculativeConfig
 
 __all__ = [
     "LLM",

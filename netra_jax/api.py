@@ -21,7 +21,14 @@ from netra_jax.config import ConfigError
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine.runner import claim_gpu_memory
-from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
+from netra_jax.engine_config import (
+    CacheConfig,
+    EngineConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    speculative_config_from,
+)
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.loader import load_config, load_model, quantization_method
 from netra_jax.models.hooks import Hooks
@@ -39,7 +46,6 @@ from netra_jax.pooling import (
 from netra_jax.quant import leaf_layout, quantize_params, weight_layout
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
-from netra_jax.spec import SpeculativeConfig, speculative_config_from
 from netra_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,7 +149,7 @@ def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
     spec = config.speculative
     if spec.method != "draft_model":
         return None
-    from netra_jax.spec.draft import check_same_tokenizer
+    from netra_jax.engine.spec.draft import check_same_tokenizer
 
     path = resolve_model_path(spec.model)
     load_config(path, trust_remote_code=config.trust_remote_code)
@@ -216,7 +222,7 @@ class LLM:
         scheduling_policy: "fcfs" | "priority" (serve by each request's priority, see `generate`).
         speculative_config: vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
             "prompt_lookup_min": m} or {"model": draft_path, "num_speculative_tokens": k}; greedy and seeded outputs
-            are identical to decoding without it (see `netra_jax.spec`).
+            are identical to decoding without it (see `netra_jax.engine.spec`).
         max_logprobs: The most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default 20, also the
             most the compiled sampler computes); a request asking for more is a ValueError.
 

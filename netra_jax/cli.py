@@ -10,9 +10,9 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from netra_jax.engine.request_queue import SCHEDULING_POLICIES
-from netra_jax.engine_config import TASKS, CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
+from netra_jax.options import SCHEDULING_POLICIES, TASKS
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -130,8 +130,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags; a bad --pooler-config is a CLIError."""
+    from netra_jax.engine_config import speculative_config_from
     from netra_jax.pooling import pooler_config_from
-    from netra_jax.spec import speculative_config_from
 
     try:
         pooler = pooler_config_from(a.pooler_config)

@@ -1,16 +1,14 @@
 """The engine's options, as frozen dataclasses checked when built (so a bad option fails before any weight is read,
-on every way in): the KV cache, the scheduler, embedding pooling and the engine itself."""
+on every way in): the KV cache, the scheduler, embedding pooling, speculative decoding and the engine itself."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from netra_jax.config import ConfigError, ModelConfig
-
-if TYPE_CHECKING:
-    from netra_jax.spec.config import SpeculativeConfig
+from netra_jax.config import ConfigError, ModelConfig, json_object
+from netra_jax.options import DTYPES, LOAD_FORMATS, POOLING_TYPES, SCHEDULING_POLICIES, SPEC_METHODS, TASKS
 
 
 def _is_int(v: object) -> bool:
@@ -71,8 +69,6 @@ class SchedulerConfig:
     align_chunks_to_buckets: bool | None = None
 
     def __post_init__(self) -> None:
-        from netra_jax.engine.request_queue import SCHEDULING_POLICIES
-
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_model_len", self.max_model_len, optional=True)
@@ -86,10 +82,6 @@ class SchedulerConfig:
         if self.align_chunks_to_buckets is None:
             return dataclasses.replace(self, align_chunks_to_buckets=platform == "cpu")
         return self
-
-
-TASKS = ("generate", "embed")  # what a served model does: generate text | return pooled embeddings
-POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: read the weights | dummy: random weights from config.json (benchmarks)
     task: str = "generate"  # one of TASKS; "embed": no lm_head, pooled embeddings (netra_jax/engine/embedder.py)
     pooler_config: PoolerConfig | None = None  # task "embed": overrides of the checkpoint's pooling
-    speculative: SpeculativeConfig | None = None  # speculative decoding (netra_jax/spec); None: off
+    speculative: SpeculativeConfig | None = None  # speculative decoding (netra_jax/engine/spec); None: off
     tokenizer: str | None = None  # a tokenizer directory, tokenizer.json or .gguf other than the model's; None: its own
     # load a checkpoint whose config.json has an auto_map, with the native implementation of its architecture
     # (remote code is never run: a checkpoint whose architecture is not native is refused whatever this says)
@@ -143,12 +135,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Check every option now, so a bad one fails with a clear message before any weight is read."""
-        from netra_jax.loader import DTYPES, LOAD_FORMATS
         from netra_jax.ops.attention import BACKENDS, backend_refuses_kv
         from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
         from netra_jax.quant import MATMULS, METHODS
-        from netra_jax.spec.config import SpeculativeConfig
 
         for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer"):
             v = getattr(self, name)
@@ -256,3 +246,82 @@ class EngineConfig:
             cc = compute_capability or getattr(jax.devices()[0], "compute_capability", None)
             return "gpu" if has_fp8(cc) else "gpu_sm80"
         return "cpu_rows" if cpu_kernels.available() else "xla"
+
+
+# ---------------------------------------------------------------- speculative decoding (vLLM's speculative_config)
+
+_DEFAULT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
+# Proposals stop while more requests than this run, unless the config says otherwise (None: never stop). On 2 CPU
+# cores (SmolLM2, n-gram k 5) speculation gained 1.49x at 1 request on grounded prompts and 1.18x on free-form chat,
+# and at 8 requests 1.13x on grounded prompts but 0.93x on chat: each verification widens a step that already costs
+# about in proportion to its tokens (benchmarks/results/2026-12-02-spec_decode_batch*.md).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method "ngram": the proposal is the k tokens that followed the most recent earlier occurrence of the
+    sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). method "draft_model": `model`
+    (same tokenizer as the target) proposes k tokens greedily. disable_by_batch_size: no proposals while more
+    requests than this are running (vLLM's option; default DEFAULT_DISABLE_BY_BATCH_SIZE, where vLLM's is None;
+    None, or null in JSON: always speculate)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = _DEFAULT_LOOKUP
+    prompt_lookup_min: int = _DEFAULT_LOOKUP
+    model: str | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if lo > hi:
+                raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+            if self.model is not None:
+                raise ConfigError("method 'ngram' takes no draft model; give {'model': path} for a draft model")
+        elif not self.model:
+            raise ConfigError("method 'draft_model' needs 'model': the path of a draft checkpoint")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ConfigError(f"disable_by_batch_size must be a positive integer or None, got {d!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+        "prompt_lookup_min": m} or {"model": path, "num_speculative_tokens": k} (method "draft_model" implied).
+        One lookup bound given alone sets both, as vLLM does. Unknown keys raise ConfigError."""
+        d = json_object(d, "speculative config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        kw = dict(d)
+        if "num_speculative_tokens" not in kw:
+            raise ConfigError("speculative_config needs num_speculative_tokens")
+        if kw.get("method") is None:
+            kw["method"] = "draft_model" if kw.get("model") else "ngram"
+        lo, hi = kw.get("prompt_lookup_min"), kw.get("prompt_lookup_max")
+        if lo is None and hi is not None:
+            kw["prompt_lookup_min"] = hi
+        elif hi is None and lo is not None:
+            kw["prompt_lookup_max"] = lo
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if kw.get(key) is None:
+                kw.pop(key, None)
+        return cls(**kw)
+
+
+def speculative_config_from(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from what users pass: the object, vLLM's dict, its JSON text (the CLI flag), or None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    return SpeculativeConfig.from_dict(json_object(value, "speculative config"))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from netra_jax.engine.spec import stats_between
 from netra_jax.serving import context
 from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lines: used by serving.batch_ray)
     Progress,
@@ -25,7 +26,6 @@ from netra_jax.serving.batch_io import (  # noqa: F401 (Work, classify, read_lin
 )
 from netra_jax.serving.batch_openai import Job, RequestError, prepare, response_body
 from netra_jax.serving.context import ServingContext
-from netra_jax.spec import stats_between
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -160,7 +160,7 @@ class BatchSummary:
     prompt_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
-    speculative: dict | None = None  # speculative decoding counters of this run (netra_jax.spec.stats_between)
+    speculative: dict | None = None  # speculative decoding counters of this run (netra_jax.engine.spec.stats_between)
 
     @property
     def output_tokens_per_s(self) -> float:

@@ -16,15 +16,9 @@ from conftest import FIXTURES, compiled_jits, reference
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.config import ConfigError
+from netra_jax.engine.spec import NgramProposer, accept, stats_between
+from netra_jax.engine_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_config_from
 from netra_jax.sampling_params import StructuredOutputsParams
-from netra_jax.spec import (
-    DEFAULT_DISABLE_BY_BATCH_SIZE,
-    NgramProposer,
-    SpeculativeConfig,
-    accept,
-    speculative_config_from,
-    stats_between,
-)
 
 MODEL = FIXTURES / "tiny-llama"
 # proposals at every batch size (the default stops them above DEFAULT_DISABLE_BY_BATCH_SIZE running requests), so

@@ -22,6 +22,7 @@ from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
+from netra_jax.engine.spec import SpecStats, accept, make_proposer
 from netra_jax.engine.step_trace import install_from_env as install_step_trace
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
@@ -30,7 +31,6 @@ from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
-from netra_jax.spec import SpecStats, accept, make_proposer
 from netra_jax.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "PromptType", "runner_options"]

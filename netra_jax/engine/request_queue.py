@@ -8,8 +8,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from netra_jax.engine.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
+from netra_jax.options import SCHEDULING_POLICIES
 
 
 def check_priority(priority: object, policy: str) -> int:

@@ -38,7 +38,6 @@ import numpy as np
 
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
-from netra_jax.engine_config import TASKS
 from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, hf_quant, mxfp4
 from netra_jax.loader.errors import CheckpointError
@@ -46,6 +45,7 @@ from netra_jax.loader.gguf_config import config_from_gguf_metadata
 from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
 from netra_jax.loader.hf import HFCheckpoint, stored_float_dtype
 from netra_jax.models import weight_map, weight_reads
+from netra_jax.options import DTYPES, LOAD_FORMATS, TASKS
 
 __all__ = [
     "CheckpointError",
@@ -57,9 +57,6 @@ __all__ = [
     "DTYPES",
     "LOAD_FORMATS",
 ]
-LOAD_FORMATS = dummy.LOAD_FORMATS
-
-DTYPES = ("auto", "float32", "bfloat16")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from netra_jax import parallel
 from netra_jax.config import ModelConfig
 from netra_jax.models import weight_map
 
-LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02  # the HF initializer_range of Llama-style models
 
 

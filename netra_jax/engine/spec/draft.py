@@ -14,9 +14,9 @@ from netra_jax.config import ModelConfig
 from netra_jax.engine.request import Request
 from netra_jax.engine.runner import ModelRunner, StepResult
 from netra_jax.engine.scheduler import Scheduler
+from netra_jax.engine_config import SpeculativeConfig
 from netra_jax.models.transformer import forward
 from netra_jax.ops.attention import AttentionMetadata, AttentionWork, num_items
-from netra_jax.spec.config import SpeculativeConfig
 
 
 def check_same_tokenizer(target, draft) -> None:

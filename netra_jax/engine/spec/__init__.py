@@ -5,28 +5,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from netra_jax.spec.config import (
-    DEFAULT_DISABLE_BY_BATCH_SIZE,
-    SPEC_METHODS,
-    SpeculativeConfig,
-    speculative_config_from,
-)
-from netra_jax.spec.ngram import NgramProposer
-from netra_jax.spec.stats import SpecStats, accept, stats_between
+from netra_jax.engine.spec.ngram import NgramProposer
+from netra_jax.engine.spec.stats import SpecStats, accept, stats_between
+from netra_jax.engine_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from netra_jax.engine.request import Request
 
 __all__ = [
-    "DEFAULT_DISABLE_BY_BATCH_SIZE",
-    "SPEC_METHODS",
     "NgramProposer",
     "NgramRequestProposer",
     "SpecStats",
-    "SpeculativeConfig",
     "accept",
     "make_proposer",
-    "speculative_config_from",
     "stats_between",
 ]
 
@@ -56,6 +47,6 @@ def make_proposer(
         return NgramRequestProposer(config)
     if draft is None:
         raise ValueError("method 'draft_model' needs the draft model's (ModelConfig, params)")
-    from netra_jax.spec.draft import DraftProposer
+    from netra_jax.engine.spec.draft import DraftProposer
 
     return DraftProposer(config, runner, scheduler, *draft, max_num_batched_tokens, max_model_len)
