@@ -132,13 +132,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from netra_jax import LLM
     from netra_jax.bench.machine import machine_info
-    from netra_jax.engine import step_trace
 
     llm = LLM(a.model, dtype="float32")  # every bucket compiled first (the persistent cache makes it quick)
     engine = llm.engine
     base = engine.scheduler.config
     configs = {name: dataclasses.replace(base, **fields) for name, fields in a.variants}
-    trace = step_trace.install(engine, a.trace) if a.trace else None
+    trace = engine.trace_steps(a.trace) if a.trace else None
     load0 = os.getloadavg()
     results, passes = [], 0
     for users in (int(u) for u in a.users.split(",")):

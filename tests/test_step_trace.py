@@ -1,5 +1,6 @@
-"""The per-step trace (engine/step_trace.py): off unless asked for; on, one line per step whose composition and bucket
-match what the scheduler and runner did, outputs unchanged; the summary's arithmetic on hand-made lines."""
+"""The engine's observers (engine/observer.py) and the per-step trace built on them (engine/step_trace.py): events in
+order, every dispatched step read once; the trace off unless asked for, on, one line per step whose composition and
+bucket match what the scheduler and runner did, outputs unchanged; the summary's arithmetic on hand-made lines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from conftest import FIXTURES
 from netra_jax import LLM, SamplingParams
 from netra_jax.engine import step_report, step_trace
 from netra_jax.engine.engine import LLMEngine
+from netra_jax.engine.observer import EngineObserver
 from netra_jax.engine.request import Request
 from netra_jax.engine.sched_output import ScheduledRequest, SchedulerOutput
 
@@ -37,6 +39,56 @@ def test_off_without_the_environment_variable(monkeypatch):
     llm = LLM(MODEL, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=32)
     assert llm.engine.step_trace is None
     assert "step" not in vars(llm.engine)  # the class's own method runs: nothing wraps it
+
+
+class Recorder(EngineObserver):
+    def __init__(self):
+        self.events = []
+
+    def step_started(self):
+        self.events.append(("started",))
+
+    def dispatched(self, sched, result, running, waiting):
+        assert result.batch.shape.num_tokens >= sched.num_batched_tokens and running >= 0 and waiting >= 0
+        self.events.append(("dispatched", id(sched)))
+
+    def tokens_read(self, sched, started, wait):
+        assert wait >= 0
+        self.events.append(("read", id(sched)))
+
+    def step_done(self, wait, has_unfinished):
+        assert wait >= 0
+        self.events.append(("done", has_unfinished))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_an_observer_sees_every_step_dispatched_then_read_once(monkeypatch, async_scheduling):
+    monkeypatch.delenv(step_trace.TRACE_ENV, raising=False)
+    llm = LLM(
+        MODEL,
+        dtype="float32",
+        warmup=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    rec = Recorder()
+    llm.engine.add_observer(rec)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected  # observing changes nothing
+    kinds = [e[0] for e in rec.events]
+    dispatched = [e[1] for e in rec.events if e[0] == "dispatched"]
+    assert len(dispatched) >= len(PROMPTS) and [e[1] for e in rec.events if e[0] == "read"] == dispatched
+    depth = 0  # every event inside a step() call: started ... done, never nested
+    for kind in kinds:
+        depth += {"started": 1, "done": -1}.get(kind, 0)
+        assert depth in (0, 1) and (depth == 1 or kind == "done")
+    assert depth == 0 and rec.events[-1] == ("done", False)  # the last call left the engine idle
+    llm.engine.remove_observer(rec)
+    before = len(rec.events)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert len(rec.events) == before
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])

@@ -3,6 +3,7 @@ processor. With async scheduling the host schedules and dispatches step N+1 befo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from netra_jax.engine.activations import ActivationRecorder
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.embedder import Embedder
 from netra_jax.engine.input_processor import InputProcessor, PromptType
+from netra_jax.engine.observer import EngineObserver
 from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine.request_queue import check_priority
@@ -23,7 +25,7 @@ from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.spec import SpecStats, accept, make_proposer
-from netra_jax.engine.step_trace import install_from_env as install_step_trace
+from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
 from netra_jax.models.transformer import fuse_qkv
@@ -154,7 +156,10 @@ class LLMEngine:
         self.num_requests = 0
         self.ready = False
         self.warmup_report: WarmupReport | None = None
-        self.step_trace = install_step_trace(self)  # opt-in per-step trace ($NETRA_STEP_TRACE); None: off
+        self._observers: list[EngineObserver] = []  # told of the loop's events (engine/observer.py)
+        self.step_trace: StepTrace | None = None  # the per-step trace, if one was asked for (`trace_steps`)
+        if (path := trace_path_from_env()) is not None:  # opt-in ($NETRA_STEP_TRACE)
+            self.trace_steps(path)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -170,7 +175,14 @@ class LLMEngine:
         "embed": the embedding buckets) in `workers` threads, reporting each to `progress` (see
         `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled."""
         self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
-        self.warmup_report = warm_up(self, progress, workers)
+        self.warmup_report = warm_up(
+            self.runner,
+            self.vocab_size,
+            embedder=self.embedder,
+            proposer=self.proposer,
+            progress=progress,
+            workers=workers,
+        )
         self.ready = True
         return self.warmup_report.seconds
 
@@ -302,12 +314,49 @@ class LLMEngine:
         """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
         return None if self.spec_stats_ is None else self.spec_stats_.as_dict()
 
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Tell `observer` of every step's events from now on (see `netra_jax.engine.observer`)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self._observers.remove(observer)
+
+    def trace_steps(self, path) -> StepTrace:
+        """Record every step from now on as a JSON line in `path` (`netra_jax.engine.step_trace`); returns the
+        trace (`close` it to flush and stop writing; it stays an observer)."""
+        sched = self.scheduler.config  # (resolved for the platform)
+        facts = {
+            "buckets": list(self.runner.buckets),
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs,
+            "scheduler": dataclasses.asdict(sched),
+            "async_scheduling": self.overlap,
+        }
+        self.step_trace = StepTrace(path, facts)
+        self.add_observer(self.step_trace)
+        return self.step_trace
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of the requests that changed (new tokens or finished).
         Overlapped, these are the tokens of the step dispatched by the previous call. If it raises, the steps whose
         results were not applied are unscheduled (`Scheduler.cancel`), so their requests run again on the next call
-        instead of waiting forever for tokens that will never come."""
+        instead of waiting forever for tokens that will never come. Observers see the call's events
+        (`add_observer`)."""
+        if not self._observers:
+            return self._step()
+        wait0 = self.device_wait_s
+        for o in self._observers:
+            o.step_started()
+        try:
+            return self._step()
+        finally:
+            has_unfinished = self.scheduler.has_unfinished()
+            for o in self._observers:
+                o.step_done(self.device_wait_s - wait0, has_unfinished)
+
+    def _step(self) -> list[RequestOutput]:
         if self.runner.params is not self._live_params:
             self._params_replaced()
         prev, self._in_flight = self._in_flight, None
@@ -375,6 +424,8 @@ class LLMEngine:
             run = self.runner.run(sched)
         else:
             run = self.runner.run(sched, prev.next_ids, prev.row_of)
+        for o in self._observers:
+            o.dispatched(sched, run, self.scheduler.num_running, self.scheduler.num_waiting)
         if self.proposer is not None:
             self.proposer.observe(run)
         return _Step(sched, run)
@@ -443,7 +494,10 @@ class LLMEngine:
         so, sched = step.sampled, step.sched
         t0 = time.perf_counter()
         ids = np.asarray(so.token_ids)
-        self.device_wait_s += time.perf_counter() - t0
+        wait = time.perf_counter() - t0
+        self.device_wait_s += wait
+        for o in self._observers:
+            o.tokens_read(sched, t0, wait)
         lps = (
             None
             if so.logprobs is None

@@ -1,8 +1,8 @@
 """Per-step trace of the engine loop, opt-in (NETRA_STEP_TRACE=trace.jsonl): each step's composition (prefill and
 decode tokens, sequences, token bucket and padding) and times (period, device, wait, host, CPU), one JSON line a step.
 
-Nothing here runs unless a trace is installed: the engine carries no tracing code; `install` wraps three of its
-methods on the instance. `python -m netra_jax.engine.step_report trace.jsonl` summarizes a trace.
+Nothing here runs unless a trace is installed: a `StepTrace` is an `EngineObserver` the engine calls at its loop's
+events (`install` adds one). `python -m netra_jax.engine.step_report trace.jsonl` summarizes a trace.
 
 A line per completed step (`kind` "step"), in the order the host read their tokens:
   step            index of the step (dispatch order); t: seconds from the trace's start to its tokens' readiness
@@ -20,7 +20,6 @@ The first line (`kind` "config") has the token buckets, the scheduler's settings
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -28,11 +27,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from netra_jax.engine.observer import EngineObserver
+
 if TYPE_CHECKING:
-    from netra_jax.engine.engine import LLMEngine
+    from netra_jax.engine.runner import StepResult
     from netra_jax.engine.sched_output import SchedulerOutput
 
-__all__ = ["TRACE_ENV", "StepTrace", "composition", "install", "install_from_env", "xla_cpu_seconds"]
+__all__ = ["TRACE_ENV", "StepTrace", "composition", "trace_path_from_env", "xla_cpu_seconds"]
 
 TRACE_ENV = "NETRA_STEP_TRACE"
 
@@ -89,34 +90,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-class StepTrace:
-    """Records the steps of one engine as JSON lines in `path` (truncated), until `close`."""
+class StepTrace(EngineObserver):
+    """Records the steps of one engine as JSON lines in `path` (truncated), until `close`: an observer of the engine
+    loop (`LLMEngine.trace_steps` adds one). facts: the engine's settings for the first line (buckets,
+    max_num_batched_tokens, max_num_seqs, scheduler, async_scheduling); the CPU and the time are added here."""
 
-    def __init__(self, engine: LLMEngine, path: str | os.PathLike) -> None:
-        self.engine = engine
+    def __init__(self, path: str | os.PathLike, facts: dict) -> None:
         self.path = Path(path)
         self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 (kept open for the engine's lifetime)
         self._dispatched: dict[int, dict] = {}  # id(SchedulerOutput) -> its line so far
         self._num_dispatched = 0
         self._last_ready: float | None = None
         self._read: list[dict] = []  # lines completed in the current step() call
+        self._call: tuple[float, float, float, float | None] | None = None  # the call's start: wall, CPU clocks
         self._t0 = time.perf_counter()
-        self._write(self._config_line())
-
-    def _config_line(self) -> dict:
-        e = self.engine
-        sched = e.scheduler.config  # (resolved for the platform)
-        return {
-            "kind": "config",
-            "buckets": list(e.runner.buckets),
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "max_num_seqs": sched.max_num_seqs,
-            "scheduler": dataclasses.asdict(sched),
-            "async_scheduling": e.overlap,
-            "cpu": _cpu_model(),
-            "num_cpus": os.cpu_count(),
-            "time": time.time(),
-        }
+        self._write({"kind": "config", **facts, "cpu": _cpu_model(), "num_cpus": os.cpu_count(), "time": time.time()})
 
     def _write(self, line: dict) -> None:
         if not self._file.closed:
@@ -125,23 +113,26 @@ class StepTrace:
     def close(self) -> None:
         self._file.close()
 
-    # ------------------------------------------------------------------ hooks (see `install`)
-    def dispatched(self, out: SchedulerOutput, result) -> None:
-        """The runner dispatched `out` as `result` (a StepResult: its packed batch has the bucket)."""
+    # ------------------------------------------------------------------ the engine loop's events
+    def step_started(self) -> None:
+        t0 = time.perf_counter()
+        p0, e0, x0 = time.process_time(), time.thread_time(), xla_cpu_seconds()  # process first: it encloses
+        self._call = (t0, p0, e0, x0)
+
+    def dispatched(self, sched: SchedulerOutput, result: StepResult, running: int, waiting: int) -> None:
         shape = result.batch.shape
-        line = {"kind": "step", "step": self._num_dispatched, **composition(out)}
+        line = {"kind": "step", "step": self._num_dispatched, **composition(sched)}
         line["bucket"] = shape.num_tokens
         line["padding"] = shape.num_tokens - line["tokens"]
         line["seq_bucket"] = shape.num_seqs
-        line["running"] = self.engine.scheduler.num_running
-        line["waiting"] = self.engine.scheduler.num_waiting
+        line["running"] = running
+        line["waiting"] = waiting
         line["_dispatched_at"] = time.perf_counter()
-        self._dispatched[id(out)] = line
+        self._dispatched[id(sched)] = line
         self._num_dispatched += 1
 
-    def read(self, out: SchedulerOutput, started: float, wait: float) -> None:
-        """The host read `out`'s tokens: it called for them at `started` and waited `wait` seconds."""
-        line = self._dispatched.pop(id(out), None)
+    def tokens_read(self, sched: SchedulerOutput, started: float, wait: float) -> None:
+        line = self._dispatched.pop(id(sched), None)
         if line is None:
             return
         ready = started + wait
@@ -154,54 +145,26 @@ class StepTrace:
         self._last_ready = ready
         self._read.append(line)
 
-    def call_done(self, wall: float, wait: float, cpu: tuple[float, float, float | None]) -> None:
-        """An engine.step() call ended; its lines get the call's times (`cpu`: process, engine thread and XLA
-        threads' CPU seconds over it) and are written."""
-        process, engine_thread, xla = cpu
+    def step_done(self, wait: float, has_unfinished: bool) -> None:
+        """The lines read in this call get its times (wall, host = wall - wait, the CPU seconds of the process, the
+        engine thread and XLA's threads over it) and are written."""
+        e1, p1, x1 = time.thread_time(), time.process_time(), xla_cpu_seconds()  # the engine thread's interval first
+        wall_end = time.perf_counter()
+        t0, p0, e0, x0 = self._call if self._call is not None else (wall_end, p1, e1, x1)
+        self._call = None
+        wall = wall_end - t0
         for line in self._read:
             line["call_ms"] = 1e3 * wall
             line["call_host_ms"] = 1e3 * (wall - wait)
-            line["call_cpu_ms"] = 1e3 * process
-            line["call_engine_cpu_ms"] = 1e3 * engine_thread
-            line["call_xla_cpu_ms"] = None if xla is None else 1e3 * xla
+            line["call_cpu_ms"] = 1e3 * (p1 - p0)
+            line["call_engine_cpu_ms"] = 1e3 * (e1 - e0)
+            line["call_xla_cpu_ms"] = None if x0 is None or x1 is None else 1e3 * (x1 - x0)
             self._write(line)
         self._read = []
-        if not self.engine.scheduler.has_unfinished():  # idle: the next step's period starts afresh
+        if not has_unfinished:  # idle: the next step's period starts afresh
             self._last_ready = None
 
 
-def install(engine: LLMEngine, path: str | os.PathLike) -> StepTrace:
-    """Trace `engine`'s steps into `path`: wraps the instance's step, its runner's run and its _process."""
-    trace = StepTrace(engine, path)
-    run, process, step = engine.runner.run, engine._process, engine.step
-
-    def traced_run(out, *args, **kwargs):
-        result = run(out, *args, **kwargs)
-        trace.dispatched(out, result)
-        return result
-
-    def traced_process(s, *args, **kwargs):
-        t0, w0 = time.perf_counter(), engine.device_wait_s  # _process waits for the tokens first
-        try:
-            return process(s, *args, **kwargs)
-        finally:
-            trace.read(s.sched, t0, engine.device_wait_s - w0)
-
-    def traced_step():
-        t0, w0 = time.perf_counter(), engine.device_wait_s
-        p0, e0, x0 = time.process_time(), time.thread_time(), xla_cpu_seconds()  # process first: it encloses
-        try:
-            return step()
-        finally:
-            e1, p1, x1 = time.thread_time(), time.process_time(), xla_cpu_seconds()  # the engine thread's interval
-            xla = None if x0 is None or x1 is None else x1 - x0
-            trace.call_done(time.perf_counter() - t0, engine.device_wait_s - w0, (p1 - p0, e1 - e0, xla))
-
-    engine.runner.run, engine._process, engine.step = traced_run, traced_process, traced_step
-    return trace
-
-
-def install_from_env(engine: LLMEngine) -> StepTrace | None:
-    """`install` into the file named by $NETRA_STEP_TRACE, if set (else nothing happens)."""
-    path = os.environ.get(TRACE_ENV)
-    return install(engine, path) if path else None
+def trace_path_from_env() -> str | None:
+    """The trace file $NETRA_STEP_TRACE names (None: unset or empty, no trace)."""
+    return os.environ.get(TRACE_ENV) or None

@@ -20,7 +20,6 @@ from netra_jax.engine.step_layout import BatchShape
 from netra_jax.ops import sampling
 
 if TYPE_CHECKING:
-    from netra_jax.engine.engine import LLMEngine
     from netra_jax.engine.runner import ModelRunner
 
 __all__ = [
@@ -156,19 +155,27 @@ def compile_variants(
     return report
 
 
-def warm_up(engine: LLMEngine, progress: Progress | None = None, workers: int | None = None) -> WarmupReport:
-    """Compile everything `engine` may call before it serves: its reachable step variants, widenings and sampler
-    variants (`engine_variants`, through `compile_variants`), then the speculative proposer's own programs; task
-    "embed": the embedding buckets instead."""
+def warm_up(
+    runner: ModelRunner,
+    vocab_size: int,
+    *,
+    embedder=None,
+    proposer=None,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> WarmupReport:
+    """Compile everything an engine of these parts may call before it serves: the runner's reachable step variants,
+    widenings and sampler variants (`engine_variants`, through `compile_variants`), then the speculative `proposer`'s
+    own programs; with an `embedder` (task "embed"): its embedding buckets instead."""
     t0 = time.perf_counter()
-    if engine.embedder is not None:
-        engine.embedder.warmup()
+    if embedder is not None:
+        embedder.warmup()
         report = WarmupReport([], 1)
     else:
-        report = compile_variants(engine_variants(engine.runner, engine.vocab_size), workers=workers, progress=progress)
-        if engine.proposer is not None:
+        report = compile_variants(engine_variants(runner, vocab_size), workers=workers, progress=progress)
+        if proposer is not None:
             (progress or log.info)("compiling the speculative proposer's variants")
-            engine.proposer.warmup()
+            proposer.warmup()
     _wait_for_gate(progress or log.info)
     report.seconds = time.perf_counter() - t0
     return report
