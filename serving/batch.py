@@ -280,7 +280,7 @@ def run_batch(
 # ---------------------------------------------------------------------- command line
 def add_batch_args(p: argparse.ArgumentParser) -> None:
     """`netra-jax batch INPUT OUTPUT [--model MODEL] [engine flags] [--ray --replicas N]`."""
-    from netra_jax.cli import add_engine_args
+    from netra_jax.engine_args import add_engine_args
     from netra_jax.serving.cli import add_chat_output_args
 
     p.add_argument("input", help="OpenAI Batch JSONL input file")
@@ -303,7 +303,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    from netra_jax.cli import check_model, engine_config, load_engine
+    from netra_jax.engine_args import check_model, engine_config, load_engine
     from netra_jax.serving.cli import chat_output_config, load_chat_template
 
     cfg = engine_config(a)

@@ -14,8 +14,9 @@ import pytest
 from spm_gguf import write_spm_gguf
 from test_server import start_server
 
-import netra_jax.cli
-from netra_jax.cli import CLIError, main
+import netra_jax.engine_args
+from netra_jax.cli import main
+from netra_jax.engine_args import CLIError
 from netra_jax.engine_config import EngineConfig
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "spm-gguf" / "reference.json").read_text("utf-8"))
@@ -153,11 +154,11 @@ def test_load_errors_are_one_line_with_the_traceback_at_debug_level_and_bugs_kee
 ) -> None:
     """A model that cannot be loaded is one line for the user and its traceback a debug record; any other exception
     is a bug of ours and propagates with its own traceback."""
-    call, config = getattr(netra_jax.cli, command), EngineConfig(model=str(tmp_path))
+    call, config = getattr(netra_jax.engine_args, command), EngineConfig(model=str(tmp_path))
     monkeypatch.setattr(f"netra_jax.{replaced}", _failing(ValueError("the file is damaged")))
-    with caplog.at_level("DEBUG", logger="netra_jax.cli"), pytest.raises(CLIError, match="the file is damaged"):
+    with caplog.at_level("DEBUG", logger="netra_jax.engine_args"), pytest.raises(CLIError, match="the file is damaged"):
         call(config)
-    (record,) = [r for r in caplog.records if r.name == "netra_jax.cli"]
+    (record,) = [r for r in caplog.records if r.name == "netra_jax.engine_args"]
     assert record.levelname == "DEBUG" and record.exc_info[1].args == ("the file is damaged",)
     monkeypatch.setattr(f"netra_jax.{replaced}", _failing(KeyError("a bug of ours")))
     with pytest.raises(KeyError, match="a bug of ours"):

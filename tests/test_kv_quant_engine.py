@@ -133,7 +133,7 @@ def test_capacity_counts_the_scales():
 def test_cli_flag_reaches_engine_config():
     import argparse
 
-    from netra_jax.cli import CLIError, add_engine_args, engine_config
+    from netra_jax.engine_args import CLIError, add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

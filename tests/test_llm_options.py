@@ -14,8 +14,8 @@ from conftest import FIXTURES, compiled_jits, recorded_shapes, reference
 
 import netra_jax
 from netra_jax import LLM, SamplingParams
-from netra_jax.cli import CLIError, add_engine_args, engine_config
 from netra_jax.config import ConfigError
+from netra_jax.engine_args import CLIError, add_engine_args, engine_config
 from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 
 MODEL = FIXTURES / "tiny-llama"

@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES, TINY_MODELS
 
 from netra_jax import LLM, SamplingParams
-from netra_jax.cli import add_engine_args, engine_config
+from netra_jax.engine_args import add_engine_args, engine_config
 from netra_jax.loader import CheckpointError, load_model
 from netra_jax.loader.dummy import INIT_STD
 

@@ -9,9 +9,9 @@ import random
 import pytest
 from test_scheduler import make, reference, run_step
 
-from netra_jax.cli import add_engine_args, engine_config
 from netra_jax.engine.buckets import bucket_of, fit_chunk, token_buckets
 from netra_jax.engine.request import Request
+from netra_jax.engine_args import add_engine_args, engine_config
 from netra_jax.engine_config import SchedulerConfig
 from netra_jax.sampling_params import SamplingParams
 

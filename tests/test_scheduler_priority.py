@@ -15,11 +15,11 @@ from test_scheduler import EOS, VOCAB, make, run_step
 from test_scheduler import reference as expected_tokens
 
 from netra_jax import LLM, SamplingParams
-from netra_jax.cli import add_engine_args, engine_config
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import Request, RequestStatus
 from netra_jax.engine.request_queue import make_waiting_queue
+from netra_jax.engine_args import add_engine_args, engine_config
 from netra_jax.engine_config import SchedulerConfig
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)

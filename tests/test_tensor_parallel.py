@@ -55,7 +55,7 @@ def test_split_rules():
 def test_cli_flag_reaches_engine_config():
     import argparse
 
-    from netra_jax.cli import add_engine_args, engine_config
+    from netra_jax.engine_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
