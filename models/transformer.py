@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig
+from netra_jax.models.head_parallel import head_parallel
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.rope import rope, rope_tables
@@ -53,8 +54,8 @@ from netra_jax.ops.attention import (
     with_token_layout,
     write_kv,
 )
+from netra_jax.ops.attention.paged_batch import build_batch
 from netra_jax.ops.kv_quant import Pages, empty_pages
-from netra_jax.parallel import head_parallel
 from netra_jax.quant import embedding_rows, matmul
 
 
@@ -385,11 +386,9 @@ _SCRATCH_PAGE = 16  # page size of `forward_dense`'s scratch cache (every backen
 
 def _scratch_sequence(cfg: ModelConfig, num_tokens: int, dtype) -> tuple[KVCache, AttentionMetadata]:
     """A zeroed paged cache for one sequence of num_tokens new tokens (positions 0.., on pages 0, 1, ...) and its
-    metadata (`netra_jax.paged.build_batch`, constants under a trace), with the reference's work lists."""
-    from netra_jax import paged  # the public builders import this module: imported when first called
-
+    metadata (`build_batch`, constants under a trace), with the reference's work lists."""
     pages = -(-num_tokens // _SCRATCH_PAGE)
-    batch = paged.build_batch([num_tokens], [num_tokens], [range(pages)], page_size=_SCRATCH_PAGE, num_pages=pages)
+    batch = build_batch([num_tokens], [num_tokens], [range(pages)], page_size=_SCRATCH_PAGE, num_pages=pages)
     return init_kv_cache(cfg, pages, _SCRATCH_PAGE, dtype), batch.metadata
 
 

@@ -1,5 +1,5 @@
 """Tensor parallelism over a one-axis `jax.sharding` mesh ("tp"): the mesh, the PartitionSpecs of the paged KV cache,
-the head-parallel attention wrapper, KV-head expansion and the placement of parameters (whole, or read per device
+KV-head expansion and the placement of parameters (whole, or read per device
 slice from a HF checkpoint's memory maps). Each parameter's PartitionSpec lives with its entry in the weight map
 (`models.weight_map`).
 
@@ -24,24 +24,19 @@ query heads use, so a device stores one KV head instead of all of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ConfigError, ModelConfig
+from netra_jax.models.head_parallel import KV_PAGES
 from netra_jax.models.weight_map import TP, Leaf, WeightReader, kv_params, param_specs
 from netra_jax.models.weight_reads import BlocksLeaf, KeptLeaf
-from netra_jax.ops.kv_quant import QuantizedPages, bytes_per_slot_head
+from netra_jax.ops.kv_quant import bytes_per_slot_head
 
 LEAVES = (Leaf, BlocksLeaf, KeptLeaf)  # what a reader's pytree holds: floats read by slices, GGML blocks, or a
 # quantized checkpoint's weights (read whole, on one device)
-
-HEADS = P(None, TP, None)  # [T, heads, head_dim] activations
-KV_PAGES = P(None, None, TP, None)  # [num_pages, page_size, kv_heads, head_dim]
-KV_SCALES = P(None, None, TP)  # [num_pages, page_size, kv_heads] scales of an int8 / fp8 cache
 
 
 # ------------------------------------------------------------------------------------------ mesh and config
@@ -103,33 +98,6 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def kv_specs(pages) -> P | QuantizedPages:
-    """The PartitionSpec (pytree) of one layer's K or V cache: split on kv_heads; a quantized cache's scales
-    [num_pages, page_size, kv_heads] split the same way."""
-    if isinstance(pages, QuantizedPages):
-        return QuantizedPages(values=KV_PAGES, scales=KV_SCALES)
-    return KV_PAGES
-
-
-def head_parallel(fn: Callable, mesh: Mesh) -> Callable:
-    """Run fn(q, k, v, k_pages, v_pages, md, sinks) -> (o, k_pages, v_pages) on each device's own heads: q/k/v/o
-    [T, heads, head_dim], the pages (and a quantized cache's scales) and the attention sinks [heads] (or None) are
-    split on their heads axis, the metadata is replicated. Heads are independent, so no KV crosses devices, and a
-    Pallas kernel (which XLA cannot partition) sees plain local arrays."""
-
-    def run(q, k, v, k_pages, v_pages, md, sinks):
-        kv = kv_specs(k_pages)
-        return jax.shard_map(
-            fn,
-            mesh=mesh,
-            in_specs=(HEADS, HEADS, HEADS, kv, kv, P(), P(TP)),
-            out_specs=(HEADS, kv, kv),
-            check_vma=False,
-        )(q, k, v, k_pages, v_pages, md, sinks)
-
-    return run
 
 
 def _expand_kv(lp: dict, cfg: ModelConfig, r: int) -> dict:
