@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,6 +45,7 @@ from netra_jax.serving.protocol import (
     TokenizerInfoResponse,
 )
 from netra_jax.serving.responses import install_responses_routes
+from netra_jax.serving.state import ServerState
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
 from netra_jax.serving.tokenizer_info import tokenizer_info
 from netra_jax.structured_output import StructuredOutputError
@@ -53,33 +53,6 @@ from netra_jax.structured_output import StructuredOutputError
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; never reaches the (gone) client
 DEFAULT_MAX_BODY = 4 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    ctx: ServingContext
-    metrics: ServerMetrics
-    ready: Callable[[], bool]
-    retry_after: int = 1
-    draining: bool = False
-    created: int = 0
-
-    @property
-    def llm(self):
-        return self.engine.engine
-
-    @property
-    def model_name(self) -> str:
-        return self.ctx.model_name
-
-    @property
-    def tokens(self):
-        return self.ctx.tokens
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.ctx.chat_template
 
 
 async def parse_body[M: BaseModel](raw: Request, model: type[M]) -> M:

@@ -33,7 +33,7 @@ from netra_jax.serving.responses_input import STATELESS, prepare_responses
 from netra_jax.serving.responses_output import responses_response, responses_stream
 
 if TYPE_CHECKING:
-    from netra_jax.serving.app import ServerState
+    from netra_jax.serving.state import ServerState
 
 EVENTS = (
     ResponseLifecycleEvent,
