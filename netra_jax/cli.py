@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     p = sub.add_parser("batch", help="run an OpenAI Batch JSONL file offline (resumable)")
-    from netra_jax.serving.batch import add_batch_args
+    from netra_jax.serving.batch_cli import add_batch_args
 
     add_batch_args(p)
     p = sub.add_parser("bench", help="benchmarks (serve: load-test an OpenAI-compatible server)")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(a)
         if a.cmd == "batch":
-            from netra_jax.serving.batch import main as batch_main
+            from netra_jax.serving.batch_cli import main as batch_main
 
             return batch_main(a)
     except CLIError as e:

@@ -9,17 +9,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from netra_jax.serving.batch import (
-    BatchSummary,
-    OutputWriter,
-    Work,
-    classify,
-    close_job,
-    open_job,
-    process,
-    read_lines,
-    served_model_name,
-)
+from netra_jax.serving.batch import BatchSummary, OutputWriter, close_job, open_job, process, served_model_name
+from netra_jax.serving.batch_io import Work, classify, read_lines
 
 if TYPE_CHECKING:
     from netra_jax.engine_config import EngineConfig
