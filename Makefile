@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast docs lint format run serve chat bench bench-serve bench-offline bench-spec bench-score gpu-compile-setup gpu-compile clean
+.PHONY: setup test test-fast docs imports lint format run serve chat bench bench-serve bench-offline bench-spec bench-score gpu-compile-setup gpu-compile clean
 
 setup: $(STAMP)
 
@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-# `make test` builds the documentation first: a docstring that breaks the API reference fails CI. The GPU compile
-# check's tests (tests/test_gpu_compile.py) run when `make gpu-compile-setup` installed the CUDA wheels, else skip.
-test: setup docs
+# `make test` builds the documentation and checks the import contracts first: a docstring that breaks the API
+# reference, or an import against the layering, fails CI. The GPU compile check's tests (tests/test_gpu_compile.py)
+# run when `make gpu-compile-setup` installed the CUDA wheels, else skip.
+test: setup docs imports
 	NETRA_JAX_CUDA_SITE=$(abspath $(CUDA_SITE)) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
@@ -28,7 +29,12 @@ test-fast: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-lint: setup
+# The layering (.importlinter, import-linter): models/ and ops/ never import the engine or the server, the engine never
+# imports the server, and no package or module imports a sibling that imports it back.
+imports: setup
+	scripts/lint_imports.sh
+
+lint: setup imports
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 format: setup
