@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_num_batched_tokens = min(args.max_num_batched_tokens, 256)
     args.repeats = args.repeats or (1 if args.quick else 3)
 
-    from netra_jax.api import resolve_model_path
+    from netra_jax.engine.factory import resolve_model_path
     from netra_jax.tokenizer import Tokenizer
 
     args.model = resolve_model_path(args.model)

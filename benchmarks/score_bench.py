@@ -287,9 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
         hf_worker(args.hf_worker)
         return {}
 
-    from netra_jax.api import resolve_model_path
     from netra_jax.bench.machine import machine_info
     from netra_jax.bench.results import write_result
+    from netra_jax.engine.factory import resolve_model_path
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}

@@ -72,7 +72,9 @@ print("RESULT " + json.dumps({
 
 def prime_parameter_cache(model: str | None, env: dict) -> None:
     """Load the model once in another process, so that no timed start converts its weights."""
-    code = "import sys; from netra_jax.api import resolve_model_path; from netra_jax.loader import load_model; "
+    code = (
+        "import sys; from netra_jax.engine.factory import resolve_model_path; from netra_jax.loader import load_model; "
+    )
     code += "load_model(resolve_model_path(sys.argv[1] or None))"
     subprocess.run([sys.executable, "-c", code, model or ""], env=env, check=True, capture_output=True)
 

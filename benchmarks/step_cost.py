@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import random
 
-    from netra_jax.api import build_engine
     from netra_jax.bench.machine import machine_info
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import EngineConfig
 
     load0 = os.getloadavg()

@@ -65,7 +65,7 @@ def source_tree(rev: str, parent: Path) -> Path:
 def prime_parameter_cache(env: dict, log_dir: Path) -> None:
     """Load the default model once in a separate process, so that no timed start converts its weights (a start
     after a change of the loader's code would otherwise convert them and be slower for that alone)."""
-    code = "from netra_jax.api import resolve_model_path; from netra_jax.loader import load_model; "
+    code = "from netra_jax.engine.factory import resolve_model_path; from netra_jax.loader import load_model; "
     code += "load_model(resolve_model_path(None))"
     subprocess.run([sys.executable, "-c", code], env=env, cwd=str(log_dir), check=True, capture_output=True)
 

@@ -2,8 +2,9 @@
 kernels and vLLM-compatible Python and OpenAI-compatible HTTP APIs."""
 
 from netra_jax import paged
-from netra_jax.api import LLM, build_engine
+from netra_jax.api import LLM
 from netra_jax.config import ModelConfig
+from netra_jax.engine.factory import build_engine
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt

@@ -1,6 +1,6 @@
-"""The Python API: `LLM` (vLLM-compatible generate / chat / stream, lm-eval style `score_continuations`, plus the
-per-position `logits` research hook) and `build_engine`, which loads a checkpoint, sizes the KV cache, compiles the
-step buckets and returns an engine."""
+"""The Python API: `LLM`, vLLM-compatible generate / chat / stream, lm-eval style `score_continuations`, embeddings,
+plus the research hooks (per-position `logits`, `run_with_hooks`, `update_params`). Its options are `EngineArgs`';
+the engine itself comes from `netra_jax.engine.factory.build_engine`."""
 
 from __future__ import annotations
 
@@ -13,26 +13,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from netra_jax import assets, parallel
-from netra_jax.config import ConfigError
-from netra_jax.engine.engine import LLMEngine, PromptType
+from netra_jax.engine.engine import PromptType
+from netra_jax.engine.factory import build_engine, resolve_model_path
 from netra_jax.engine.outputs import RequestOutput
-from netra_jax.engine.runner import claim_gpu_memory
+from netra_jax.engine_args import EngineArgs
 from netra_jax.engine_config import (
-    CacheConfig,
-    EngineConfig,
     PoolerConfig,
-    SchedulerConfig,
     SpeculativeConfig,
-    speculative_config_from,
 )
 from netra_jax.interventions import HookedOutput, ParamsUpdate
-from netra_jax.loader import load_config, load_model, quantization_method
 from netra_jax.models.hooks import Hooks
-from netra_jax.models.transformer import fuse_qkv
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
     EmbeddingOutput,
@@ -40,121 +32,12 @@ from netra_jax.pooling import (
     PoolingParams,
     embedding_prompt_ids,
     finish_embeddings,
-    pooler_config_from,
-    pooling_spec,
 )
-from netra_jax.quant import leaf_layout, quantize_params, weight_layout
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
 from netra_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_CACHE_SET = False
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """Persistent XLA compilation cache so a restart reuses the compiled step buckets: `path`, else
-    $JAX_COMPILATION_CACHE_DIR, else <cache dir>/xla ("" = off). Every compiled program is stored, however quick its
-    compile or small its executable (jax's defaults skip those under 1 s)."""
-    global _CACHE_SET
-    if _CACHE_SET or path == "":
-        return
-    path = path or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(assets.cache_dir() / "xla")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    _CACHE_SET = True
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> str:
-    return str(assets.default_model_path()) if not model else str(model)
-
-
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """Load the model and tokenizer, allocate the KV pages and (unless config.warmup is False) compile every bucket.
-    The options were checked when `config` was built; what depends on the machine or the files (the attention
-    backend on this platform, the devices for tensor parallelism, the model's and tokenizer's headers) is checked
-    here, before any weight is read."""
-    claim_gpu_memory(config.cache.gpu_memory_utilization)  # before anything starts jax's backends
-    enable_compilation_cache(config.compilation_cache_dir)
-    path = resolve_model_path(config.model)
-    t0 = time.perf_counter()
-    config.resolved_backend()  # a GPU kernel asked for off GPU fails now, not at the first step
-    tp = config.tensor_parallel_size
-    mesh = parallel.make_mesh(tp) if tp > 1 else None
-    remote = config.trust_remote_code
-    header_cfg = load_config(path, trust_remote_code=remote)  # path, format and architecture from headers alone,
-    config.check_model(header_cfg)
-    quantization = _quantization_at_load(config.quantization, quantization_method(path), path)
-    tokenizer = _load_tokenizer(config, path, header_cfg.vocab_size)  # then the tokenizer: all before the weights
-    pooling = None
-    if config.task == "embed":  # and the pooling (sentence-transformers modules), before the weights too
-        pooling = pooling_spec(path, header_cfg.hidden_size, config.pooler_config)
-    backend = config.resolved_matmul_backend()
-    cfg, params = load_model(  # a method asked for re-quantizes a GGUF file's weights from their float values
-        path,
-        config.dtype,
-        mesh=mesh,
-        load_format=config.load_format,
-        task=config.task,
-        trust_remote_code=remote,
-        keep_quantized=not quantization,
-        layout=leaf_layout(backend),  # each kept weight re-laid for the backend's kernels as it is placed
-    )
-    if quantization:
-        params = quantize_params(params, quantization)
-    params = weight_layout(params, backend)  # what online quantization made, re-laid too (the rest: unchanged)
-    if mesh is None and jax.default_backend() == "cpu":  # one q/k/v matmul a layer instead of three
-        params = fuse_qkv(params)
-    draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
-    engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
-    log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
-    if config.warmup:
-        engine.warmup()
-    return engine
-
-
-def _quantization_at_load(asked: str | None, stored: str | None, path: str) -> str | None:
-    """The method to quantize the loaded weights by: the one asked for, or None for a checkpoint already quantized
-    (read as stored). As vLLM, asking for a method other than the checkpoint's own is an error; asking for its own
-    ("fp8" of an FP8 checkpoint) changes nothing."""
-    if asked is None or stored is None:
-        return asked
-    if asked != stored:
-        raise ConfigError(
-            f"{path} is quantized by {stored}, which is served as stored; quantization={asked!r} differs from it "
-            "(leave quantization unset)"
-        )
-    return None
-
-
-def _load_tokenizer(config: EngineConfig, model_path: str, vocab_size: int) -> Tokenizer:
-    """The model's own tokenizer, or `config.tokenizer` (a directory, tokenizer.json or .gguf) when given; a
-    tokenizer with more tokens than the model's vocabulary is refused."""
-    if not config.tokenizer:
-        return Tokenizer.load(model_path)
-    tokenizer = Tokenizer.load(config.tokenizer)
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
-            f"tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
-            f"{vocab_size}"
-        )
-    return tokenizer
-
-
-def _load_draft(config: EngineConfig, tokenizer: Tokenizer):
-    """The draft model of method "draft_model" as (ModelConfig, params), after checking its tokenizer is the
-    target's; None for proposers without a model."""
-    spec = config.speculative
-    if spec.method != "draft_model":
-        return None
-    from netra_jax.engine.spec.draft import check_same_tokenizer
-
-    path = resolve_model_path(spec.model)
-    load_config(path, trust_remote_code=config.trust_remote_code)
-    check_same_tokenizer(tokenizer, Tokenizer.load(path))
-    return load_model(path, config.dtype, trust_remote_code=config.trust_remote_code)
 
 
 def _is_single(x) -> bool:
@@ -225,6 +108,9 @@ class LLM:
             are identical to decoding without it (see `netra_jax.engine.spec`).
         max_logprobs: The most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default 20, also the
             most the compiled sampler computes); a request asking for more is a ValueError.
+        **engine_options: Any other option of `netra_jax.engine_args.EngineArgs` (max_waiting,
+            align_chunks_to_buckets, served_model_name); every option has the default EngineArgs gives it, except
+            warmup (False here).
 
     Raises:
         FileNotFoundError: The model or tokenizer path does not exist.
@@ -262,50 +148,44 @@ class LLM:
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None,
         max_logprobs: int = 20,
+        **engine_options,
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
         if tokenizer is not None and not Path(tokenizer).exists():
             raise FileNotFoundError(f"tokenizer path {tokenizer} does not exist")
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
-        if enforce_eager and warmup is True:
-            raise ValueError(
-                "enforce_eager=True compiles nothing ahead of time; it cannot be combined with warmup=True"
-            )
-        self.config = EngineConfig(
-            model=str(model) if model else "",
+        args = EngineArgs(
+            model=str(model) if model else None,
             tokenizer=str(tokenizer) if tokenizer is not None else None,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
             max_model_len=max_model_len,
-            cache=CacheConfig(
-                page_size=page_size,
-                num_pages=num_kv_pages,
-                kv_cache_bytes=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                scheduling_policy=scheduling_policy,
-            ),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory,
+            num_kv_pages=num_kv_pages,
+            page_size=page_size,
+            kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             matmul_backend=matmul_backend,
             quantization=quantization,
             seed=seed,
-            compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
-            load_format=load_format,
+            enforce_eager=enforce_eager,
+            compilation_cache_dir=compilation_cache_dir,
             task=task,
-            pooler_config=pooler_config_from(pooler_config),
+            pooler_config=pooler_config,
+            load_format=load_format,
             async_scheduling=async_scheduling,
-            speculative=speculative_config_from(speculative_config),
+            scheduling_policy=scheduling_policy,
+            speculative_config=speculative_config,
             max_logprobs=max_logprobs,
+            **engine_options,
         )
+        self.config = args.create_engine_config()
         self.engine = build_engine(self.config)
         self._ids = itertools.count()
 
@@ -322,7 +202,7 @@ class LLM:
     def params(self):
         """The live parameter pytree the engine runs (layout: `netra_jax.models.transformer`). Read it freely;
         change the weights through `update_params`, which keeps what was derived from them consistent."""
-        return self.engine.runner.params
+        return self.engine.params
 
     def update_params(self, params) -> ParamsUpdate:
         """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `LLM.params`; e.g.
@@ -338,7 +218,7 @@ class LLM:
             ValueError: The pytree's structure, a shape or a dtype differs.
             RuntimeError: Requests are running.
         """
-        previous = self.engine.runner.params
+        previous = self.engine.params
         self.engine.update_params(params)
         return ParamsUpdate(self.engine, previous)
 
@@ -360,10 +240,7 @@ class LLM:
         `score_continuations` batches them through the engine's compiled steps instead."""
         if self.engine.embedder is not None:
             raise ValueError("logits need task 'generate' (a model loaded with task 'embed' has no lm_head)")
-        ids = self.engine.inputs.check_ids(token_ids)
-        if len(ids) > self.engine.max_model_len:
-            raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
-        return self.engine.runner.prompt_logits(ids)
+        return self.engine.prompt_forward({"prompt_token_ids": token_ids})[1]
 
     def run_with_hooks(self, prompt: PromptType, hooks: Hooks) -> HookedOutput:
         """One forward over a whole prompt with `hooks` (see `netra_jax.models.hooks`): per-position logits after
@@ -377,11 +254,7 @@ class LLM:
             raise ValueError("run_with_hooks needs task 'generate' (a model loaded with task 'embed' has no lm_head)")
         if not isinstance(hooks, Hooks):
             raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
-        ids = self.engine.inputs.prompt_ids(prompt)[1]
-        if len(ids) > self.engine.max_model_len:
-            raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}")
-        logits, activations = self.engine.runner.prompt_logits(ids, hooks)
-        return HookedOutput(ids, logits, activations)
+        return HookedOutput(*self.engine.prompt_forward(prompt, hooks))
 
     def score_continuations(
         self,
@@ -546,7 +419,7 @@ class LLM:
             if hooks.record:
                 for out in outputs:
                     n = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-                    out.activations = self.engine.activations.pop(out.request_id, n)
+                    out.activations = self.engine.pop_activations(out.request_id, n)
             return outputs
         except Exception:
             for rid in ids:

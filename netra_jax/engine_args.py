@@ -6,24 +6,155 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig, speculative_config_from
 from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
-from netra_jax.options import SCHEDULING_POLICIES, TASKS
+from netra_jax.options import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, TASKS
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
 
-__all__ = ["CLIError", "add_engine_args", "check_model", "engine_config", "load_engine", "one_line"]
+__all__ = [
+    "CLIError",
+    "EngineArgs",
+    "add_engine_args",
+    "check_model",
+    "engine_args",
+    "engine_config",
+    "load_engine",
+    "one_line",
+]
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's options as flat values under vLLM's names, each with its one default: what `LLM(...)`, the
+    command line's engine flags (`add_engine_args`) and Ray Serve's application arguments all take.
+    `create_engine_config` turns them into the checked EngineConfig. `LLM` differs in one default, on purpose:
+    `warmup=False` (an offline job compiles each program on first use; a server compiles them all before it is
+    ready). warmup None: on unless `enforce_eager`."""
+
+    model: str | None = None  # a HF directory or .gguf file; None: the embedded default model
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int | None = None
+    scheduling_policy: str = "fcfs"
+    align_chunks_to_buckets: bool | None = None
+    page_size: int = 16
+    num_kv_pages: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    matmul_backend: str = "auto"
+    quantization: str | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    compilation_cache_dir: str | None = None
+    warmup: bool | None = None
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    task: str = "generate"
+    pooler_config: Any = None  # PoolerConfig, its dict or JSON text
+    async_scheduling: bool = True
+    speculative_config: Any = None  # SpeculativeConfig, vLLM's dict or its JSON text
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_strings(cls, options: dict[str, Any]) -> EngineArgs:
+        """EngineArgs from options given as text (Ray Serve's application arguments, `serve run ... key=value`):
+        each converted to its field's type ("true" / "false" / "1" / "0" for flags, "" or None: the default).
+        Unknown names are a ValueError naming them."""
+        types = {f.name: str(f.type) for f in fields(cls)}
+        unknown = sorted(set(options) - set(types))
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(types)}")
+        values = {}
+        for name, value in options.items():
+            if value is None or value == "":
+                continue
+            kind = types[name]
+            if not isinstance(value, str) or kind == "Any" or kind.startswith("str"):
+                values[name] = value
+            elif kind.startswith("bool"):
+                values[name] = value.strip().lower() not in ("0", "false", "no", "off")
+            elif kind.startswith("int"):
+                values[name] = int(value)
+            elif kind.startswith("float"):
+                values[name] = float(value)
+            else:
+                values[name] = value
+        return cls(**values)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig of these options (ValueError, e.g. ConfigError, naming a bad one)."""
+        from netra_jax.pooling import pooler_config_from
+
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.enforce_eager and self.warmup is True:
+            raise ValueError(
+                "enforce_eager=True compiles nothing ahead of time; it cannot be combined with warmup=True"
+            )
+        return EngineConfig(
+            model=str(self.model) if self.model else "",
+            tokenizer=str(self.tokenizer) if self.tokenizer is not None else None,
+            trust_remote_code=self.trust_remote_code,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_model_len=self.max_model_len,
+            cache=CacheConfig(
+                page_size=self.page_size,
+                num_pages=self.num_kv_pages,
+                kv_cache_bytes=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_waiting=self.max_waiting,
+                scheduling_policy=self.scheduling_policy,
+                align_chunks_to_buckets=self.align_chunks_to_buckets,
+            ),
+            attention_backend=self.attention_backend,
+            tensor_parallel_size=self.tensor_parallel_size,
+            matmul_backend=self.matmul_backend,
+            quantization=self.quantization,
+            seed=self.seed,
+            served_model_name=self.served_model_name,
+            compilation_cache_dir=self.compilation_cache_dir,
+            warmup=not self.enforce_eager if self.warmup is None else self.warmup,
+            load_format=self.load_format,
+            task=self.task,
+            pooler_config=pooler_config_from(self.pooler_config),
+            async_scheduling=self.async_scheduling,
+            speculative=speculative_config_from(self.speculative_config),
+            max_logprobs=self.max_logprobs,
+        )
+
+
+_DEFAULTS = EngineArgs()
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     p.add_argument(
-        "--tokenizer", default=None, help="a tokenizer directory, tokenizer.json or .gguf other than the model's"
+        "model", nargs="?", default=_DEFAULTS.model, help="HF model directory or .gguf file (default: SmolLM2-135M)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=_DEFAULTS.tokenizer,
+        help="a tokenizer directory, tokenizer.json or .gguf other than the model's",
     )
     p.add_argument(
         "--trust-remote-code",
@@ -31,36 +162,49 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="load a checkpoint whose config.json has an auto_map with the native implementation of its "
         "architecture (remote code is never run; a checkpoint whose architecture is not native is refused)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPES)
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--page-size", type=int, default=_DEFAULTS.page_size, help="tokens per KV page")
     p.add_argument(
         "--kv-cache-dtype",
-        default="auto",
+        default=_DEFAULTS.kv_cache_dtype,
         choices=list(KV_CACHE_DTYPES),
         help="the KV cache's type: auto = the weights' dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2 keep a float32 scale "
         "per token and KV head (about 4x the tokens of float32 in the same memory)",
     )
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (CPU default 1 GiB)")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV page count")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=_DEFAULTS.kv_cache_memory,
+        help="KV cache size in bytes (CPU default 1 GiB)",
+    )
+    p.add_argument("--num-kv-pages", type=int, default=_DEFAULTS.num_kv_pages, help="explicit KV page count")
+    p.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization)
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_DEFAULTS.enable_prefix_caching
+    )
+    p.add_argument("--attention-backend", default=_DEFAULTS.attention_backend)
     p.add_argument(
         "--matmul-backend",
-        default="auto",
+        default=_DEFAULTS.matmul_backend,
         choices=("auto", "xla", "cpu_rows", "cpu_rows_q8", "gpu", "gpu_sm80", "gpu_interpret"),
         help="how matmuls run: auto = the CPU few-row kernel on CPU (built on first use; cpu_rows_q8: GGUF Q4_0 ... "
         "Q8_0 weights times activations rounded to int8 blocks, llama.cpp's arithmetic), the GPU kernels of "
         "quantized weights on CUDA (W4A16 / W8A16 Pallas; fp8 W8A8 on sm89+, W8A16 on older GPUs: gpu_sm80)",
     )
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
-    p.add_argument("--max-waiting", type=int, default=None, help="cap of the waiting queue (then 429)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_DEFAULTS.tensor_parallel_size,
+        help="devices to split the model over",
+    )
+    p.add_argument("--max-waiting", type=int, default=_DEFAULTS.max_waiting, help="cap of the waiting queue (then 429)")
     p.add_argument(
         "--scheduling-policy",
-        default="fcfs",
+        default=_DEFAULTS.scheduling_policy,
         choices=SCHEDULING_POLICIES,
         help="fcfs: first come first served | priority: by each request's priority (lower first), then arrival; "
         "the lowest-priority running request is preempted when the KV cache runs out",
@@ -68,40 +212,45 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--align-chunks-to-buckets",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=_DEFAULTS.align_chunks_to_buckets,
         help="cut the last prompt chunk of a step so the step ends on a compiled token bucket when that moves fewer "
         "tokens to the next step than it saves in padding (default: on for the CPU backend)",
     )
     p.add_argument(
         "--quantization",
-        default=None,
+        default=_DEFAULTS.quantization,
         choices=["int8", "int4", "fp8"],
         help="quantize a float checkpoint's weights at load: int8 / fp8 with per-channel scales, int4 as Q4_0 blocks "
         "(FP8, AWQ, GPTQ and compressed-tensors checkpoints are served as stored: leave it unset)",
     )
     p.add_argument(
         "--task",
-        default="generate",
+        default=_DEFAULTS.task,
         choices=TASKS,
         help="generate: text generation | embed: an embedding model (POST /v1/embeddings; pooling from the "
         "checkpoint's sentence-transformers modules.json, else last token, L2-normalized)",
     )
     p.add_argument(
         "--pooler-config",
-        default=None,
+        default=_DEFAULTS.pooler_config,
         help="--task embed: JSON overriding the checkpoint's pooling, e.g. "
         '\'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST | MEAN | CLS)',
     )
     p.add_argument(
         "--speculative-config",
-        default=None,
+        default=_DEFAULTS.speculative_config,
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\' '
         "(greedy and seeded outputs are unchanged); disable_by_batch_size: no proposals while more requests run "
         "(default 4; null: always)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument("--served-model-name", default=_DEFAULTS.served_model_name)
+    p.add_argument(
+        "--compilation-cache-dir",
+        default=_DEFAULTS.compilation_cache_dir,
+        help="persistent XLA compilation cache (default $JAX_COMPILATION_CACHE_DIR, else the cache dir's xla/; '' off)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
     p.add_argument(
         "--enforce-eager",
@@ -111,78 +260,49 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
+        default=_DEFAULTS.max_logprobs,
         help="the most logprobs / prompt_logprobs a request may ask for (at most 20)",
     )
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_DEFAULTS.async_scheduling,
         help="schedule and pack step N+1 while step N runs on the device (hides the host's work per step)",
     )
     p.add_argument(
         "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
+        default=_DEFAULTS.load_format,
+        choices=LOAD_FORMATS,
         help="dummy: random weights from the directory's config.json (benchmarks; outputs are noise)",
     )
 
 
+def engine_args(a: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of parsed engine flags (`add_engine_args`)."""
+    return EngineArgs(
+        **{f.name: getattr(a, f.name) for f in fields(EngineArgs) if f.name not in ("warmup", "enforce_eager")},
+        warmup=False if a.no_warmup else None,
+        enforce_eager=a.enforce_eager,
+    )
+
+
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of parsed engine flags; a bad --pooler-config is a CLIError."""
-    from netra_jax.engine_config import speculative_config_from
+    """The EngineConfig of parsed engine flags; a bad option is a CLIError in one line (naming the flag for the
+    JSON ones)."""
     from netra_jax.pooling import pooler_config_from
 
+    for flag, value, parse in (
+        ("--pooler-config", a.pooler_config, pooler_config_from),
+        ("--speculative-config", a.speculative_config, speculative_config_from),
+    ):
+        try:
+            parse(value)
+        except ValueError as e:
+            raise CLIError(f"{flag}: {e}") from None
     try:
-        pooler = pooler_config_from(a.pooler_config)
-    except ValueError as e:
-        raise CLIError(f"--pooler-config: {e}") from None
-    try:
-        speculative = speculative_config_from(a.speculative_config)
-    except ValueError as e:
-        raise CLIError(f"--speculative-config: {e}") from None
-    try:
-        return _engine_config(a, pooler, speculative)
+        return engine_args(a).create_engine_config()
     except ValueError as e:
         raise CLIError(one_line(e)) from None
-
-
-def _engine_config(a: argparse.Namespace, pooler, speculative) -> EngineConfig:
-    return EngineConfig(
-        model=a.model or "",
-        tokenizer=a.tokenizer,
-        trust_remote_code=a.trust_remote_code,
-        dtype=a.dtype,
-        kv_cache_dtype=a.kv_cache_dtype,
-        max_model_len=a.max_model_len,
-        cache=CacheConfig(
-            page_size=a.page_size,
-            num_pages=a.num_kv_pages,
-            kv_cache_bytes=a.kv_cache_memory,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            enable_prefix_caching=a.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            max_waiting=a.max_waiting,
-            scheduling_policy=a.scheduling_policy,
-            align_chunks_to_buckets=a.align_chunks_to_buckets,
-        ),
-        attention_backend=a.attention_backend,
-        tensor_parallel_size=a.tensor_parallel_size,
-        matmul_backend=a.matmul_backend,
-        quantization=a.quantization,
-        seed=a.seed,
-        served_model_name=a.served_model_name,
-        warmup=not (a.no_warmup or a.enforce_eager),
-        load_format=a.load_format,
-        task=a.task,
-        pooler_config=pooler,
-        async_scheduling=a.async_scheduling,
-        speculative=speculative,
-        max_logprobs=a.max_logprobs,
-    )
 
 
 class CLIError(Exception):
@@ -210,7 +330,7 @@ def _cannot_load(path: object, e: BaseException) -> CLIError:
 def load_engine(config: EngineConfig) -> LLMEngine:
     """`build_engine(config)`; a model that cannot be loaded (missing, not a model, an unsupported architecture or
     tokenizer, a damaged file) raised as CLIError."""
-    from netra_jax.api import build_engine, resolve_model_path
+    from netra_jax.engine.factory import build_engine, resolve_model_path
 
     try:
         return build_engine(config)
@@ -221,7 +341,7 @@ def load_engine(config: EngineConfig) -> LLMEngine:
 def check_model(config: EngineConfig) -> None:
     """Read the model's config and tokenizer (no weights), raising CLIError as `load_engine` does; for commands that
     load the model elsewhere (Ray workers)."""
-    from netra_jax.api import resolve_model_path
+    from netra_jax.engine.factory import resolve_model_path
     from netra_jax.loader import load_config
     from netra_jax.tokenizer import Tokenizer
 

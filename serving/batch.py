@@ -247,7 +247,7 @@ def run_batch(
     sequences queued in the engine (default 4 * max_num_seqs)."""
     t0 = time.perf_counter()
     if engine is None:
-        from netra_jax.api import build_engine
+        from netra_jax.engine.factory import build_engine
         from netra_jax.engine_config import EngineConfig
 
         engine = build_engine(engine_config or EngineConfig())

@@ -28,7 +28,7 @@ class EngineActor:
         chat_output: ChatOutputConfig | None = None,
         chat_template: str | None = None,
     ):
-        from netra_jax.api import build_engine
+        from netra_jax.engine.factory import build_engine
 
         self.engine = build_engine(config)
         self.model_name = model_name

@@ -8,7 +8,8 @@ from typing import Any
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from netra_jax.engine_args import EngineArgs
+from netra_jax.engine_config import EngineConfig
 from netra_jax.serving.chat_output import ChatOutputConfig
 
 REPLICA_HEADER = "x-netra-replica"  # on every response: the id of the replica that answered
@@ -46,8 +47,8 @@ class NetraServer:
         chat_template: str | None = None,
         chat_output: ChatOutputConfig | None = None,
     ):
-        from netra_jax.api import build_engine
         from netra_jax.engine.async_engine import AsyncEngine
+        from netra_jax.engine.factory import build_engine
 
         self.engine = AsyncEngine(build_engine(config))  # the replica reports healthy once this returns
         self.model_name, self.api_key = model_name, api_key
@@ -71,13 +72,28 @@ class NetraServer:
         self.engine.shutdown()
 
 
+# build_app's keys that configure the deployment and the HTTP server rather than the engine
+_SERVER_KEYS = frozenset(
+    (
+        "api_key",
+        "replicas",
+        "num_gpus",
+        "num_cpus",
+        "chat_template",
+        "enable_auto_tool_choice",
+        "tool_call_parser",
+        "reasoning_parser",
+    )
+)
+
+
 def build_app(args: dict[str, Any]) -> Any:
-    """Application builder for `serve run` / `serve.run`. Keys (strings on the command line): model, dtype,
-    kv_cache_dtype (auto | float32 | bfloat16 | int8 | fp8 | fp8_e4m3 | fp8_e5m2), served_model_name, max_model_len,
-    max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes), scheduling_policy (fcfs | priority), task
-    (generate | embed), warmup (default true), api_key, replicas (default 1), num_gpus per replica (default 1 when
-    the cluster has GPUs, else 0), num_cpus per replica (default 1), and the server's chat flags: chat_template (a
-    file or the Jinja source), enable_auto_tool_choice, tool_call_parser, reasoning_parser."""
+    """Application builder for `serve run` / `serve.run`. Keys (strings on the command line): every engine option
+    of `EngineArgs` under its name (model, dtype, kv_cache_dtype, max_num_seqs, kv_cache_memory in bytes, ...; the
+    command line's defaults, warmup on), and the deployment's own: api_key, replicas (default 1), num_gpus per
+    replica (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1), and the server's chat
+    flags: chat_template (a file or the Jinja source), enable_auto_tool_choice, tool_call_parser, reasoning_parser.
+    An unknown key is a ValueError naming it."""
     import ray
 
     from netra_jax.serving.batch import served_model_name
@@ -95,21 +111,8 @@ def build_app(args: dict[str, Any]) -> Any:
         reasoning_parser=opt("reasoning_parser", str),
     )
 
-    config = EngineConfig(
-        model=opt("model", str, ""),
-        dtype=opt("dtype", str, "auto"),
-        kv_cache_dtype=opt("kv_cache_dtype", str, "auto"),
-        max_model_len=opt("max_model_len", int),
-        cache=CacheConfig(kv_cache_bytes=opt("kv_cache_memory", int)),
-        scheduler=SchedulerConfig(
-            max_num_seqs=opt("max_num_seqs", int, 64),
-            max_num_batched_tokens=opt("max_num_batched_tokens", int, 2048),
-            scheduling_policy=opt("scheduling_policy", str, "fcfs"),
-        ),
-        served_model_name=opt("served_model_name", str),
-        task=opt("task", str, "generate"),
-        warmup=flag("warmup", True),
-    )
+    engine_options = {k: v for k, v in args.items() if k not in _SERVER_KEYS}
+    config = EngineArgs.from_strings(engine_options).create_engine_config()
     if not ray.is_initialized():
         ray.init()
     gpus = opt("num_gpus", float, 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)

@@ -81,7 +81,7 @@ def recorded_shapes(runner) -> Iterator[list]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache():
-    from netra_jax.api import enable_compilation_cache
+    from netra_jax.engine.factory import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("NETRA_JAX_TEST_XLA_CACHE") or None)
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import FIXTURES, reference
 
 from netra_jax import SamplingParams
-from netra_jax.api import build_engine
 from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
+from netra_jax.engine.factory import build_engine
 from netra_jax.engine_config import EngineConfig, SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import FIXTURES, REPO, reference
 
-from netra_jax.api import build_engine
+from netra_jax.engine.factory import build_engine
 from netra_jax.engine_config import EngineConfig, SchedulerConfig
 from netra_jax.serving.batch import load_progress, run_batch, served_model_name
 

@@ -287,7 +287,7 @@ def test_a_tool_message_must_answer_tool_calls():
 def test_batch_jobs_read_tool_calls_as_the_server(tmp_path):
     """netra-jax batch with the server's flags: tool calls and thinking come out of the same pipeline (auto with
     the model's text forced by a regex, a named function and "required" under their grammars)."""
-    from netra_jax.api import build_engine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.batch import run_batch
 

@@ -147,7 +147,7 @@ def _failing(error: Exception):
 
 
 @pytest.mark.parametrize(
-    "command, replaced", [("load_engine", "api.build_engine"), ("check_model", "loader.load_config")]
+    "command, replaced", [("load_engine", "engine.factory.build_engine"), ("check_model", "loader.load_config")]
 )
 def test_load_errors_are_one_line_with_the_traceback_at_debug_level_and_bugs_keep_theirs(
     command: str, replaced: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path

@@ -261,7 +261,7 @@ def test_logprobs_and_prompt_logprobs(llm):
 
 
 def test_more_samples_than_the_queue_cap_is_a_bad_request():
-    from netra_jax.api import build_engine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import EngineConfig, SchedulerConfig
 
     engine = build_engine(

@@ -51,7 +51,7 @@ def test_bad_options_fail_at_construction_before_loading(kw, match, monkeypatch)
     def no_loading(*a, **k):
         raise AssertionError("weights were read before the options were checked")
 
-    monkeypatch.setattr("netra_jax.api.load_model", no_loading)
+    monkeypatch.setattr("netra_jax.engine.factory.load_model", no_loading)
     with pytest.raises(ValueError, match=match):
         LLM(MODEL, **kw)
 
@@ -61,7 +61,7 @@ def test_gpu_kernel_off_gpu_fails_before_loading(monkeypatch):
 
     if jax.default_backend() == "gpu":
         pytest.skip("the kernel runs here")
-    monkeypatch.setattr("netra_jax.api.load_model", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr("netra_jax.engine.factory.load_model", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ConfigError, match="'triton' needs a GPU"):
         LLM(MODEL, attention_backend="triton")
 

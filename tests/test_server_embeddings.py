@@ -18,8 +18,8 @@ from conftest import FIXTURES
 from starlette.testclient import TestClient
 from test_server import openai_client, running_server
 
-from netra_jax.api import build_engine
 from netra_jax.engine.async_engine import AsyncEngine
+from netra_jax.engine.factory import build_engine
 from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.serving.app import create_app
 from netra_jax.serving.embeddings import encode_embedding

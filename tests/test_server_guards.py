@@ -53,8 +53,8 @@ def server():
 @pytest.fixture(scope="module")
 def app_routes():
     """(method, path) of every route the app declares, from an app built in-process around a tiny engine."""
-    from netra_jax.api import build_engine
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.app import create_app
 
@@ -193,8 +193,8 @@ def test_sigterm_drains_in_flight_then_exits_0(server):
 
 # ---------------------------------------------------------------------------------------------------- in-process
 def test_ready_and_dead_engine_in_process():
-    from netra_jax.api import build_engine
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig
     from netra_jax.serving.app import create_app
 

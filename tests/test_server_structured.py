@@ -22,8 +22,8 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 def client():
     import uvicorn
 
-    from netra_jax.api import build_engine
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
     from netra_jax.serving.app import create_app
 

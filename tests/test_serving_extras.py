@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import FIXTURES
 
-from netra_jax.api import build_engine
+from netra_jax.engine.factory import build_engine
 from netra_jax.engine_config import EngineConfig, SchedulerConfig
 from netra_jax.serving.chat import chat_response, prepare_chat
 from netra_jax.serving.chat_output import ChatOutputConfig

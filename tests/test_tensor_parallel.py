@@ -240,7 +240,7 @@ def _worker(out_path: str) -> None:
     import jax.numpy as jnp
 
     from netra_jax import LLM, SamplingParams
-    from netra_jax.api import enable_compilation_cache
+    from netra_jax.engine.factory import enable_compilation_cache
 
     assert len(jax.devices()) == 4
     enable_compilation_cache(os.environ.get("NETRA_JAX_TEST_XLA_CACHE") or None)  # as conftest does

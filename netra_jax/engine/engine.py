@@ -239,6 +239,28 @@ class LLMEngine:
             self.activations.discard(sample.request.request_id)
         return True
 
+    @property
+    def params(self):
+        """The parameter pytree the steps run (swap it through `update_params`)."""
+        return self.runner.params
+
+    def prompt_forward(self, prompt: PromptType, hooks=None) -> tuple[list[int], np.ndarray, dict | None]:
+        """One forward over a whole prompt (text, token ids or a prompt dict) on a scratch cache, the serving pages
+        untouched: (its token ids, logits [T, vocab] float32, the hooks' recorded activations {name: [T, ...]} or
+        None without hooks). ValueError for a bad prompt or one longer than the model's context."""
+        ids = self.inputs.prompt_ids(prompt)[1]
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
+        if hooks is None:
+            return ids, self.runner.prompt_logits(ids), None
+        logits, activations = self.runner.prompt_logits(ids, hooks)
+        return ids, logits, activations
+
+    def pop_activations(self, request_id: str, num_positions: int) -> dict:
+        """The activations the hooks recorded for a finished request, its first `num_positions` positions, handed
+        over once (see `set_hooks`)."""
+        return self.activations.pop(request_id, num_positions)
+
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
         """Pooled final hidden states of whole prompts (checked token ids, each within max_model_len), not yet
         truncated or normalized (`pooling.finish_embeddings`): [len(prompts), hidden] float32. Task "embed" only."""

@@ -98,8 +98,8 @@ def test_watchdog_fails_clients_of_a_step_stuck_in_native_code():
     from test_server import MODEL
 
     from netra_jax import SamplingParams
-    from netra_jax.api import build_engine
     from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig
 
     engine = build_engine(EngineConfig(model=str(FIXTURES / MODEL), warmup=False, cache=CacheConfig(num_pages=8)))

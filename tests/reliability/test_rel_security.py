@@ -21,8 +21,8 @@ KEY = "k-123"
 
 @pytest.fixture(scope="module")
 def engine():
-    from netra_jax.api import build_engine
     from netra_jax.engine.async_engine import AsyncEngine
+    from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import CacheConfig, EngineConfig
 
     ae = AsyncEngine(
