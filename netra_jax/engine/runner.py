@@ -1,5 +1,6 @@
 """Model runner: packs a SchedulerOutput into one flat ragged token batch padded to a token bucket, ships its
-metadata as a single host array, runs the jitted forward over the donated paged KV cache, and samples on device."""
+metadata as a single host array and runs the jitted forward over the donated paged KV cache, returning the logits of
+the rows to sample (the engine samples them with `ops.sampling`)."""
 
 from __future__ import annotations
 
