@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,69 +102,9 @@ class RopeConfig:
             mscale_all_dim=_optional_float(d.get("mscale_all_dim")),
         )
 
-    @property
-    def attention_scaling(self) -> float:
-        """Scale of cos and sin (so of q.k by its square): YaRN's attention factor, 1 for the other types."""
-        if self.rope_type != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
-        return _yarn_mscale(self.factor)
-
-    def inv_freq(self, rotary_dim: int) -> list[float]:
-        """Inverse frequencies (length rotary_dim // 2) of the rotated dims, following the rope type's scaling."""
-        base = [1.0 / (self.theta ** (i / rotary_dim)) for i in range(0, rotary_dim, 2)]
-        if self.rope_type == "default":
-            return base
-        if self.rope_type == "linear":
-            return [f / self.factor for f in base]
-        if self.rope_type == "yarn":
-            return self._yarn_inv_freq(base, rotary_dim)
-        # llama3: scale low frequencies, keep high ones, interpolate between
-        old = self.original_max_position_embeddings
-        low_wl, high_wl = old / self.low_freq_factor, old / self.high_freq_factor
-        out = []
-        for f in base:
-            wl = 2 * math.pi / f
-            if wl < high_wl:
-                out.append(f)
-            elif wl > low_wl:
-                out.append(f / self.factor)
-            else:
-                s = (old / wl - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-                out.append((1 - s) * f / self.factor + s * f)
-        return out
-
-    def _yarn_inv_freq(self, base: list[float], rotary_dim: int) -> list[float]:
-        """YaRN (NTK-by-parts): dims turning more than beta_fast times over the original context keep their
-        frequency, those turning fewer than beta_slow times are divided by `factor`, a linear ramp between."""
-
-        def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
-            wavelength = self.original_max_position_embeddings / (rotations * 2 * math.pi)
-            return rotary_dim * math.log(wavelength) / (2 * math.log(self.theta))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, rotary_dim - 1)
-        if low == high:
-            high += 0.001  # as transformers: avoid a zero-width ramp
-        out = []
-        for i, f in enumerate(base):
-            interpolate = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep f, 1: f / factor
-            out.append(f / self.factor * interpolate + f * (1 - interpolate))
-        return out
-
 
 def _optional_float(v: Any) -> float | None:
     return None if v is None else float(v)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)

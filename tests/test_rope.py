@@ -13,7 +13,7 @@ import pytest
 
 from netra_jax.config import ConfigError, ModelConfig, RopeConfig
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
-from netra_jax.models.rope import rope
+from netra_jax.models.rope import attention_scaling, inv_freq, rope
 
 TINY_YARN = Path(__file__).resolve().parent / "fixtures" / "tiny-yarn"
 REF = json.loads((TINY_YARN / "reference.json").read_text())
@@ -35,8 +35,8 @@ def test_inv_freq_and_attention_scaling_match_transformers(name):
     rc = cfg.rope_full
     assert cfg.rotary_dim == 2 * len(want["inv_freq"])
     # transformers computes the frequencies in float32, we in float64 (then the forward rounds them to float32)
-    np.testing.assert_allclose(rc.inv_freq(cfg.rotary_dim), want["inv_freq"], rtol=1e-6, atol=0)
-    assert rc.attention_scaling == pytest.approx(want["attention_scaling"], rel=1e-12)
+    np.testing.assert_allclose(inv_freq(rc, cfg.rotary_dim), want["inv_freq"], rtol=1e-6, atol=0)
+    assert attention_scaling(rc) == pytest.approx(want["attention_scaling"], rel=1e-12)
 
 
 def test_tiny_gpt_oss_rope_parameters():
@@ -44,8 +44,8 @@ def test_tiny_gpt_oss_rope_parameters():
     d = want["config"]
     rc = RopeConfig.from_dict(d["rope_parameters"], max_position_embeddings=d["max_position_embeddings"])
     assert (rc.rope_type, rc.factor, rc.original_max_position_embeddings, rc.truncate) == ("yarn", 8.0, 64, False)
-    np.testing.assert_allclose(rc.inv_freq(d["head_dim"]), want["inv_freq"], rtol=1e-6, atol=0)
-    assert rc.attention_scaling == pytest.approx(want["attention_scaling"], rel=1e-12)
+    np.testing.assert_allclose(inv_freq(rc, d["head_dim"]), want["inv_freq"], rtol=1e-6, atol=0)
+    assert attention_scaling(rc) == pytest.approx(want["attention_scaling"], rel=1e-12)
     cfg = ModelConfig.from_hf_dict(d)  # the same setting on both its sliding and full layers
     assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.rotary_dim == d["head_dim"]
     assert cfg.layer_rope(0) == cfg.layer_rope(1) == rc
@@ -174,10 +174,10 @@ def test_gguf_llama_cpp_attention_keys():
         return 0.1 * m * math.log(factor) + 1.0
 
     rc = config_from_gguf_metadata(meta | {"qwen3.rope.scaling.yarn_log_multiplier": 0.5}, shapes(hf)).rope_full
-    assert rc.attention_scaling == pytest.approx(mscale(1.0) / mscale(0.5), rel=1e-12)
+    assert attention_scaling(rc) == pytest.approx(mscale(1.0) / mscale(0.5), rel=1e-12)
     rc = config_from_gguf_metadata(meta | {"qwen3.rope.scaling.attn_factor": 0.9}, shapes(hf)).rope_full
-    assert rc.attention_scaling == pytest.approx(mscale(1.0) * 0.9, rel=1e-12)
-    assert rc.inv_freq(16) == ModelConfig.from_hf_dict(hf).rope_full.inv_freq(16)
+    assert attention_scaling(rc) == pytest.approx(mscale(1.0) * 0.9, rel=1e-12)
+    assert inv_freq(rc, 16) == inv_freq(ModelConfig.from_hf_dict(hf).rope_full, 16)
 
 
 def test_gguf_rope_errors():

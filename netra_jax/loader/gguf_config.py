@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from netra_jax.config import ConfigError, ModelConfig, RopeConfig
+from netra_jax.models.rope import attention_scaling, inv_freq
 
 # GGUF general.architecture -> HF architecture name. Mistral checkpoints are converted by llama.cpp as "llama".
 GGUF_ARCHITECTURES = {
@@ -43,7 +44,7 @@ def _llama3_rope_from_factors(factors: np.ndarray, theta: float, rotary_dim: int
     for orig in dict.fromkeys([meta_orig or 8192, 8192]):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
             rc = RopeConfig(theta, "llama3", factor, low, high, orig)
-            base, scaled = np.array(RopeConfig(theta).inv_freq(rotary_dim)), np.array(rc.inv_freq(rotary_dim))
+            base, scaled = np.array(inv_freq(RopeConfig(theta), rotary_dim)), np.array(inv_freq(rc, rotary_dim))
             if np.allclose(base / scaled, factors, rtol=1e-3):
                 return {
                     "rope_type": "llama3",
@@ -76,7 +77,7 @@ def _yarn_rope(key: Callable[..., Any], arch: str) -> dict:
         raise ConfigError(f"YaRN extrapolation factor {ext} is not supported (transformers' YaRN uses 1)")
     attn = key("rope.scaling.attn_factor", None)  # llama.cpp multiplies the YaRN attention scale by it
     if attn is not None and float(attn) != 1.0:
-        rope["attention_factor"] = RopeConfig.from_dict(rope).attention_scaling * float(attn)
+        rope["attention_factor"] = attention_scaling(RopeConfig.from_dict(rope)) * float(attn)
     if arch == "gpt-oss":
         # the file has no key for it: gpt-oss's HF config (and OpenAI's reference code) ramp over unrounded dims,
         # where llama.cpp rounds them; follow the HF checkpoint
