@@ -47,8 +47,9 @@ def json_object(value: dict[str, Any] | str, what: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """One RoPE setting as transformers computes it (`modeling_rope_utils`): the inverse frequencies of the rotated
-    dims and the factor that scales cos and sin (YaRN's attention factor, 1 for the other types)."""
+    """One RoPE setting as a config gives it (`from_dict`): its type and parameters. `netra_jax.models.rope` computes
+    from it what transformers' `modeling_rope_utils` does: the rotated dims' inverse frequencies and the factor that
+    scales cos and sin (YaRN's attention factor, 1 for the other types)."""
 
     theta: float = 10000.0
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
