@@ -23,6 +23,7 @@ from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
+from netra_jax.engine.sampler import sampling_rows
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.spec import SpecStats, accept, make_proposer
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
@@ -453,20 +454,9 @@ class LLMEngine:
         return _Step(sched, run)
 
     def _sample(self, step: _Step) -> None:
-        """Build the sampling rows (from the requests' current tokens and grammars) and dispatch the sampler;
-        start copying its results to the host."""
-        rows: list[sampling.RowSampling | None] = []
-        for s in step.sched.scheduled:  # None: no token to draw (mid-prefill, or finished since it was scheduled)
-            entry = self._state_of(s.request) if s.sample and not s.request.is_finished else None
-            drafts = s.spec_token_ids
-            if entry is None:
-                rows.extend([None] * (len(drafts) + 1))
-                continue
-            grammar = entry[1].grammar
-            masks = grammar.masks_along(drafts) if grammar is not None and drafts else None
-            rows.extend(
-                self._row(entry[1], drafts[:j], None if masks is None else masks[j]) for j in range(len(drafts) + 1)
-            )
+        """Build the sampling rows (from the requests' current tokens and grammars, `engine.sampler`) and dispatch
+        the sampler; start copying its results to the host."""
+        rows = sampling_rows(step.sched.scheduled, self._state_of)
         batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_rows, self.vocab_size)
         out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, *(step.run.prompt_logprobs or ())):
@@ -477,38 +467,6 @@ class LLMEngine:
             step.next_ids = self.runner.widen(out.token_ids)
             row_start = step.run.batch.row_start
             step.row_of = {s.request_id: row_start[i] for i, s in enumerate(step.sched.scheduled) if s.sample}
-
-    def _row(self, sample: SampleState, drafts: list[int] = (), mask=None) -> sampling.RowSampling:
-        """The sampling row of the request's next token, or (speculative) of the token after proposals `drafts`:
-        the draws, bias, penalties and grammar mask (`mask`, computed along the proposals) that token would get in a
-        lone decode step after those tokens."""
-        req = sample.request
-        sp = req.sampling_params
-        num_output = req.num_output_tokens + len(drafts)
-        bias = dict(sp.logit_bias) if sp.logit_bias else None
-        if num_output < sp.min_tokens:  # EOS and stop tokens may not end it yet
-            bias = bias or {}
-            for t in (*req.eos_token_ids, *sp.stop_token_ids):
-                bias[t] = float("-inf")
-        row = sampling.RowSampling(
-            temperature=sp.temperature,
-            top_k=sp.top_k,
-            top_p=sp.top_p,
-            min_p=sp.min_p,
-            repetition_penalty=sp.repetition_penalty,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            logit_bias=bias,
-            seed=sp.seed,
-            step=num_output,
-            num_logprobs=sp.logprobs,
-        )
-        if row.uses_penalties:
-            row.prompt_ids = req.prompt_token_ids
-            row.output_ids = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
-        if sample.grammar is not None:
-            row.allowed = sample.grammar.mask() if mask is None else mask
-        return row
 
     def _process(self, step: _Step) -> list[RequestOutput]:
         """Read a step's tokens (waiting for the device if needed), advance the scheduler, then let the output
