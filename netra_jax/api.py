@@ -437,7 +437,7 @@ class LLM:
         hooks.check(cfg.num_layers, cfg.num_heads)
         if any(sp.n != 1 for sp in plist):
             raise ValueError("hooks need n=1 (one sample per prompt)")
-        if self.engine.proposer is not None:
+        if self.engine.speculation is not None:
             raise ValueError("hooks are not supported together with speculative decoding")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("hooks apply to every running request: finish or abort the running ones first")

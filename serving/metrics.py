@@ -83,8 +83,8 @@ class ServerMetrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
-        if eng.spec_stats_ is not None:
-            self._spec_gauges(eng.spec_stats_)
+        if eng.speculation is not None:
+            self._spec_gauges(eng.speculation.stats)
 
     def _spec_gauges(self, stats) -> None:
         """vLLM's speculative-decoding counters (cumulative since start) under the server's prefix."""

@@ -25,7 +25,8 @@ from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
 from netra_jax.engine.sampler import sampling_rows
 from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
-from netra_jax.engine.spec import SpecStats, accept, make_proposer
+from netra_jax.engine.spec import accept, make_proposer
+from netra_jax.engine.spec.policy import Speculation
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
@@ -39,8 +40,6 @@ from netra_jax.tokenizer import Tokenizer
 __all__ = ["LLMEngine", "PromptType", "runner_options"]
 
 log = logging.getLogger(__name__)
-
-_MAX_SPEC_BACKOFF = 4  # a request with failing proposals waits at most 2^4 - 1 steps before proposing again
 
 
 @dataclass
@@ -109,7 +108,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model_cfg.vocab_size
         config.check_model(model_cfg)
-        spec = self.spec_config = config.speculative if config.task == "generate" else None
+        spec = config.speculative if config.task == "generate" else None
         cache, sched = config.cache, config.scheduler
         kv_dtype = storage_dtype(config.kv_cache_dtype, params["embed"].dtype)
         opts = runner_options(config, model_cfg, kv_dtype)
@@ -123,9 +122,9 @@ class LLMEngine:
         self.pool = BlockPool(num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched.for_platform(jax.default_backend()), self.pool, self.max_model_len)
         self.runner = ModelRunner(model_cfg, params, **opts)
-        self.proposer = self.spec_stats_ = None
+        self.speculation: Speculation | None = None  # proposals before each step (engine/spec/policy.py)
         if spec is not None:
-            self.proposer = make_proposer(
+            proposer = make_proposer(
                 spec,
                 self.runner,
                 self.scheduler,
@@ -133,7 +132,7 @@ class LLMEngine:
                 max_num_batched_tokens=sched.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
             )
-            self.spec_stats_ = SpecStats(spec.num_speculative_tokens)
+            self.speculation = Speculation(spec, proposer, self.runner.max_spec_seqs)
         self.pooling = self.embedder = None
         if config.task == "embed":
             self.pooling = pooling or pooling_spec(None, model_cfg.hidden_size, config.pooler_config)
@@ -180,7 +179,7 @@ class LLMEngine:
             self.runner,
             self.vocab_size,
             embedder=self.embedder,
-            proposer=self.proposer,
+            proposer=None if self.speculation is None else self.speculation.proposer,
             progress=progress,
             workers=workers,
         )
@@ -327,7 +326,7 @@ class LLMEngine:
         """Run `hooks` (a `netra_jax.models.hooks.Hooks`, or None) in every step from now on; request_index maps
         request ids to `HookContext.request`. Recorded activations collect per request (`activations.pop`).
         ValueError with speculative decoding (proposals that are rejected would be recorded too)."""
-        if hooks is not None and self.proposer is not None:
+        if hooks is not None and self.speculation is not None:
             raise ValueError("hooks are not supported together with speculative decoding")
         self.runner.set_hooks(hooks, request_index)
         if hooks is None:
@@ -335,7 +334,7 @@ class LLMEngine:
 
     def spec_stats(self) -> dict | None:
         """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
-        return None if self.spec_stats_ is None else self.spec_stats_.as_dict()
+        return None if self.speculation is None else self.speculation.stats.as_dict()
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: EngineObserver) -> None:
@@ -385,8 +384,8 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, None
         scheduled = [] if prev is None else [prev.sched]
         try:
-            if self.proposer is not None:
-                self._propose()
+            if self.speculation is not None:
+                self.speculation.propose(self.scheduler.running, self._grammar_of, self.max_model_len)
             sched = self.scheduler.schedule()
             scheduled.append(sched)
             if not self.overlap:
@@ -406,40 +405,10 @@ class LLMEngine:
                 self.scheduler.cancel(out)
             raise
 
-    def _propose(self) -> None:
-        """Give each decoding request (its next step computes only its last token) up to k proposed tokens, within
-        its length limit; with a grammar, only the proposal's prefix the grammar accepts. Nothing is proposed while
-        more than disable_by_batch_size requests run. A request whose proposals keep failing backs off: after m
-        proposals in a row with nothing accepted it gets none for its next 2^m - 1 steps (at most 15), so text that
-        does not repeat its context costs few wasted verifications."""
-        spec, sched = self.spec_config, self.scheduler
-        running = sched.running
-        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
-            return
-        chosen, limits = [], []
-        for req in running[: self.runner.max_spec_seqs]:
-            if req.num_scheduled_end != req.num_tokens - 1 or req.num_placeholders:
-                continue
-            if req.spec_pause:
-                req.spec_pause -= 1
-                continue
-            entry = self._state_of(req)
-            if entry is None:
-                continue
-            room = min(req.max_total_tokens or self.max_model_len, self.max_model_len) - req.num_tokens - 1
-            if room > 0:
-                chosen.append(req)
-                limits.append(min(room, spec.num_speculative_tokens))
-        for req, proposal in zip(chosen, self.proposer.propose(chosen, limits), strict=True):
-            grammar = self._state_of(req)[1].grammar
-            if grammar is not None:
-                proposal = proposal[: grammar.valid_prefix(proposal)]
-            req.spec_token_ids = proposal
-
-    def _record_acceptance(self, req, num_drafted: int, num_accepted: int) -> None:
-        self.spec_stats_.record(num_drafted, num_accepted)
-        req.spec_misses = 0 if num_accepted else min(req.spec_misses + 1, _MAX_SPEC_BACKOFF)
-        req.spec_pause = (1 << req.spec_misses) - 1
+    def _grammar_of(self, req):
+        """A running request's grammar (None: unconstrained); False when the engine no longer serves it."""
+        entry = self._state_of(req)
+        return False if entry is None else entry[1].grammar
 
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
         """Pack and dispatch the forward; placeholder tokens come from `prev`'s sampled ids on device."""
@@ -449,8 +418,8 @@ class LLMEngine:
             run = self.runner.run(sched, prev.next_ids, prev.row_of)
         for o in self._observers:
             o.dispatched(sched, run, self.scheduler.num_running, self.scheduler.num_waiting)
-        if self.proposer is not None:
-            self.proposer.observe(run)
+        if self.speculation is not None:
+            self.speculation.proposer.observe(run)
         return _Step(sched, run)
 
     def _sample(self, step: _Step) -> None:
@@ -492,7 +461,7 @@ class LLMEngine:
             drafts = s.spec_token_ids
             if drafts:
                 sampled[s.request_id] = accept(drafts, ids[r : r + len(drafts) + 1])
-                self._record_acceptance(s.request, len(drafts), len(sampled[s.request_id]) - 1)
+                self.speculation.record(s.request, len(drafts), len(sampled[s.request_id]) - 1)
             else:
                 sampled[s.request_id] = [int(ids[r])]
         self._record_prompt_logprobs(step)

@@ -1,5 +1,5 @@
 """Speculative decoding: proposers (n-gram prompt lookup, a draft model) suggest next tokens, the target's ordinary
-step verifies them (`accept`), and `SpecStats` counts what was accepted."""
+step verifies them (`accept`), `SpecStats` counts what was accepted, and `policy.Speculation` decides who proposes."""
 
 from __future__ import annotations
 
