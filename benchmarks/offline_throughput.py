@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.repeats = args.repeats or (1 if args.quick else 3)
 
     from netra_jax.engine.factory import resolve_model_path
-    from netra_jax.tokenizer import Tokenizer
+    from netra_jax.tokenization.tokenizer import Tokenizer
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}

@@ -35,7 +35,7 @@ from netra_jax.pooling import (
 )
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.scoring import ContinuationScore, continuation_score, pair_token_ids, scoring_params
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

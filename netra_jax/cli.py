@@ -22,9 +22,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _one_off(a: argparse.Namespace, chat: bool) -> int:
-    from netra_jax.chat_template import NoChatTemplateError
     from netra_jax.sampling_params import SamplingParams
     from netra_jax.serving.cli import load_chat_template
+    from netra_jax.tokenization.chat_template import NoChatTemplateError
 
     template = None
     if chat:

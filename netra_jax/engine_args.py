@@ -343,7 +343,7 @@ def check_model(config: EngineConfig) -> None:
     load the model elsewhere (Ray workers)."""
     from netra_jax.engine.factory import resolve_model_path
     from netra_jax.loader import load_config
-    from netra_jax.tokenizer import Tokenizer
+    from netra_jax.tokenization.tokenizer import Tokenizer
 
     path = resolve_model_path(config.model)
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.sampling_params import SamplingParams
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 __all__ = ["ContinuationScore", "continuation_score", "encode_pair", "pair_token_ids", "scoring_params"]
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from netra_jax.sampling_params import StructuredOutputsParams
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 # compact JSON: with flexible whitespace a weak model can emit blanks between tokens until max_tokens
 _JSON_OPTIONS = {"whitespace_flexible": False}

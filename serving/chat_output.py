@@ -19,7 +19,7 @@ from netra_jax.serving.tool_choice import (
 )
 from netra_jax.serving.tool_parsers import ToolParser, assemble, get_tool_parser
 from netra_jax.serving.tool_parsers.base import merge_deltas
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -180,12 +180,12 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: di
 
 
 def serve(args: argparse.Namespace) -> int:
-    from netra_jax.chat_template import NoChatTemplateError
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.engine.factory import resolve_model_path
     from netra_jax.engine_args import CLIError, engine_config, load_engine
     from netra_jax.serving.app import create_app
     from netra_jax.serving.context import served_model_name
+    from netra_jax.tokenization.chat_template import NoChatTemplateError
 
     try:
         check_model_root(args.model, args.allowed_model_root)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from netra_jax.chat_template import NoChatTemplateError
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
 from netra_jax.engine.request_queue import check_priority
@@ -18,6 +17,7 @@ from netra_jax.serving.errors import APIError, bad
 from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from netra_jax.serving.structured import StructuredOutputError, structured_outputs_for
 from netra_jax.structured_output import grammar_error
+from netra_jax.tokenization.chat_template import NoChatTemplateError
 
 if TYPE_CHECKING:
     from netra_jax.serving.protocol_embeddings import EmbeddingRequest

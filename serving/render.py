@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from netra_jax.serving.protocol import (
     ChatLogprobEntry,
@@ -16,7 +15,8 @@ from netra_jax.serving.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.detokenizer import IncrementalDetokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from netra_jax.serving.protocol import ChatCompletionRequest
 from netra_jax.serving.tool_choice import AUTO_NEEDS_FLAGS, apply_tool_grammar, plan_tool_choice
 from netra_jax.serving.tool_parsers import assemble
 from netra_jax.structured_output import StructuredOutputs
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 WEATHER = {
     "type": "function",

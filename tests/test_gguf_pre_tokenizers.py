@@ -11,8 +11,8 @@ from gguf import GGUFWriter
 from test_tokenizer import FIXTURES, _write_tiny_gguf
 from tokenizers import decoders, pre_tokenizers
 
-from netra_jax.tokenizer import Tokenizer
-from netra_jax.tokenizer_gguf import _PRE_STYLES, _gguf_pre_tokenizer, tokenizer_from_gguf_metadata
+from netra_jax.tokenization.gguf import _PRE_STYLES, _gguf_pre_tokenizer, tokenizer_from_gguf_metadata
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 # The split regexes of llama.cpp's src/llama-vocab.cpp (llm_tokenizer_bpe, per LLAMA_VOCAB_PRE_TYPE_*), copied from
 # there: where llama.cpp runs an adaptation of the regex for std::regex, the original it quotes from the model's
@@ -155,7 +155,7 @@ def test_llama_cpp_per_style_defaults(tmp_path, pre: str, whole: bool, bos: bool
 
 
 def test_a_file_without_a_pre_tokenizer_splits_as_llama_cpp_default(tmp_path, caplog) -> None:
-    with caplog.at_level("WARNING", logger="netra_jax.tokenizer_gguf"):
+    with caplog.at_level("WARNING", logger="netra_jax.tokenization.gguf"):
         tok = _bpe_gguf(tmp_path / "no-pre.gguf", None, add_bos=None)
     assert "lacks tokenizer.ggml.pre" in caplog.text
     for text in TEXTS:

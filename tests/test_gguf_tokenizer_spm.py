@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from spm_gguf import CONTROL_SYMBOLS, TEXTS, train_spm, write_spm_gguf
 
-from netra_jax.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
-from netra_jax.tokenizer import Tokenizer
-from netra_jax.tokenizer_gguf import tokenizer_from_gguf_metadata
-from netra_jax.tokenizer_gguf_spm import merges_from_scores
+from netra_jax.tokenization.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from netra_jax.tokenization.gguf import tokenizer_from_gguf_metadata
+from netra_jax.tokenization.gguf_spm import merges_from_scores
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 

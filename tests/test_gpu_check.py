@@ -107,7 +107,7 @@ def test_spent_budget_is_recorded(tmp_path):
 def test_synthetic_tokenizer_round_trips(tmp_path):
     from gpu_check.model_dir import LLAMA3_8B, ensure_model_dir
 
-    from netra_jax.tokenizer import Tokenizer
+    from netra_jax.tokenization.tokenizer import Tokenizer
 
     path = ensure_model_dir(tmp_path, dry=False)
     assert json.loads((path / "config.json").read_text()) == LLAMA3_8B

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 from netra_jax.serving.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
-from netra_jax.tokenizer import Tokenizer  # noqa: E402
+from netra_jax.tokenization.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = FIXTURES / "tiny-llama"
 NAME = "tiny-llama"

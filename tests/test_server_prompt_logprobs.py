@@ -17,7 +17,7 @@ from conftest import FIXTURES, REPO, reference
 from test_server import running_server, scrape
 
 from netra_jax.serving.render import prompt_text_offsets
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import lm_eval_loglikelihood as lm_eval_bench  # noqa: E402

@@ -14,10 +14,15 @@ from conftest import FIXTURES
 from gguf import GGUFReader, GGUFWriter
 
 from netra_jax.assets import default_model_path
-from netra_jax.chat_template import ChatTemplateError, ChatTemplateLimits, NoChatTemplateError, render_chat_template
-from netra_jax.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from netra_jax.loader.gguf_loader import read_gguf_metadata
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.chat_template import (
+    ChatTemplateError,
+    ChatTemplateLimits,
+    NoChatTemplateError,
+    render_chat_template,
+)
+from netra_jax.tokenization.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 TINY_DIRS = sorted(p for p in FIXTURES.glob("tiny-*") if p.is_dir())
 SMOLLM_CASES = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())["cases"]

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(HERE))
     a = p.parse_args(argv)
     from netra_jax.assets import default_model_path
-    from netra_jax.tokenizer import Tokenizer
+    from netra_jax.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.load(default_model_path(quiet=True))
     stale = []

@@ -35,7 +35,7 @@ from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
 from netra_jax.sampling_params import SamplingParams
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "PromptType", "runner_options"]
 

@@ -20,7 +20,7 @@ from netra_jax.loader import load_config, load_model, quantization_method
 from netra_jax.models.transformer import fuse_qkv
 from netra_jax.pooling import pooling_spec
 from netra_jax.quant import leaf_layout, quantize_params, weight_layout
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 __all__ = ["build_engine", "enable_compilation_cache", "resolve_model_path"]
 

@@ -8,12 +8,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.request import Request, check_context_length
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.structured_output import StructuredOutputs
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.detokenizer import IncrementalDetokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 PromptType = str | Sequence[int] | dict[str, Any]
 

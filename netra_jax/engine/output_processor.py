@@ -11,7 +11,7 @@ from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, 
 from netra_jax.engine.request import RequestStatus
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.scheduler import Scheduler
-from netra_jax.tokenizer import Tokenizer
+from netra_jax.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

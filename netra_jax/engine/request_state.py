@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from netra_jax.detokenizer import IncrementalDetokenizer
 from netra_jax.engine.outputs import Logprob
 from netra_jax.engine.request import Request
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.structured_output import GrammarMatcher
+from netra_jax.tokenization.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from netra_jax.tokenizer import Tokenizer
+    from netra_jax.tokenization.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context, so the first output token decodes as in the full text

@@ -12,14 +12,14 @@ from typing import Any
 
 import tokenizers
 
-from netra_jax.chat_template import (
+from netra_jax.loader.gguf_loader import read_gguf_metadata
+from netra_jax.tokenization.chat_template import (
     ChatTemplateError,
     ChatTemplateLimits,
     NoChatTemplateError,
     render_chat_template,
 )
-from netra_jax.loader.gguf_loader import read_gguf_metadata
-from netra_jax.tokenizer_gguf import tokenizer_from_gguf_metadata
+from netra_jax.tokenization.gguf import tokenizer_from_gguf_metadata
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import tokenizers
 from gguf import TokenType
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
-from netra_jax.tokenizer_gguf_spm import spm_tokenizer
+from netra_jax.tokenization.gguf_spm import spm_tokenizer
 
 log = logging.getLogger(__name__)
 
