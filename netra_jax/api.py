@@ -148,7 +148,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None,
         max_logprobs: int = 20,
-        **engine_options,
+        **engine_options: Any,
     ):
         if model is not None and not Path(model).exists():
             raise FileNotFoundError(f"model path {model} does not exist")
