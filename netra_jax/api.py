@@ -19,10 +19,7 @@ from netra_jax.engine.engine import PromptType
 from netra_jax.engine.factory import build_engine, resolve_model_path
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine_args import EngineArgs
-from netra_jax.engine_config import (
-    PoolerConfig,
-    SpeculativeConfig,
-)
+from netra_jax.engine_config import PoolerConfig, SpeculativeConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.models.hooks import Hooks
 from netra_jax.pooling import (
