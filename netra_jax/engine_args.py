@@ -5,6 +5,7 @@ building one from it (`load_engine`) reports a model that cannot be loaded as a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig, speculative_config_from
 from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
 from netra_jax.options import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, TASKS
+from netra_jax.quant import MATMULS, METHODS
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -84,16 +86,11 @@ class EngineArgs:
             if value is None or value == "":
                 continue
             kind = types[name]
-            if not isinstance(value, str) or kind == "Any" or kind.startswith("str"):
-                values[name] = value
-            elif kind.startswith("bool"):
-                values[name] = value.strip().lower() not in ("0", "false", "no", "off")
-            elif kind.startswith("int"):
-                values[name] = int(value)
-            elif kind.startswith("float"):
-                values[name] = float(value)
-            else:
-                values[name] = value
+            if isinstance(value, str) and kind.startswith("bool"):
+                value = value.strip().lower() not in ("0", "false", "no", "off")
+            elif isinstance(value, str) and kind.startswith(("int", "float")):
+                value = (int if kind.startswith("int") else float)(value)
+            values[name] = value  # text options (and values not given as text) as they are
         return cls(**values)
 
     def create_engine_config(self) -> EngineConfig:
@@ -189,7 +186,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--matmul-backend",
         default=_DEFAULTS.matmul_backend,
-        choices=("auto", "xla", "cpu_rows", "cpu_rows_q8", "gpu", "gpu_sm80", "gpu_interpret"),
+        choices=("auto", *MATMULS),
         help="how matmuls run: auto = the CPU few-row kernel on CPU (built on first use; cpu_rows_q8: GGUF Q4_0 ... "
         "Q8_0 weights times activations rounded to int8 blocks, llama.cpp's arithmetic), the GPU kernels of "
         "quantized weights on CUDA (W4A16 / W8A16 Pallas; fp8 W8A8 on sm89+, W8A16 on older GPUs: gpu_sm80)",
@@ -219,7 +216,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=_DEFAULTS.quantization,
-        choices=["int8", "int4", "fp8"],
+        choices=METHODS,
         help="quantize a float checkpoint's weights at load: int8 / fp8 with per-channel scales, int4 as Q4_0 blocks "
         "(FP8, AWQ, GPTQ and compressed-tensors checkpoints are served as stored: leave it unset)",
     )
@@ -288,19 +285,20 @@ def engine_args(a: argparse.Namespace) -> EngineArgs:
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags; a bad option is a CLIError in one line (naming the flag for the
-    JSON ones)."""
+    JSON ones, parsed here first)."""
     from netra_jax.pooling import pooler_config_from
 
-    for flag, value, parse in (
-        ("--pooler-config", a.pooler_config, pooler_config_from),
-        ("--speculative-config", a.speculative_config, speculative_config_from),
+    parsed = {}
+    for flag, name, parse in (
+        ("--pooler-config", "pooler_config", pooler_config_from),
+        ("--speculative-config", "speculative_config", speculative_config_from),
     ):
         try:
-            parse(value)
+            parsed[name] = parse(getattr(a, name))
         except ValueError as e:
             raise CLIError(f"{flag}: {e}") from None
     try:
-        return engine_args(a).create_engine_config()
+        return dataclasses.replace(engine_args(a), **parsed).create_engine_config()
     except ValueError as e:
         raise CLIError(one_line(e)) from None
 
