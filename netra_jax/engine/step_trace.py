@@ -2,7 +2,7 @@
 decode tokens, sequences, token bucket and padding) and times (period, device, wait, host, CPU), one JSON line a step.
 
 Nothing here runs unless a trace is installed: a `StepTrace` is an `EngineObserver` the engine calls at its loop's
-events (`install` adds one). `python -m netra_jax.engine.step_report trace.jsonl` summarizes a trace.
+events (`LLMEngine.trace_steps` adds one). `python -m netra_jax.engine.step_report trace.jsonl` summarizes a trace.
 
 A line per completed step (`kind` "step"), in the order the host read their tokens:
   step            index of the step (dispatch order); t: seconds from the trace's start to its tokens' readiness
