@@ -16,13 +16,15 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # `make test` builds the documentation and checks the import contracts first: a docstring that breaks the API
-# reference, or an import against the layering, fails CI. The GPU compile check's tests (tests/test_gpu_compile.py)
+# reference, or an import against the layering, fails CI. The GPU compile check's tests (tests/benchmarks/test_gpu_compile.py)
 # run when `make gpu-compile-setup` installed the CUDA wheels, else skip.
 test: setup docs imports
 	NETRA_JAX_CUDA_SITE=$(abspath $(CUDA_SITE)) $(PY) -m pytest $(PYTEST_ARGS)
 
+# The suite without the tests that start real servers (tests/server, tests/reliability) and without the slow ones
+# (SmolLM2 end to end, Ray): what an edit to the engine, a kernel or a loader needs. CI runs `make test`.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not server and not reliability" $(PYTEST_ARGS)
 
 # Documentation site (mkdocs.yml; pages in docs/, API reference from the docstrings) into site/. --strict makes every
 # warning an error, mkdocstrings' docstring warnings included. NO_MKDOCS_2_WARNING silences mkdocs-material's banner.

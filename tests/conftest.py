@@ -1,82 +1,36 @@
-"""Shared test fixtures: the reference checkpoints in ../shared/fixtures, the SmolLM2 GGUF (fetched once with pip),
-and a persistent XLA compilation cache so repeated engine builds reuse compiled steps."""
+"""The test map and the suite-wide fixtures. Each folder of tests/ is one kind of test and marks its tests with its
+name (`pytest -m unit`, `-m "not server"`): see tests/README.md. Fixtures: a persistent XLA compilation cache so
+repeated engine builds reuse compiled steps, compiled executables dropped after each module, the SmolLM2 GGUF."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
-import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("NETRA_JAX_FIXTURES", REPO.parent / "shared" / "fixtures"))
-TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3"]
-MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"]  # mixture-of-experts fixtures
+HERE = Path(__file__).resolve().parent
+# folder -> what its tests exercise (the markers registered in pyproject.toml, one per folder)
+FOLDERS = {
+    "unit": "host-side pieces alone: scheduler, block pool, tokenizers, parsers, protocol, configuration, layering",
+    "kernels": "attention, matmul and sampler kernels against float64 or jnp references",
+    "models": "model functions, weight maps and checkpoint loaders against transformers",
+    "engine": "the engine and the Python API in-process: batching, caching, speculation, hooks",
+    "server": "real `netra-jax serve` and CLI processes, batch jobs and Ray, through the openai client",
+    "reliability": "real servers under bad input, disconnects, faults, load and a small KV pool",
+    "benchmarks": "the benchmark tools on tiny inputs: their parsers, reports and dry runs",
+}
 
 
-def int8_rounded(x):
-    """float64 of float32 x [M, K] as the GGML kernel's int8 activations read it (netra_jax.ops.cpu_ggml_matmul): per
-    block of 32, d = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest even, in float32 as the kernel
-    computes them, then d * q."""
-    import numpy as np
-
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
-    amax = np.abs(xb).max(-1, keepdims=True)  # float32
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inverse)
-    return (d.astype(np.float64) * q).reshape(m, k)
-
-
-def reference(name: str) -> dict:
-    return json.loads((FIXTURES / name / "reference.json").read_text())
-
-
-@contextlib.contextmanager
-def compiled_jits() -> Iterator[list[str]]:
-    """The names of the jitted functions XLA compiles inside the block, in order (jax's compile log)."""
-    import jax
-
-    names: list[str] = []
-
-    class _Log(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            msg = record.getMessage()
-            if msg.startswith("Finished XLA compilation of jit("):
-                names.append(msg.split("(")[1].split(")")[0])
-
-    handler, logger = _Log(), logging.getLogger("jax._src.dispatch")
-    logger.addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            yield names
-    finally:
-        logger.removeHandler(handler)
-
-
-@contextlib.contextmanager
-def recorded_shapes(runner) -> Iterator[list]:
-    """The step shapes `runner.shape_for` gives inside the block, in order (every step the engine runs asks it)."""
-    used: list = []
-    shape_for = runner.shape_for
-
-    def recording(num_tokens, prompt_logprobs=False):
-        shape = shape_for(num_tokens, prompt_logprobs)
-        used.append(shape)
-        return shape
-
-    runner.shape_for = recording
-    try:
-        yield used
-    finally:
-        del runner.shape_for
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its folder's name; a test file outside the map fails the collection."""
+    for item in items:
+        rel = item.path.resolve().relative_to(HERE)
+        folder = rel.parts[0] if len(rel.parts) > 1 else ""
+        if folder not in FOLDERS:
+            raise pytest.UsageError(f"{rel}: tests live in one of tests/{{{','.join(FOLDERS)}}}/ (tests/README.md)")
+        item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -61,7 +61,7 @@ def int8_activations(qtype: str, rows: int) -> bool:
     1.5-3.5x (Q4_0 32 rows 12.0 -> 3.5 ms), 128-512 rows 2.5-4x faster than the de-quantize-and-dot reference. But the
     rounding moves results by up to about 1% of their magnitude where a block holds an outlier channel, and that
     changes greedy answers: SmolLM2-135M from its Q4_1 blocks no longer gives transformers' answers to the reference
-    chats (tests/test_engine_smollm2.py). So float32 stays the default until the engine lets a user choose."""
+    chats (tests/engine/test_engine_smollm2.py). So float32 stays the default until the engine lets a user choose."""
     return False
 
 

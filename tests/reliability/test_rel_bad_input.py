@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from reliability_harness import ENVELOPE_KEYS, MAX_BODY, main_server, record, release_main_server, sse_events, wait_idle
+from reliability_harness import ENVELOPE_KEYS, MAX_BODY, main_server, record, release_main_server
 from request_strategies import VOCAB, request_bodies
-from test_server import BAD
+from support.bad_requests import BAD
+from support.server import engine_idle, sse_events
 
 from netra_jax.serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -414,7 +415,7 @@ def test_bad_input_matrix(server):
             (name, "POST", path, body, headers, status, param) for name, path, body, headers, status, param in TABLE
         ] + [(name, m, p, b, {}, s, prm) for name, m, p, b, s, prm in BASE]
         for name, method, path, body, headers, status, param in cases:
-            before = _engine_state(wait_idle(server))
+            before = _engine_state(engine_idle(server))
             kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
             r = http.request(method, path, headers=headers, **kw)
             stats["cases"] += 1
@@ -422,7 +423,7 @@ def test_bad_input_matrix(server):
             assert r.status_code == status, f"{name}: {r.status_code} {r.text[:500]}"
             err = _bounded_envelope(r, name)
             assert param == "*" or err["param"] == param, f"{name}: {err}"
-            assert _engine_state(wait_idle(server)) == before, name
+            assert _engine_state(engine_idle(server)) == before, name
             good = http.post(C, json=ok_body)
             assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1, name
     record("bad-input table cases", stats["cases"])
@@ -432,7 +433,7 @@ def test_bad_input_matrix(server):
 
 def test_oversized_bodies(server):
     """Over --max-body-bytes: 413 whether Content-Length announces it or the body is chunked; engine untouched."""
-    before = _engine_state(wait_idle(server))
+    before = _engine_state(engine_idle(server))
     big = json.dumps({"prompt": "x" * (MAX_BODY + 1000)}).encode()
 
     step = 64 << 10
@@ -446,7 +447,7 @@ def test_oversized_bodies(server):
             r = http.post(C, **kw)
             assert r.status_code == 413, r.text[:300]
             assert _bounded_envelope(r, "oversized")["code"] == "request_too_large"
-        assert _engine_state(wait_idle(server)) == before
+        assert _engine_state(engine_idle(server)) == before
         assert http.post(C, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
@@ -511,7 +512,7 @@ def test_generated_requests(server, model, path):
             _check_generated(http, path, body, tally)
 
         run()
-        wait_idle(server)
+        engine_idle(server)
         assert http.post(C, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     record(f"generated requests to {path}", tally)
     assert tally["5xx"] == 0 and tally["2xx"] > 0 and tally["4xx"] > 0
@@ -548,4 +549,4 @@ def test_weird_request_ids(server):
             answers = list(ex.map(same_id, range(6)))
         assert [a.status_code for a in answers] == [200] * 6
         assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
-    wait_idle(server)
+    engine_idle(server)

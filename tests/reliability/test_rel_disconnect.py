@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from reliability_harness import gather_bounded, main_server, record, release_main_server, wait_idle
+from reliability_harness import gather_bounded, main_server, record, release_main_server
+from support.server import engine_idle
 
 C = "/v1/completions"
 CANCEL_AFTER_S = 0.5
@@ -70,7 +71,7 @@ def _counters(server) -> dict[str, float]:
 
 def _check_all_aborted(server, before: dict, n: int, what: str) -> dict:
     left = _counters(server)  # every client has gone by now
-    idle = wait_idle(server, timeout=10)
+    idle = engine_idle(server, timeout=10)
     after = _counters(server)
     d = {k: after[k] - before[k] for k in after}
     assert d["success"] == 0, d  # nothing ran to completion
@@ -89,7 +90,7 @@ def _check_all_aborted(server, before: dict, n: int, what: str) -> dict:
 
 
 def test_streams_abandoned_after_half_a_second(server):
-    wait_idle(server)
+    engine_idle(server)
     before = _counters(server)
 
     async def main():
@@ -109,7 +110,7 @@ def test_streams_abandoned_after_half_a_second(server):
 
 
 def test_json_requests_abandoned(server):
-    wait_idle(server)
+    engine_idle(server)
     before = _counters(server)
 
     async def main():

@@ -8,7 +8,8 @@ import time
 
 import httpx
 import pytest
-from reliability_harness import ENVELOPE_KEYS, launch, record, sse_events
+from reliability_harness import ENVELOPE_KEYS, launch, record
+from support.server import sse_events
 
 C = "/v1/completions"
 FAULT_STEP = 150  # late enough that every request is admitted and streaming first
@@ -94,8 +95,8 @@ def test_watchdog_fails_clients_of_a_step_stuck_in_native_code():
     engine reports dead while its thread is still stuck; when the step finally returns, the loop stops."""
     import asyncio
 
-    from conftest import FIXTURES
-    from test_server import MODEL
+    from support.checkpoints import FIXTURES
+    from support.server import MODEL
 
     from netra_jax import SamplingParams
     from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError

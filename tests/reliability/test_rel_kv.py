@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import reference
-from reliability_harness import ENVELOPE_KEYS, launch, main_server, record, release_main_server, sse_events, wait_idle
-from test_server import MODEL
+from reliability_harness import ENVELOPE_KEYS, launch, main_server, record, release_main_server
+from support.checkpoints import reference
+from support.server import MODEL, engine_idle, sse_events
 
 C = "/v1/completions"
 TINY_ARGS = (
@@ -63,7 +63,7 @@ def test_preemption_keeps_outputs_identical(tiny):
         assert got == case["greedy_ids"]  # the transformers reference
     for i in (0, 3, 40):  # alone on the tiny server
         assert _post(tiny.url, {"prompt": prompts[i], **GREEDY}).json()["choices"][0]["token_ids"] == expected[i]
-    d0 = wait_idle(tiny)
+    d0 = engine_idle(tiny)
     gate = threading.Barrier(N)
 
     def one(i: int) -> httpx.Response:
@@ -77,7 +77,7 @@ def test_preemption_keeps_outputs_identical(tiny):
     assert [r.status_code for r in results] == [200] * N
     got = [r.json()["choices"][0]["token_ids"] for r in results]
     mismatched = [i for i in range(N) if got[i] != expected[i]]
-    d1 = wait_idle(tiny)
+    d1 = engine_idle(tiny)
     record("KV pressure: concurrent greedy requests on 16 pages", N)
     record("KV pressure: preemptions", d1["preemptions"] - d0["preemptions"])
     record("KV pressure: outputs differing from uncontended", len(mismatched))
@@ -109,7 +109,7 @@ def test_burst_over_max_waiting_gets_429(tiny):
         assert set(err) == ENVELOPE_KEYS and err["code"] == "queue_full" and err["type"] == "rate_limit_error"
     tokens = {tuple(r.json()["choices"][0]["token_ids"]) for r in results if r.status_code == 200}
     assert len(tokens) == 1 and len(next(iter(tokens))) == 24  # same greedy answer for everyone served
-    wait_idle(tiny)
+    engine_idle(tiny)
     time.sleep(int(refused[0].headers["retry-after"]))
     assert _post(tiny.url, body).status_code == 200  # a retry is served
 
@@ -133,7 +133,7 @@ def test_sigterm_drains_streams_then_exits_0_without_children(tiny):
         with httpx.stream("POST", tiny.url + C, json=body, timeout=120) as r:
             events[i].extend(r.iter_lines())
 
-    admitted = wait_idle(tiny)["requests_admitted"]
+    admitted = engine_idle(tiny)["requests_admitted"]
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()

@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from reliability_harness import main_server, record, release_main_server, sse_events, wait_idle
+from reliability_harness import main_server, record, release_main_server
+from support.server import engine_idle, sse_events
 
 C = "/v1/completions"
 CLIENTS = 512
@@ -71,17 +72,17 @@ async def _wave(url: str, seed: int) -> list[str | None]:
 
 
 def test_512_streaming_clients(server):
-    wait_idle(server)
+    engine_idle(server)
     d0 = server.debug()
     compiles0 = d0["xla_compilations"]
     t0 = time.monotonic()
     first = asyncio.run(_wave(server.url, 1))  # also brings the server's heap to its working size
     t1 = time.monotonic()
-    idle1 = wait_idle(server, timeout=15)
+    idle1 = engine_idle(server, timeout=15)
     rss1 = server.rss_kib()
     second = asyncio.run(_wave(server.url, 2))
     t2 = time.monotonic()
-    idle2 = wait_idle(server, timeout=15)
+    idle2 = engine_idle(server, timeout=15)
     rss2 = server.rss_kib()
     errors = [e for e in first + second if e is not None]
     record("load: clients held at once", CLIENTS)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FIXTURES
-from test_server import MODEL
+from support.checkpoints import FIXTURES
+from support.server import MODEL
 
 from netra_jax.cli import main as cli_main
 from netra_jax.serving.cli import check_model_root

@@ -7,9 +7,9 @@ import json
 
 import httpx
 import pytest
-from conftest import FIXTURES
-from reliability_harness import main_server, release_main_server, sse_events
-from test_server import MODEL
+from reliability_harness import main_server, release_main_server
+from support.checkpoints import FIXTURES
+from support.server import MODEL, sse_events
 
 C = "/v1/completions"
 # (prompt, character): prompts found by search for which greedy decoding starts on the character's lead byte
