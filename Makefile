@@ -22,7 +22,8 @@ test: setup docs imports
 	NETRA_JAX_CUDA_SITE=$(abspath $(CUDA_SITE)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The suite without the tests that start real servers (tests/server, tests/reliability) and without the slow ones
-# (SmolLM2 end to end, Ray): what an edit to the engine, a kernel or a loader needs. CI runs `make test`.
+# (SmolLM2 end to end, Ray, the GPU compile check, the GPU check's dry run): what an edit to the engine, a kernel or a
+# loader needs. CI runs `make test`.
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not server and not reliability" $(PYTEST_ARGS)
 
@@ -76,7 +77,7 @@ bench-serve: setup
 # smoke run.
 BENCH_OFFLINE_ARGS ?=
 bench-offline: setup
-	$(PY) benchmarks/offline_throughput.py $(BENCH_OFFLINE_ARGS)
+	$(PY) -m benchmarks.offline_throughput $(BENCH_OFFLINE_ARGS)
 
 # Speculative decoding, offline A/B in one process (benchmarks/spec_decode.py): the default model in float32 with
 # n-gram speculation against none, greedy, on benchmarks/prompts/grounded.jsonl (copy/edit/summarize a given text) and
@@ -86,7 +87,7 @@ bench-offline: setup
 # headline point only.
 BENCH_SPEC_ARGS ?=
 bench-spec: setup
-	$(PY) benchmarks/spec_decode.py $(BENCH_SPEC_ARGS)
+	$(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
 # Scoring (LLM.score_continuations, 64 five-shot multiple-choice pairs, float32) against transformers' batched forward
 # on the same weights and token ids when its interpreter is found (benchmarks/hf_baseline.py), sums checked to 1e-3
@@ -94,7 +95,7 @@ bench-spec: setup
 # CPU; BENCH_SCORE_ARGS="--no-hf --repeats 1" for a smoke run.
 BENCH_SCORE_ARGS ?=
 bench-score: setup
-	$(PY) benchmarks/score_bench.py $(BENCH_SCORE_ARGS)
+	$(PY) -m benchmarks.score_bench $(BENCH_SCORE_ARGS)
 
 # The GPU compile check without a GPU (benchmarks/gpu_compile): the CUDA 13 plugin and the two NVIDIA wheels a
 # deviceless compile reads (ptxas, libdevice; about 10 s; the runtime libraries of its [with-cuda] extra, cuBLAS,
@@ -115,7 +116,7 @@ $(CUDA_SITE)/.installed: $(STAMP)
 	@touch $@
 
 gpu-compile: gpu-compile-setup
-	cd benchmarks && PYTHONPATH=$(abspath $(CUDA_SITE)) ../$(PY) -m gpu_compile $(GPU_COMPILE_ARGS)
+	PYTHONPATH=$(abspath $(CUDA_SITE)) $(PY) -m benchmarks.gpu_compile $(GPU_COMPILE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache site

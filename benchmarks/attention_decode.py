@@ -1,7 +1,7 @@
 """Decode attention on CPU: the jnp reference's per-token path alone (jitted, one decode token per sequence) at long
 contexts, against the path it replaced, in the same run; and the engine's decode step at a 6,000-token context.
 
-Usage: `.venv/bin/python benchmarks/attention_decode.py [--contexts 512,2048,6000,8192] [--batches 1,8] [--repeats N]
+Usage: `.venv/bin/python -m benchmarks.attention_decode [--contexts 512,2048,6000,8192] [--batches 1,8] [--repeats N]
 [--engine] [--out PATH]`. Writes benchmarks/results/<date>-attention_decode.json and prints a table.
 
 Attention alone: the default model's shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, float32, the

@@ -18,7 +18,7 @@
 #             --input-len 6000 --output-len 32 --ignore-eos); ENGINES="netra_jax_f32 llamacpp_f32", PARALLEL=1
 #             CTX_PER_SLOT=8192
 #   quantized the random preset's client on the GGUF file as it is, both engines keeping its quantized blocks:
-#             ENGINES="netra_jax_gguf netra_jax_gguf_q8 llamacpp_gguf" (GGUF=any file, e.g. benchmarks/random_gguf.py's)
+#             ENGINES="netra_jax_gguf netra_jax_gguf_q8 llamacpp_gguf" (GGUF=any file, e.g. `python -m benchmarks.random_gguf`'s)
 # Environment:
 #   LLAMA_SERVER  llama.cpp's llama-server binary (required; built outside the repository, never committed)
 #   GGUF          the Q4_1 model file (default: the default model, located or fetched by netra_jax.assets)

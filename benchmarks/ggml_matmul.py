@@ -14,7 +14,7 @@ array, best of 5) is recorded next to it, the roofline of the GB/s column.
 
 Writes benchmarks/results/<date>-ggml_matmul.json (or --out).
 
-Usage: .venv/bin/python benchmarks/ggml_matmul.py [--types Q4_0,Q8_0,int4_g128,fp8_channel] [--rows 1,8,32]
+Usage: .venv/bin/python -m benchmarks.ggml_matmul [--types Q4_0,Q8_0,int4_g128,fp8_channel] [--rows 1,8,32]
        [--ring-mib 1024] [--out F]
 """
 

@@ -3,8 +3,9 @@
 # Usage: benchmarks/gpu_check.sh RESULTS_DIR [--dry-run] [--budget SECONDS] [--sections device,model,...]
 #   Installs the wheels in benchmarks/wheels/ (benchmarks/fetch_wheels.sh fetches them: the serving packages the GPU
 #   image lacks) into a temporary site directory with --no-index, lays netra_jax out there as pyproject installs it
-#   (models/ and serving/ as netra_jax.models and netra_jax.serving, linked to this checkout), then runs the sections,
-#   each in its own process, and writes RESULTS_DIR/<date>-gpu_check-<device>.json and .md plus gpu_check.log.
+#   (models/ and serving/ as netra_jax.models and netra_jax.serving, linked to this checkout) next to a link to the
+#   benchmarks package, then runs the sections (python -m benchmarks.gpu_check), each in its own process, and
+#   writes RESULTS_DIR/<date>-gpu_check-<device>.json and .md plus gpu_check.log.
 #   The full run takes at most about 9.5 minutes; --dry-run runs the same sections on the CPU with tiny shapes and the
 #   Pallas interpreters (CI runs it), without installing anything.
 set -euo pipefail
@@ -44,7 +45,8 @@ mkdir -p "$SITE/netra_jax"
 for f in "$REPO"/netra_jax/*; do ln -s "$f" "$SITE/netra_jax/"; done
 ln -s "$REPO/models" "$SITE/netra_jax/models"
 ln -s "$REPO/serving" "$SITE/netra_jax/serving"
-export PYTHONPATH="$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH}"
+ln -s "$HERE" "$SITE/benchmarks"  # the check's package, and nothing else of the checkout's root
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 (( DRY )) && export JAX_PLATFORMS=cpu
 
@@ -54,7 +56,7 @@ export PYTHONUNBUFFERED=1
 if (( ${#BUDGET} )); then LIMIT=$(( ${BUDGET%.*} + 90 )); else LIMIT=$(( DRY ? 350 : 560 )); fi
 cd "$RESULTS_DIR"  # not the checkout: `python -m` puts the working directory first on sys.path
 set +e
-timeout --signal=TERM --kill-after=20 "$LIMIT" "$PY" -m gpu_check "$RESULTS_DIR" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_check.log"
+timeout --signal=TERM --kill-after=20 "$LIMIT" "$PY" -m benchmarks.gpu_check "$RESULTS_DIR" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_check.log"
 rc=${PIPESTATUS[0]}
 rm -rf "$SITE"
 echo "gpu_check finished with status $rc after $(( $(date +%s) - T0 ))s"

@@ -1,8 +1,9 @@
 """The transformers baseline of the benchmarks: finding an interpreter with torch + transformers (the project's venv has
-neither), starting a benchmark file in it as a worker subprocess, and loading the benchmarked weights there.
+neither), starting a benchmark module in it as a worker subprocess, and loading the benchmarked weights there.
 
 The worker side (`load_model`) imports only torch and transformers, so it runs in that interpreter, where netra_jax
-(and jax) are not installed; the benchmark scripts import this file from benchmarks/ on both sides.
+(and jax) are not installed; the benchmark modules import this one as `benchmarks.hf_baseline` on both sides (the
+worker gets the repository root on its PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
-__all__ = ["BaselineWorker", "find_hf_python", "load_model", "start_worker"]
+__all__ = ["BaselineWorker", "find_hf_python", "load_model", "start_worker", "worker_env"]
 
 
 def find_hf_python(explicit: str | None) -> str | None:
@@ -40,12 +42,19 @@ def find_hf_python(explicit: str | None) -> str | None:
         return None
 
 
-def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen:
-    """`python script --hf-worker arg`, offline (no hub access, no progress bars), talking JSON lines over its stdin
-    and stdout."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+def worker_env() -> dict[str, str]:
+    """This process's environment with the repository root first on PYTHONPATH, so that `python -m benchmarks.<name>`
+    imports in another interpreter from any working directory."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
+def start_worker(python: str, module: str, arg: str, stderr) -> subprocess.Popen:
+    """`python -m module --hf-worker arg`, offline (no hub access, no progress bars), talking JSON lines over its
+    stdin and stdout."""
+    env = dict(worker_env(), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
     return subprocess.Popen(
-        [python, script, "--hf-worker", arg],
+        [python, "-m", module, "--hf-worker", arg],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -55,17 +64,17 @@ def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen
 
 
 class BaselineWorker:
-    """A benchmark file's worker (`start_worker`) as a long-lived subprocess, so its runs interleave with ours under
+    """A benchmark module's worker (`start_worker`) as a long-lived subprocess, so its runs interleave with ours under
     the same load: the job goes to it as a JSON file, each command gets one JSON line back, and its stderr is kept
     for the error message."""
 
-    def __init__(self, python: str, script: str, job: dict):
+    def __init__(self, python: str, module: str, job: dict):
         self.dir = tempfile.TemporaryDirectory()
         inp = os.path.join(self.dir.name, "job.json")
         Path(inp).write_text(json.dumps(job))
         self.err = open(os.path.join(self.dir.name, "stderr.txt"), "w+")
         self.python = python
-        self.proc = start_worker(python, script, inp, self.err)
+        self.proc = start_worker(python, module, inp, self.err)
 
     def ask(self, cmd: str | None) -> dict:
         """Send {"cmd": cmd} (None: send nothing) and read the worker's next line."""

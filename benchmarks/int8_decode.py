@@ -10,7 +10,7 @@ Writes benchmarks/results/<date>-int8_decode.json and .md (with the machine's CP
 --float32-only runs the first alone (for a quantized GGUF file, whose blocks it serves as they are); --name names the
 result files <date>-<name>.json and .md.
 
-Usage: .venv/bin/python benchmarks/int8_decode.py [--tokens 64] [--users 8] [--repeats 3] [--out DIR]
+Usage: .venv/bin/python -m benchmarks.int8_decode [--tokens 64] [--users 8] [--repeats 3] [--out DIR]
        [--model FILE] [--float32-only] [--name int8_decode]
 """
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# int8 weight-only decode against float32, {result['date'][:10]}",
         "",
         f"{Path(model).name} on {describe(result['machine'])}; {a.tokens} output tokens, greedy, ignore_eos; "
-        f"one engine at a time in one process (`benchmarks/int8_decode.py`).",
+        f"one engine at a time in one process (`python -m benchmarks.int8_decode`).",
         "",
         "| engine | TPOT at 1 user ms | " + " | ".join(f"tok/s at {b}" for b in users) + " | vs float32 |",
         "|---|---:|" + "---:|" * len(users) + "---|",

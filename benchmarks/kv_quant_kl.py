@@ -7,7 +7,7 @@ starting with BOS, each scored on its second half. Each chunk's logits at every 
 which runs the prompt over a cache of the engine's `kv_cache_dtype`; KL(float || quantized) is summed over the
 vocabulary at each scored position (in float64) and averaged over the positions.
 
-Usage: .venv/bin/python benchmarks/kv_quant_kl.py [MODEL] [--ctx 512] [--max-chunks 6] [--out FILE]
+Usage: .venv/bin/python -m benchmarks.kv_quant_kl [MODEL] [--ctx 512] [--max-chunks 6] [--out FILE]
 (default MODEL: the default model; writes benchmarks/results/kv_quant_kl.json)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from perplexity import DEFAULT_TEXT, chunks
+
+from benchmarks.perplexity import DEFAULT_TEXT, chunks
 
 HERE = Path(__file__).resolve().parent
 KV_CACHE_DTYPES = ("float32", "int8", "fp8_e4m3", "fp8_e5m2")  # the first is the baseline

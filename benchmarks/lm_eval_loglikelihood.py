@@ -5,9 +5,9 @@ computes the same per-choice loglikelihoods on the same weights in a peer interp
 accuracies per model: the tiny transformers fixtures and SmolLM2-135M-Instruct (its Q4_1 GGUF file, which both sides
 de-quantize to float32).
 
-Usage: `.venv/bin/python benchmarks/lm_eval_loglikelihood.py [--models tiny-qwen3,smollm2] [--hf-python PY]
+Usage: `.venv/bin/python -m benchmarks.lm_eval_loglikelihood [--models tiny-qwen3,smollm2] [--hf-python PY]
 [--out-dir DIR]`. The transformers side runs tests/fixtures/lm_eval/make_reference.py in the interpreter given by
---hf-python, NETRA_HF_PYTHON, or found as offline_throughput.find_hf_python does. Writes
+--hf-python, NETRA_HF_PYTHON, or found as benchmarks.hf_baseline.find_hf_python does. Writes
 <out-dir>/<date>-lm_eval_loglikelihood.json (default benchmarks/results).
 """
 
@@ -18,12 +18,14 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from benchmarks.hf_baseline import find_hf_python
+from benchmarks.phases import run_record
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -112,10 +114,6 @@ def model_path(name: str) -> Path:
 
 
 def main() -> None:
-    sys.path.insert(0, str(HERE))
-    import offline_throughput as ot
-    import roofline as rl
-
     from netra_jax.bench.launch import launched
     from netra_jax.serving.context import served_model_name
 
@@ -125,10 +123,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (prompts per request)")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     a = p.parse_args()
-    hf_python = ot.find_hf_python(a.hf_python)
+    hf_python = find_hf_python(a.hf_python)
     if hf_python is None:
         raise SystemExit("no interpreter with torch + transformers: pass --hf-python or set NETRA_HF_PYTHON")
-    record = rl.run_record("lm_eval_loglikelihood", {})
+    record = run_record("lm_eval_loglikelihood", {})
     record |= {"task": TASK, "server_args": SERVER_ARGS, "tolerance": TOLERANCE, "models": {}}
     for name in a.models.split(","):
         path = model_path(name)

@@ -1,7 +1,7 @@
 """MoE decode on CPU: our engine against transformers on the same random Qwen3-MoE-style model (8 experts, top-2,
 hidden 1024, 4 layers; created by transformers and saved as safetensors) in the same run, at batch 1 and batch 64.
 
-Usage: `.venv/bin/python benchmarks/moe_decode.py [--quick] [--repeats N] [--hf-python PY] [--out-dir DIR]`.
+Usage: `.venv/bin/python -m benchmarks.moe_decode [--quick] [--repeats N] [--hf-python PY] [--out-dir DIR]`.
 Writes benchmarks/results/moe_decode_cpu.json and .md and prints the table.
 
 Decode tokens/s on both sides = batch * (new - 1) / (time of a greedy generate of `new` tokens - time of one of a
@@ -9,7 +9,7 @@ single token): the prefill and the first token cancel out, what is left is `new 
 token ids of one length (no padding on the transformers side, no prefix cache on ours), `temperature 0` and no EOS
 stop on both sides. Runs are paired and alternate which side goes first, under the same load; the baseline is a
 long-lived subprocess in an interpreter with torch + transformers (`--hf-python`, `NETRA_HF_PYTHON`, or found as
-`offline_throughput.find_hf_python` does), started with this file and `--hf-worker`.
+`benchmarks.hf_baseline.find_hf_python` does), started with this module and `--hf-worker`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.hf_baseline import find_hf_python, worker_env
+from benchmarks.offline_throughput import start_worker
+from benchmarks.phases import Phase, run_record
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import offline_throughput as ot  # noqa: E402
-import roofline as rl  # noqa: E402
 
 # Qwen3-MoE layout, scaled: Qwen3-30B-A3B has hidden 2048, 128 experts of width 768, top-8, 48 layers
 MODEL = dict(
@@ -131,7 +132,7 @@ class HF:
 
     def __init__(self, python: str, model_dir: str, log_dir: str):
         self.err = open(os.path.join(log_dir, "hf_stderr.txt"), "w+")
-        self.proc = ot.start_worker(python, __file__, model_dir, self.err)
+        self.proc = start_worker(python, __spec__.name, model_dir, self.err)
         self._read()  # loaded
 
     def _read(self) -> dict:
@@ -211,7 +212,7 @@ def measure(engines: dict, batches, news, prompts, repeats: int, phases: dict) -
         runs: dict = {name: [] for name in names}
         for i in range(repeats):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                with rl.Phase(phases, f"{name}_b{b}_{i}") as ph:
+                with Phase(phases, f"{name}_b{b}_{i}") as ph:
                     r = decode_run(engines[name], prompts[:b], n)
                 runs[name].append(dict(r, others_cores=ph.rec["others_cores"]))
         entry = {"batch": b, "new_tokens": n, **{name: summarize(runs[name]) for name in names}}
@@ -241,7 +242,7 @@ def write_markdown(result: dict, path: Path) -> None:
     lines = [
         f"# MoE decode on CPU, {result['date'][:10]} ({m.get('cpu_model')}, {m.get('cpu_count')} cores)",
         "",
-        f"`benchmarks/moe_decode.py`: a random Qwen3-MoE-style model made by transformers ({mo['num_experts']} "
+        f"`python -m benchmarks.moe_decode`: a random Qwen3-MoE-style model made by transformers ({mo['num_experts']} "
         f"experts, top-{mo['num_experts_per_tok']}, hidden {mo['hidden_size']}, expert width "
         f"{mo['moe_intermediate_size']}, {mo['num_hidden_layers']} layers, vocab {mo['vocab_size']}; float32, "
         f"{s['num_params'] / 1e6:.1f} M parameters), prompts of {s['prompt_len']} random tokens, greedy. "
@@ -298,25 +299,26 @@ def main(argv: list[str] | None = None) -> dict:
     news = [int(n) for n in args.new_tokens.split(",")]
     if args.quick:
         batches, news, args.repeats = [1, 4], [8, 8], 1
-    python = ot.find_hf_python(args.hf_python)
+    python = find_hf_python(args.hf_python)
     if python is None:
         raise SystemExit("no interpreter with torch + transformers: pass --hf-python or set NETRA_HF_PYTHON")
     tmp = tempfile.mkdtemp(prefix="moe-decode-")
     phases: dict = {}
-    result = rl.run_record("moe_decode_cpu", phases)
+    result = run_record("moe_decode_cpu", phases)
     try:
         model_dir = os.path.join(tmp, "model")
-        with rl.Phase(phases, "make_model"):
-            subprocess.run([python, __file__, "--make-model", model_dir, "--seed", str(args.seed)], check=True)
+        with Phase(phases, "make_model"):
+            make = [python, "-m", __spec__.name, "--make-model", model_dir, "--seed", str(args.seed)]
+            subprocess.run(make, check=True, env=worker_env())
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(max(batches))]
-        with rl.Phase(phases, "hf_load"):
+        with Phase(phases, "hf_load"):
             hf = HF(python, model_dir, tmp)
-        with rl.Phase(phases, "ours_build"):
+        with Phase(phases, "ours_build"):
             ours = Ours(model_dir, max(batches))
         engines = {"ours": ours, "hf": hf}
         if args.also_ragged_dot:
-            with rl.Phase(phases, "ours_ragged_dot_build"):
+            with Phase(phases, "ours_ragged_dot_build"):
                 engines["ours_ragged_dot"] = Ours.with_ragged_dot(model_dir, max(batches))
         result["settings"] = {
             "model": MODEL,

@@ -1,5 +1,6 @@
 """Report of an offline-throughput result (benchmarks/offline_throughput.py JSON): the printed table, and a plot of
-tokens per second of ours and HF at batch 64 and batch 1 with the fractions of the machine's limits reached."""
+tokens per second of ours and HF at batch 64 and batch 1 with the fractions of the machine's limits reached.
+`python -m benchmarks.offline_report RESULT.json [PLOT.png]` plots a result again."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """Offline throughput: 64 chat prompts x 128 greedy tokens through `LLM.generate` (float32), against Hugging Face
 `generate` on the same weights and prompts in the same run, with matmul-peak and memory-bandwidth roofline lines.
 
-Usage: `.venv/bin/python benchmarks/offline_throughput.py [--quick] [--model PATH] [--no-hf] [--out FILE]` (or `make
+Usage: `.venv/bin/python -m benchmarks.offline_throughput [--quick] [--model PATH] [--no-hf] [--out FILE]` (or `make
 bench-offline`).
 Writes benchmarks/results/<date>-offline_throughput.json and .png (benchmarks/offline_report.py) and prints a table.
+The machine's peaks, the step's costs and its profile come from `benchmarks.step_profile.roofline`.
 
 The Hugging Face baseline needs torch + transformers + gguf + accelerate. On these machines a CPU build of
 torch 2.13.0 exists on disk for Python 3.11 only (for 3.12 pip would fetch a multi-GB CUDA build), so the baseline
-runs in a separate Python 3.11 virtual environment, started by this script as a subprocess (the same file, with
+runs in a separate Python 3.11 virtual environment, started by this script as a subprocess (the same module, with
 `--hf-worker`) that gets the prompt token ids through a JSON file:
 
     /root/.pyenv/versions/3.11.7/bin/python -m venv ~/.cache/netra_jax/hfvenv
@@ -31,16 +32,13 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import offline_report
+from benchmarks.hf_baseline import BaselineWorker, find_hf_python, load_model
+from benchmarks.hf_baseline import start_worker as _start_worker
+from benchmarks.phases import QUIET_CORES, Phase, run_record
+from benchmarks.step_profile import roofline as rl
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import offline_report  # noqa: E402
-import roofline as rl  # noqa: E402
-from hf_baseline import (  # noqa: E402
-    BaselineWorker,  # noqa: E402
-    find_hf_python,
-    load_model,
-)
-from hf_baseline import start_worker as _start_worker  # noqa: E402
 
 SUBJECTS = [
     "photosynthesis",
@@ -109,7 +107,7 @@ class Ours:
         from netra_jax import LLM
 
         self.args, self.prompt_ids = args, prompt_ids
-        with rl.Phase(phases, "ours_build") as ph:
+        with Phase(phases, "ours_build") as ph:
             self.llm = LLM(
                 args.model,
                 dtype=args.dtype,
@@ -124,7 +122,7 @@ class Ours:
         }
         self.prompts = [{"prompt_token_ids": p} for p in prompt_ids]
         self.output_ids: list[list[int]] = []
-        with rl.Phase(phases, "ours_warmup_generate"):
+        with Phase(phases, "ours_warmup_generate"):
             for ps in (self.prompts, self.prompts[:1]):
                 self.generate(ps, 4)
 
@@ -233,10 +231,10 @@ def hf_worker(inp: str) -> None:
         print(json.dumps(gen(ps, job["max_tokens"] if batch else job["batch1_tokens"])), flush=True)
 
 
-def start_worker(python: str, script: str, arg: str, stderr) -> subprocess.Popen:
-    """`python script --hf-worker arg` offline, talking JSON lines over stdin/stdout; its CPU time counts as ours."""
-    proc = _start_worker(python, script, arg, stderr)
-    rl.Phase.children.append(proc.pid)
+def start_worker(python: str, module: str, arg: str, stderr) -> subprocess.Popen:
+    """`python -m module --hf-worker arg` offline, talking JSON lines over stdin/stdout; its CPU time counts as ours."""
+    proc = _start_worker(python, module, arg, stderr)
+    Phase.children.append(proc.pid)
     return proc
 
 
@@ -253,8 +251,8 @@ class HFClient(BaselineWorker):
             "pad_id": eos_ids[0],
             "eos_ids": eos_ids,
         }
-        super().__init__(hf_python, __file__, job)
-        rl.Phase.children.append(self.proc.pid)
+        super().__init__(hf_python, __spec__.name, job)  # this module, by the name `python -m` runs it
+        Phase.children.append(self.proc.pid)
 
     def wait_ready(self) -> None:
         self.ask(None)
@@ -275,14 +273,70 @@ def agreement(ours: list[list[int]], hf: list[list[int]], eos_ids: list[int]) ->
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def figures(cfg, itemsize: int, prompt_ids, args, peaks: dict, ours: dict, hf: dict | None) -> dict:
+    """The headline numbers: tok/s, ours/HF ratios, fractions of the matmul peak and of the batch-1 bandwidth
+    roofline, from the median runs (`ours` / `hf` hold `batch` and `batch1` summaries)."""
+    peak, bw = peaks["matmul_peak_gflops"] * 1e9, peaks["bandwidth_gbs"] * 1e9
+    lens = [len(p) for p in prompt_ids]
+    n = args.max_tokens
+    ctx = statistics.mean(lens) + n / 2  # mean context of the decode tokens
+    fpt = rl.flops_per_token(cfg, ctx)
+    attn1 = rl.attention_flops_per_token(cfg, 1.0)  # per key (full-attention layers)
+    run_flops = sum((L + n - 1) * 2.0 * rl.matmul_params(cfg) + attn1 * (L + n - 1) * (L + n) / 2 for L in lens)
+    ob, o1 = ours["batch"]["median"], ours["batch1"]["median"]
+    ctx1 = lens[0] + args.batch1_tokens / 2
+    bytes1 = rl.weight_bytes(cfg, itemsize) + rl.kv_bytes_per_token(cfg, ctx1, itemsize)
+    f = {
+        "costs_batch": rl.decode_step_costs(cfg, len(prompt_ids), ctx, itemsize),
+        "costs_batch1": rl.decode_step_costs(cfg, 1, ctx1, itemsize),
+        "ours_tok_s": ob["tok_s"],
+        "ours_total_s": ob["total_s"],
+        "ours_decode_tok_s": ob["decode_tok_s"],
+        "ours_prefill_s": ob["prefill_s"],
+        "ours_frac_peak": ob["tok_s"] * fpt / peak,
+        "ours_frac_peak_decode_only": ob["decode_tok_s"] * fpt / peak,
+        "ours_frac_peak_all_flops": run_flops / ob["total_s"] / peak,
+        "ours_batch1_tok_s": o1["tok_s"],
+        "ours_batch1_decode_tok_s": o1["decode_tok_s"],
+        "batch1_roofline_tok_s": bw / bytes1,
+        "ours_batch1_frac_roofline": o1["decode_tok_s"] / (bw / bytes1),
+    }
+    if hf and "batch" in hf:
+        hb, h1 = hf["batch"]["median"], hf["batch1"]["median"]
+        f.update(
+            hf_tok_s=hb["tok_s"],
+            hf_total_s=hb["total_s"],
+            ratio=ob["tok_s"] / hb["tok_s"],
+            hf_frac_peak=hb["tok_s"] * fpt / peak,
+            hf_frac_peak_all_flops=run_flops / hb["total_s"] / peak,
+            hf_batch1_tok_s=h1["tok_s"],
+            ratio_batch1=o1["tok_s"] / h1["tok_s"],
+            hf_batch1_frac_roofline=h1["tok_s"] / (bw / bytes1),
+        )
+        if hf["batch"].get("paired_ratios"):
+            f["ratio_paired_median"] = statistics.median(hf["batch"]["paired_ratios"])
+        for name in ("batch", "batch1"):  # pairs in which other processes used under QUIET_CORES
+            quiet = [
+                (o["tok_s"], h["tok_s"])
+                for o, h in zip(ours[name]["runs"], hf[name]["runs"], strict=False)
+                if max(o.get("others_cores") or 0, h.get("others_cores") or 0) < QUIET_CORES
+            ]
+            f[f"quiet_pairs_{name}"] = len(quiet)
+            if quiet:
+                f[f"ours_tok_s_quiet_{name}"] = statistics.median(o for o, _ in quiet)
+                f[f"hf_tok_s_quiet_{name}"] = statistics.median(h for _, h in quiet)
+                f[f"ratio_quiet_{name}"] = statistics.median(o / h for o, h in quiet)
+    return f
+
+
 def measure_peaks(args, phases: dict, name: str, max_wait_s: float = 120.0) -> list[dict]:
     """Peak readings, retried (every 10 s, for up to `max_wait_s`) until one is taken while the machine is quiet."""
     readings, t0 = [], time.perf_counter()
     while True:
-        with rl.Phase(phases, f"{name}_{len(readings)}") as ph:
+        with Phase(phases, f"{name}_{len(readings)}") as ph:
             readings.append(dict(rl.measure_peaks(args.quick), others_cores=None))
         readings[-1]["others_cores"] = ph.rec["others_cores"]
-        if args.quick or ph.rec["others_cores"] < rl.QUIET_CORES or time.perf_counter() - t0 > max_wait_s:
+        if args.quick or ph.rec["others_cores"] < QUIET_CORES or time.perf_counter() - t0 > max_wait_s:
             return readings
         time.sleep(10)
 
@@ -316,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}
-    result = rl.run_record("offline_throughput", phases)
+    result = run_record("offline_throughput", phases)
     tok = Tokenizer.load(args.model)
     convs = [[{"role": "user", "content": q}] for q in questions(args.num_prompts)]
     prompt_ids = [
@@ -345,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf: dict | None = None if args.no_hf else {"error": "no interpreter with torch + transformers found"}
     try:
         if hf_client:
-            with rl.Phase(phases, "hf_load_and_warmup"):
+            with Phase(phases, "hf_load_and_warmup"):
                 hf_client.wait_ready()
         runs: dict = {}
         for name in ("batch", "batch1"):
@@ -354,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for who, eng in order:
                     if eng is None:
                         continue
-                    with rl.Phase(phases, f"{who}_{name}_{i}") as ph:
+                    with Phase(phases, f"{who}_{name}_{i}") as ph:
                         r = eng.run(name)
                     runs.setdefault((who, name), []).append(
                         dict(r, load1=ph.rec["load1"], others_cores=ph.rec["others_cores"])
@@ -384,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.max_tokens if name == "batch" else args.batch1_tokens,
         )
     if args.profile:
-        with rl.Phase(phases, "ours_profile"):
+        with Phase(phases, "ours_profile"):
             res_ours["profile"] = ours.profile()
     peaks += measure_peaks(args, phases, "peaks_after")
     best = max(peaks, key=lambda p: p["matmul_peak_gflops"])
@@ -392,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["ours"], result["hf"] = res_ours, hf
     cfg = ours.llm.model_config
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    result["figures"] = rl.figures(cfg, itemsize, prompt_ids, args, result["peaks"], res_ours, hf)
+    result["figures"] = figures(cfg, itemsize, prompt_ids, args, result["peaks"], res_ours, hf)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     day = datetime.date.today().isoformat()
     name = f"{day}-offline_throughput{'-quick' if args.quick else ''}.json"

@@ -8,7 +8,7 @@ first token and is scored on its second half only: the negative log-likelihood o
 everything before them in the chunk. PPL = exp(mean NLL). netra-jax scores each chunk as one request's prompt
 logprobs (`SamplingParams(prompt_logprobs=0)`).
 
-Usage: .venv/bin/python benchmarks/perplexity.py MODEL.gguf [MODEL2.gguf ...] [--text FILE] [--ctx 512]
+Usage: .venv/bin/python -m benchmarks.perplexity MODEL.gguf [MODEL2.gguf ...] [--text FILE] [--ctx 512]
        [--llama-perplexity BIN] [--matmul-backend auto|cpu_rows_q8|...]
        [--out benchmarks/results/<date>-perplexity.json]
 The default text is benchmarks/prompts/perplexity_gpl3.txt (the GNU GPL version 3, verbatim: 35 KB of English

@@ -9,7 +9,7 @@ against the file's size) and the bytes of parameters it holds.
 llama.cpp: `llama-server -m FILE -c CTX --threads 2` until /health answers 200 (the model loaded, the KV cache and
 compute buffers allocated), its peak RSS (VmHWM) then; it maps the file, so its RSS counts the file's pages it reads.
 
-Usage: .venv/bin/python benchmarks/quantized_load.py FILE.gguf [FILE2.gguf ...] [--llama-server BIN] [--ctx 4096]
+Usage: .venv/bin/python -m benchmarks.quantized_load FILE.gguf [FILE2.gguf ...] [--llama-server BIN] [--ctx 4096]
        [--out benchmarks/results/<date>-quantized_load.json]"""
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from netra_jax.bench.launch import free_port
+from netra_jax.bench.machine import describe, machine_info
+from netra_jax.bench.results import write_result
 
-from netra_jax.bench.launch import free_port  # noqa: E402
-from netra_jax.bench.machine import describe, machine_info  # noqa: E402
-from netra_jax.bench.results import write_result  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 PROMPT = "The capital of France is"
 BASELINE = "import netra_jax, jax; jax.numpy.zeros(1).block_until_ready()"

@@ -6,7 +6,7 @@ model's file): 1.07 B parameters, 606 MB as Q4_0, 1.14 GB as Q8_0. Weights are n
 the model answers noise at the speed of a real one. Tensors are generated, quantized and written one at a time: the
 writer holds the quantized file, never the float model.
 
-Usage: python benchmarks/random_gguf.py OUT.gguf [--type q4_0|q4_1|q5_0|q5_1|q8_0|f16|f32] [--hidden 2048]
+Usage: python -m benchmarks.random_gguf OUT.gguf [--type q4_0|q4_1|q5_0|q5_1|q8_0|f16|f32] [--hidden 2048]
 [--layers 16] [--heads 32] [--kv-heads 8] [--ffn 8192] [--tokenizer-from FILE.gguf] [--seed 0]
 """
 

@@ -7,12 +7,12 @@ Pairs: lm-eval style 5-shot multiple choice from the committed task file tests/f
 it, and each of its 4 choices (" " + choice) is a continuation. The texts are tokenized as lm-eval pairs them
 (`netra_jax.scoring.encode_pair`); transformers gets the very token ids netra-jax scored.
 
-Usage: `.venv/bin/python benchmarks/score_bench.py [--model PATH] [--repeats N] [--no-hf] [--no-logits-path]
+Usage: `.venv/bin/python -m benchmarks.score_bench [--model PATH] [--repeats N] [--no-hf] [--no-logits-path]
 [--hf-python PY] [--out FILE]`. Writes benchmarks/results/<date>-score_bench.json and a short .md next to it.
 
 Every timed run starts from an empty prefix cache (reset_prefix_cache), so the hits it reports are those of its
 own shared prompts. The baseline runs in the Python 3.11 interpreter with torch + transformers (found as
-benchmarks/hf_baseline.py says) as a subprocess of this file with `--hf-worker`, loading the GGUF file with
+benchmarks/hf_baseline.py says) as a subprocess of this module with `--hf-worker`, loading the GGUF file with
 transformers' GGUF loader (de-quantized to float32: the weights netra-jax's loader produces), one forward of all
 pairs right-padded, log-softmax at the continuation positions. `--no-logits-path` skips the third measurement:
 the per-prompt `LLM.logits` hook, one forward per pair (its compile per length done before timing).
@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.hf_baseline import BaselineWorker, find_hf_python, load_model
+from benchmarks.phases import Phase, run_record
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import roofline as rl  # noqa: E402
-from hf_baseline import BaselineWorker, find_hf_python, load_model  # noqa: E402
 
 MC = REPO / "tests" / "fixtures" / "lm_eval" / "mc.jsonl"
 TOLERANCE = 1e-3  # |ours - transformers| per pair's log-likelihood
@@ -63,10 +63,10 @@ class Ours:
         from netra_jax import LLM
 
         self.prompts, self.conts = prompts, conts
-        with rl.Phase(phases, "ours_build") as ph:
+        with Phase(phases, "ours_build") as ph:
             self.llm = LLM(args.model, dtype="float32", max_num_seqs=len(prompts))
         self.build_s = ph.rec["wall_s"]
-        with rl.Phase(phases, "ours_warmup"):
+        with Phase(phases, "ours_warmup"):
             self.scores = self.llm.score_continuations(prompts, conts)
 
     def run(self, prefix_caching: bool = True) -> dict:
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.model = resolve_model_path(args.model)
     phases: dict = {}
-    result = rl.run_record("score_bench", phases) | {"machine": machine_info()}
+    result = run_record("score_bench", phases) | {"machine": machine_info()}
     prompts, conts, doc_of = mc_pairs()
     ours = Ours(args, prompts, conts, phases)
     pairs = ours.token_ids()
@@ -315,20 +315,20 @@ def main(argv: list[str] | None = None) -> dict:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_ids or [0])[0]
     client = None
     if hf_python:  # a long-lived worker, so its runs interleave with ours under the same load
-        client = BaselineWorker(hf_python, __file__, {"model": args.model, "pairs": pairs, "pad_id": pad})
-        rl.Phase.children.append(client.proc.pid)
+        client = BaselineWorker(hf_python, __spec__.name, {"model": args.model, "pairs": pairs, "pad_id": pad})
+        Phase.children.append(client.proc.pid)
     hf: dict | None = None if args.no_hf else {"error": "no interpreter with torch + transformers found"}
     runs: dict[str, list[dict]] = {"ours": [], "hf": [], "ours_no_prefix_cache": []}
     try:
         if client:
-            with rl.Phase(phases, "hf_load_and_warmup"):
+            with Phase(phases, "hf_load_and_warmup"):
                 client.ask(None)
         for i in range(args.repeats):  # paired runs, alternating who goes first, under the same load
             order = ["ours", "hf", "ours_no_prefix_cache"]
             for who in order if i % 2 == 0 else order[::-1]:
                 if who == "hf" and client is None:
                     continue
-                with rl.Phase(phases, f"{who}_{i}") as ph:
+                with Phase(phases, f"{who}_{i}") as ph:
                     r = client.ask("run") if who == "hf" else ours.run(who == "ours")
                 runs[who].append(dict(r, others_cores=ph.rec["others_cores"]))
         if client:
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["ours_no_prefix_cache"] = median_run(runs["ours_no_prefix_cache"])
     result["hf"] = hf
     if args.logits_path:
-        with rl.Phase(phases, "ours_logits_path"):
+        with Phase(phases, "ours_logits_path"):
             result["logits_path"] = ours.logits_path(max(1, args.repeats // 2))
     result["scores"] = [
         {"doc": d, "logprob": round(s.logprob, 5), "is_greedy": s.is_greedy, "continuation": c}

@@ -1,7 +1,7 @@
 """Offline speculative-decoding A/B in one process: the default model (SmolLM2-135M-Instruct) in float32 with n-gram
 speculation against the same engine without it, greedy, on the input-grounded prompt set and on free-form chat.
 
-Usage: `.venv/bin/python benchmarks/spec_decode.py [--quick] [--repeats 3] [--batch 1,8] [--sets grounded,chat]
+Usage: `.venv/bin/python -m benchmarks.spec_decode [--quick] [--repeats 3] [--batch 1,8] [--sets grounded,chat]
 [--k 5 --ngram-max 4 --ngram-min 2] [--model PATH]` (or `make bench-spec`). Both engines are built first and stay
 loaded; each repeat runs every (prompt set, batch) point on both, the order alternating between repeats, so machine
 load hits both sides alike. Batch b: the set's chat requests go to `LLM.chat` b at a time, in file order. Output
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     config |= {
         "model": a.model or "SmolLM2-135M-Instruct, the embedded default",
         "speculative_config": spec_config,
-        "command": " ".join(["benchmarks/spec_decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.spec_decode", *(argv if argv is not None else sys.argv[1:])]),
     }
     res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

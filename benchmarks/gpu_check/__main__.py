@@ -2,8 +2,8 @@
 memory is freed between them, the torch peers never share a process with JAX), each under its own time budget, and
 merges their results into RESULTS_DIR/<date>-gpu_check-<device>.json and .md after every section.
 
-Usage: python -m gpu_check RESULTS_DIR [--dry-run] [--budget SECONDS] [--sections a,b,...] (benchmarks/ on the path;
-benchmarks/gpu_check.sh sets it up)."""
+Usage: python -m benchmarks.gpu_check RESULTS_DIR [--dry-run] [--budget SECONDS] [--sections a,b,...] (the netra_jax
+layout and the benchmarks package on the path: benchmarks/gpu_check.sh sets them up)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_check import report
-from gpu_check.common import SERVER_PID
+from benchmarks.gpu_check import report
+from benchmarks.gpu_check.common import SERVER_PID
 from netra_jax.engine.runner import FRACTION_ENV
 
 # name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
@@ -91,7 +91,8 @@ def run_section(name: str, kind: str, timeout: float, dry: bool, work: Path, mer
     part.unlink(missing_ok=True)
     margin = EXIT_MARGIN[1] if dry else EXIT_MARGIN[0]
     deadline = time.time() + max(timeout - margin, timeout * 0.5)
-    cmd = [sys.executable, "-m", "gpu_check.child", name, str(part), str(prior), str(work), f"{deadline:.1f}"]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check.child", name, str(part), str(prior), str(work)]
+    cmd += [f"{deadline:.1f}"]
     cmd += ["--dry-run"] if dry else []
     t0 = time.time()
     print(f"\n===== section {name} ({timeout:.0f}s)", flush=True)

@@ -10,10 +10,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kv_write_triton import write_kv_triton  # benchmarks/kv_write_triton.py
 
-from gpu_check.common import Section, median_time, sig
-from gpu_check.paged import GPU_BACKENDS, backend, dense_attention, make_batch, unsupported
+from benchmarks.gpu_check.common import Section, median_time, sig
+from benchmarks.gpu_check.paged import GPU_BACKENDS, backend, dense_attention, make_batch, unsupported
+from benchmarks.kv_write_triton import write_kv_triton
 from netra_jax.ops.attention import write_kv
 from netra_jax.ops.paged_attention_triton import attention_flops_bytes
 

@@ -1,5 +1,6 @@
-"""One section of the GPU check in its own process: `python -m gpu_check.child NAME PART PRIOR WORK DEADLINE
-[--dry-run]` runs `gpu_check.<NAME>.run(section)`, which saves its results to PART as it goes."""
+"""One section of the GPU check in its own process: `python -m benchmarks.gpu_check.child NAME PART PRIOR
+WORK DEADLINE [--dry-run]` runs `benchmarks.gpu_check.<NAME>.run(section)`, which saves its results to PART as it
+goes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from gpu_check.common import Section
+from benchmarks.gpu_check.common import Section
 
 
 def _stop(signum, frame) -> None:
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
     # measures them, so that one warning is silenced here
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
     try:
-        importlib.import_module(f"gpu_check.{name}").run(sec)
+        importlib.import_module(f"benchmarks.gpu_check.{name}").run(sec)
     except (Exception, SystemExit):  # SystemExit: e.g. the launched server exited or never became ready
         sec.data["error"] = traceback.format_exc()[-3000:]
         sec.save()

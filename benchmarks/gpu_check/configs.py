@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check import engine_settings, quant_configs
-from gpu_check.model_dir import LLAMA3_8B
-from gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
+from benchmarks.gpu_check import engine_settings, quant_configs
+from benchmarks.gpu_check.model_dir import LLAMA3_8B
+from benchmarks.gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
 from netra_jax.ops import grouped_matmul_triton as gmm
 from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.ops import paged_attention_mosaic as mosaic

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check.common import Section, sig
-from gpu_check.paged import GPU_BACKENDS, backend, make_batch, unsupported
+from benchmarks.gpu_check.common import Section, sig
+from benchmarks.gpu_check.paged import GPU_BACKENDS, backend, make_batch, unsupported
 from netra_jax.ops.attention import paged_attention_reference
 
 # relative error bounds (METHOD.md: bf16 operands land between 1e-3 and 1e-2; f32 far under 1e-3)

@@ -10,7 +10,7 @@ import subprocess
 import jax
 import jax.numpy as jnp
 
-from gpu_check.common import Section, median_time, sig
+from benchmarks.gpu_check.common import Section, median_time, sig
 
 
 def describe() -> dict:

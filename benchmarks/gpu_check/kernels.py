@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check import configs
-from gpu_check.common import Section, median_time, sig
+from benchmarks.gpu_check import configs
+from benchmarks.gpu_check.common import Section, median_time, sig
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-3}  # relative error, as the correctness section's (fp8: against the
 # same rounding in float32, gpu_check.quant_configs.Fp8Case.reference)

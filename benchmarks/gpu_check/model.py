@@ -18,9 +18,9 @@ import time
 
 import jax
 
-from gpu_check import engine_settings
-from gpu_check.common import Section, decode_rate, sig
-from gpu_check.model_dir import ensure_model_dir, kv_bytes_per_token, model_config, weight_bytes
+from benchmarks.gpu_check import engine_settings
+from benchmarks.gpu_check.common import Section, decode_rate, sig
+from benchmarks.gpu_check.model_dir import ensure_model_dir, kv_bytes_per_token, model_config, weight_bytes
 
 
 class CompileLog(logging.Handler):

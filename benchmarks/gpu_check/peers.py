@@ -9,8 +9,8 @@ import functools
 import json
 import time
 
-from gpu_check.common import Section, decode_rate, median_time, sig
-from gpu_check.model_dir import ensure_model_dir
+from benchmarks.gpu_check.common import Section, decode_rate, median_time, sig
+from benchmarks.gpu_check.model_dir import ensure_model_dir
 
 ROTATE_BYTES = 256 << 20
 

@@ -15,10 +15,10 @@ import time
 
 import jax
 
-from gpu_check import engine_settings
-from gpu_check.common import Section, sig
-from gpu_check.model import batch1, throughput, warm_up
-from gpu_check.model_dir import ensure_model_dir, model_config
+from benchmarks.gpu_check import engine_settings
+from benchmarks.gpu_check.common import Section, sig
+from benchmarks.gpu_check.model import batch1, throughput, warm_up
+from benchmarks.gpu_check.model_dir import ensure_model_dir, model_config
 
 METHODS = ("int4", "fp8")
 MATMUL_BACKEND = {False: "auto", True: "gpu_interpret"}  # the device's GPU kernels; the dry run interprets them

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_check import engine_settings
+from benchmarks.gpu_check import engine_settings
 from netra_jax.ops import fp8_matmul as fp8
 from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.quant import PackedIntWeight, QuantizedWeight, reference_matmul

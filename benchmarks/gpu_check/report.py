@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from gpu_check.common import sizes
+from benchmarks.gpu_check.common import sizes
 
 GOALS = {"decode_frac_copy_bw": 0.70, "batch1_mbu": 0.70, "output_tok_s_100_users": 12000}
 

@@ -9,9 +9,9 @@ import functools
 import shlex
 import time
 
-from gpu_check import engine_settings
-from gpu_check.common import SERVER_PID, Section, sig
-from gpu_check.model_dir import ensure_model_dir
+from benchmarks.gpu_check import engine_settings
+from benchmarks.gpu_check.common import SERVER_PID, Section, sig
+from benchmarks.gpu_check.model_dir import ensure_model_dir
 
 KEEP = (
     "completed",

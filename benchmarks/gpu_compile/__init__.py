@@ -1,1 +1,1 @@
-"""The GPU compile check (python -m gpu_compile): see __main__.py."""
+"""The GPU compile check (python -m benchmarks.gpu_compile): see __main__.py."""

@@ -3,8 +3,8 @@ for the H200 (sm_90a) and A100 (sm_80) targets on a machine without a GPU, in a 
 OUT/<date>-gpu_compile-<target>.json and .md and exits 1 if any kernel spills, goes over its budget or fails to
 compile, or any step program's temporaries exceed the memory sizing's margin.
 
-Usage: python -m gpu_compile [--targets h200,a100] [--only kernels|steps] [--cases SUBSTRING] [--workers N]
-[--depth LAYERS] [--out DIR] [--self-test]  (benchmarks/ on the path and the CUDA plugin importable: `make
+Usage: python -m benchmarks.gpu_compile [--targets h200,a100] [--only kernels|steps] [--cases SUBSTRING]
+[--workers N] [--depth LAYERS] [--out DIR] [--self-test]  (from the repository root, the CUDA plugin importable: `make
 gpu-compile`). --depth compiles the step programs with their first LAYERS layers (the same kernels and temporaries as
 the full model, in a fraction of the time; the memory sizing stays the full model's): CI's setting.
 --self-test compiles the deliberately broken cases of gpu_compile.selftest instead and exits 0 only if the check
@@ -23,15 +23,15 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only plans: the workers compile
 
-from gpu_compile import report, worker  # noqa: E402
-from gpu_compile.targets import TARGETS  # noqa: E402
+from benchmarks.gpu_compile import report, worker  # noqa: E402
+from benchmarks.gpu_compile.targets import TARGETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def plan_jobs(pool: cf.Executor, targets: list[str], only: str | None, cases: str | None, depth: int | None):
     """Every job, most expensive first (step programs, then Mosaic kernels), so the pool ends evenly."""
-    from gpu_check import configs
+    from benchmarks.gpu_check import configs
 
     steps, kernels = [], []
     if only != "kernels":
@@ -72,7 +72,7 @@ def run_pool(jobs: list[tuple], pool: cf.Executor) -> list[dict]:
 
 
 def self_test(pool: cf.Executor) -> int:
-    from gpu_compile import selftest
+    from benchmarks.gpu_compile import selftest
 
     jobs = [("broken", target, i) for i, (target, _, _) in enumerate(selftest.broken_cases())]
     ok = True

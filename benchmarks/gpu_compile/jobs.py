@@ -10,8 +10,8 @@ import time
 import traceback
 import warnings
 
-from gpu_compile import capture, targets
-from gpu_compile.capture import DUMPED_MODULE
+from benchmarks.gpu_compile import capture, targets
+from benchmarks.gpu_compile.capture import DUMPED_MODULE
 
 # the kernels' names in the compiled programs (ptxas' entry functions) and the module holding each one's budget
 KERNELS = {
@@ -135,8 +135,8 @@ def step_runner(target: str, model: str, depth: int | None = None, quantization:
     backend, as the engine does."""
     import jax
     import jax.numpy as jnp
-    from gpu_check import configs, engine_settings
 
+    from benchmarks.gpu_check import configs, engine_settings
     from netra_jax.config import ModelConfig
     from netra_jax.engine.engine import runner_options
     from netra_jax.engine.runner import ModelRunner
@@ -280,9 +280,8 @@ def compile_step(
 def run_job(job: tuple, dump_dir: str) -> dict:
     """One job: ("kernel", target, case index), ("broken", target, index of a `selftest.broken_cases` case) or
     ("step", target, model, shape index, depth[, quantization]); an unexpected failure is the job's result."""
-    from gpu_check import configs
-
-    from gpu_compile import selftest
+    from benchmarks.gpu_check import configs
+    from benchmarks.gpu_compile import selftest
 
     kind, target, *rest = job
     t0 = time.perf_counter()

@@ -5,8 +5,7 @@ them and passes only when every one fails the check as expected."""
 
 from __future__ import annotations
 
-from gpu_check import configs
-
+from benchmarks.gpu_check import configs
 from netra_jax.ops.paged_attention_mosaic import MosaicConfig
 from netra_jax.ops.paged_attention_triton import KernelConfig
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from gpu_compile import capture, jobs
+from benchmarks.gpu_compile import capture, jobs
 
 _DUMP: str | None = None
 

@@ -1,10 +1,10 @@
 """Writes the speculative-decoding prompt sets from grounded_texts.py: grounded.jsonl (copy, edit, convert or summarize
 a given text: answers that reuse the prompt) and chat.jsonl (free-form questions: answers that do not).
 
-Usage: `.venv/bin/python benchmarks/prompts/make_prompts.py [--check]` (--check: fail if the committed files differ
+Usage: `.venv/bin/python -m benchmarks.prompts.make_prompts [--check]` (--check: fail if the committed files differ
 from what this would write). Each line is a chat request for `netra-jax bench serve --dataset jsonl --endpoint chat`
-and benchmarks/spec_decode.py: {"id", "kind", "messages", "max_tokens", "input_tokens"}; the user message is the
-instruction then the text, or for a fenced code block the code then the instruction. The system message is
+and `python -m benchmarks.spec_decode`: {"id", "kind", "messages", "max_tokens", "input_tokens"}; the user message is
+the instruction then the text, or for a fenced code block the code then the instruction. The system message is
 SmolLM2-Instruct's default one, written out so that every server renders the same prompt (llama-server's built-in
 chatml template adds no default system message). input_tokens and max_tokens are counted with the default model's
 tokenizer: a copy task may write 1.25x its text plus 16 tokens (64 to 256), a summary 160, a chat answer 192.
@@ -18,9 +18,9 @@ import math
 import sys
 from pathlib import Path
 
+from benchmarks.prompts.grounded_texts import CHAT, TASKS
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from grounded_texts import CHAT, TASKS  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 SUMMARY_TOKENS, CHAT_TOKENS = 160, 192
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         ins = [r["input_tokens"] for r in rows]
         print(f"wrote {path}: {len(rows)} requests, {min(ins)}-{max(ins)} prompt tokens")
     if stale:
-        print(f"out of date (rerun benchmarks/prompts/make_prompts.py): {' '.join(stale)}", file=sys.stderr)
+        print(f"out of date (rerun python -m benchmarks.prompts.make_prompts): {' '.join(stale)}", file=sys.stderr)
         return 1
     return 0
 

@@ -4,17 +4,11 @@ against given limits, checked by hand."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import gguf
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import random_gguf  # noqa: E402
-
-from netra_jax.bench.limits import ModelCosts, model_costs, table  # noqa: E402
+from benchmarks import random_gguf
+from netra_jax.bench.limits import ModelCosts, model_costs, table
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
 

@@ -4,7 +4,6 @@ acceptance from /metrics: netra-jax's and llama-server's counter formats, per-pa
 from __future__ import annotations
 
 import json
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -12,12 +11,12 @@ import pytest
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+# test_serve_bench is in this folder, which pytest puts on sys.path; `fake` is that module's server fixture
+from test_serve_bench import Fake, _run, fake, serving  # noqa: F401
+
 from netra_jax.bench import machine, spec_metrics
 from netra_jax.bench import plot as bench_plot
 from netra_jax.bench import serve as sb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_bench import Fake, _run, fake, serving  # noqa: E402, F401  (fake: the module's server fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 

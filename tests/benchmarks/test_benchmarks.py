@@ -1,17 +1,14 @@
 """Smoke test of benchmarks/offline_throughput.py on a tiny fixture model at tiny sizes (no Hugging Face baseline),
-plus the roofline cost formulas and the prompt list."""
+plus the roofline cost formulas (benchmarks/step_profile/roofline.py) and the prompt list."""
 
 from __future__ import annotations
 
 import json
-import sys
 
-from support.checkpoints import FIXTURES, REPO
+from support.checkpoints import FIXTURES
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import offline_throughput as ot  # noqa: E402
-import roofline as rl  # noqa: E402
+from benchmarks import offline_throughput as ot
+from benchmarks.step_profile import roofline as rl
 
 
 def test_questions_distinct_and_deterministic():

@@ -4,21 +4,15 @@ loader and engine read it like a downloaded file."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import gguf
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import random_gguf  # noqa: E402
-
-from netra_jax import loader  # noqa: E402
-from netra_jax.loader.gguf_loader import GGUFFile, read_gguf_metadata  # noqa: E402
-from netra_jax.quant import GGMLWeight  # noqa: E402
+from benchmarks import random_gguf
+from netra_jax import loader
+from netra_jax.loader.gguf_loader import GGUFFile, read_gguf_metadata
+from netra_jax.quant import GGMLWeight
 
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
 

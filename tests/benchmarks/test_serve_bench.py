@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -396,7 +397,6 @@ def test_cli_bench_serve_runs_a_sweep(reset, tmp_path, monkeypatch):
 
 
 FAKE_SERVE = """import sys
-sys.path.insert(0, {tests!r})
 import uvicorn
 from test_serve_bench import Fake
 
@@ -411,7 +411,9 @@ def test_launch_starts_waits_for_ready_and_stops_the_server(tmp_path, monkeypatc
     from netra_jax.bench import launch
 
     script = tmp_path / "fake_serve.py"
-    script.write_text(FAKE_SERVE.format(tests=str(Path(__file__).resolve().parent)))
+    script.write_text(FAKE_SERVE)
+    here = str(Path(__file__).resolve().parent)  # test_serve_bench, for the script's import
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setattr(launch, "SERVE_COMMAND", [sys.executable, str(script)])  # in place of `netra-jax`
     log = tmp_path / "server.log"
     rc = sb.main(

@@ -5,17 +5,12 @@ tiny-model run end to end writes a result whose greedy tokens match."""
 from __future__ import annotations
 
 import json
-import sys
 
-from support.checkpoints import FIXTURES, REPO
+from support.checkpoints import FIXTURES
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "benchmarks" / "prompts"))
-
-import make_prompts  # noqa: E402
-import spec_decode as sd  # noqa: E402
-
-from netra_jax.bench import datasets as bd  # noqa: E402
+from benchmarks import spec_decode as sd
+from benchmarks.prompts import make_prompts
+from netra_jax.bench import datasets as bd
 
 
 def test_prompt_files_are_current_and_load_as_chat(smollm2_path, capsys):

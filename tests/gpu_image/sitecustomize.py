@@ -1,6 +1,7 @@
-"""Import guard for the GPU check's dry run (tests/benchmarks/test_gpu_check.py puts this directory on PYTHONPATH): a third-party
-module imports only when a distribution it comes from is in the GPU image's package list or among the wheels the
-check carries, so the dry run fails here on what would be missing on the GPU machine."""
+"""Import guard for the GPU check's dry run (tests/benchmarks/test_gpu_check.py puts this directory on PYTHONPATH): a
+third-party module imports only when a distribution it comes from is in the GPU image's package list or among the
+wheels the check carries, so the dry run fails here on what would be missing on the GPU machine. The project's own
+packages import: netra_jax is netra-jax's, and the benchmarks package the check runs from belongs to no distribution."""
 
 import importlib.abc
 import importlib.metadata

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +16,10 @@ from jax.experimental.pallas import triton as plgpu
 from support.attention_cases import DECODE, MIXED, abstract_inputs, lower_h200, make_case
 from support.checkpoints import FIXTURES
 
+from benchmarks.kv_write_triton import write_kv_triton  # the GPU check's comparison kernel, not the runtime's
 from netra_jax.ops import cpu_kernels
 from netra_jax.ops.attention import BACKENDS, AttentionMetadata, attention, paged_attention_reference, write_kv
 from netra_jax.ops.paged_attention_triton import KernelConfig, choose_config, paged_attention_triton
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from kv_write_triton import write_kv_triton  # noqa: E402  (the GPU check's comparison kernel, not the runtime's)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 

@@ -23,6 +23,7 @@ from support.compiles import compiled_jits
 from support.gguf_blocks import ENCODERS, int8_rounded
 from support.hf_to_gguf import requantized
 
+from benchmarks import random_gguf
 from netra_jax import LLM, SamplingParams
 from netra_jax.loader import CheckpointError, gguf_names, load_model
 from netra_jax.loader.gguf_loader import GGUFFile
@@ -33,8 +34,6 @@ from netra_jax.ops.ggml_blocks import FORMATS, dequantize_rows, row_bytes
 from netra_jax.quant import GGMLWeight, embedding_rows, matmul
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import random_gguf  # noqa: E402
 
 
 def encoded(qtype: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 import httpx
 import numpy as np
 import pytest
-from support.checkpoints import FIXTURES, REPO, reference
+from support.checkpoints import FIXTURES, reference
 from support.server import running_server, scrape
 
+from benchmarks import lm_eval_loglikelihood as lm_eval_bench
 from netra_jax.serving.render import prompt_text_offsets
 from netra_jax.tokenization.tokenizer import Tokenizer
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import lm_eval_loglikelihood as lm_eval_bench  # noqa: E402
 
 MODEL = "tiny-qwen3"
 K = 5  # alternatives asked for

@@ -1,8 +1,8 @@
 """Host time per engine step and how much of it overlapped (async) scheduling hides: greedy decode at batch 1 and
 32 on the default model (SmolLM2-135M, float32), the same engine built with async_scheduling off and on.
 
-Usage: `.venv/bin/python benchmarks/host_overlap.py [--model PATH] [--max-tokens 64] [--repeats 3] [--out FILE]`.
-Writes benchmarks/results/<date>-host_overlap.json and prints a table.
+Usage: `.venv/bin/python -m benchmarks.step_profile overlap [--model PATH] [--batches 1 32] [--max-tokens 64]
+[--repeats 4] [--out FILE]`. Writes benchmarks/results/<date>-host_overlap.json and prints a table.
 
 Per decode step (every step after a batch's first, prefill, step) it records the wall time of `LLMEngine.step()`
 and the part of it the host spent blocked on the device's results (`LLMEngine.device_wait_s`); the rest is host
@@ -17,16 +17,12 @@ hide host work where a core is idle, so the CPU figure is a lower bound of what 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from offline_throughput import questions  # noqa: E402
+from benchmarks.offline_throughput import questions
+from benchmarks.step_profile import common
 
 
 def run_once(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -64,22 +60,18 @@ def run_once(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(p, repeats=4)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--max-tokens", type=int, default=64)
 
-    from netra_jax import LLM
 
-    load0 = os.getloadavg()  # the machine may be shared: its load goes into the result
+def run(a: argparse.Namespace) -> int:
+    record = common.Run("host_overlap")  # the machine may be shared: its load goes into the result
     engines = {}
     for overlap in (False, True):
         t0 = time.perf_counter()
-        llm = LLM(a.model, dtype="float32", max_num_seqs=max(a.batches), warmup=False, async_scheduling=overlap)
+        llm = common.build_llm(a.model, max_num_seqs=max(a.batches), warmup=False, async_scheduling=overlap)
         engines[overlap] = llm
         print(f"built async_scheduling={overlap} in {time.perf_counter() - t0:.1f}s", flush=True)
     tok = engines[False].get_tokenizer()
@@ -91,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(2):
                 run_once(llm, ps, 4)
         runs: dict[bool, list[dict]] = {False: [], True: []}
-        for r in range(a.repeats):  # interleaved, in alternating order, so background load hits both alike
-            for overlap in (False, True) if r % 2 == 0 else (True, False):
+        for r in range(a.repeats):
+            for overlap in common.alternating((False, True), r):
                 runs[overlap].append(run_once(engines[overlap], ps, a.max_tokens))
         same = runs[False][0]["token_ids"] == runs[True][0]["token_ids"]
         row = {"batch": batch, "max_tokens": a.max_tokens, "repeats": a.repeats, "identical_outputs": same}
@@ -114,25 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             f"({100 * (row['hidden_fraction_of_host'] or 0):.0f}% of host), identical {same}",
             flush=True,
         )
-    import jax
-
-    doc = {
-        "benchmark": "host_overlap",
-        "date": datetime.date.today().isoformat(),
-        "model": a.model or "SmolLM2-135M-Instruct (default)",
-        "dtype": "float32",
-        "platform": jax.default_backend(),
-        "jax": jax.__version__,
-        "note": "CPU: the device is XLA's CPU runtime sharing the cores with the Python thread",
-        "cpus": os.cpu_count(),
-        "load_average_before_after": [load0, os.getloadavg()],
-        "results": results,
-    }
-    from netra_jax.bench.results import write_result
-
-    write_result(doc, "host_overlap", HERE / "results", a.out)
+    doc = record.record(
+        model=common.model_label(a.model),
+        dtype="float32",
+        note="CPU: the device is XLA's CPU runtime sharing the cores with the Python thread",
+        cpus=os.cpu_count(),
+        results=results,
+    )
+    record.write(doc, a.out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,31 +1,22 @@
-"""Roofline helpers: machine peaks (f32 matmul via numpy BLAS and XLA `jnp.dot`, copy bandwidth), load during a phase,
-the FLOPs and bytes of a decode step, and where an engine's decode step spends its time (step split, forward parts)."""
+"""The roofline of a decode step: this machine's peaks (float32 matmul through numpy's BLAS and XLA's `jnp.dot`, copy
+bandwidth), the step's FLOPs and bytes, and where an engine's step spends its time (step split, forward parts).
+
+Usage: `.venv/bin/python -m benchmarks.step_profile roofline [--model PATH] [--batches 1,32] [--context 200]
+[--repeats 3] [--quick] [--out FILE]`: the peaks, then per batch the step's FLOPs and bytes, the time they take at
+the peaks (compute and bandwidth floors), the parts of the engine's decode step jitted alone (`component_times`)
+and each distinct matmul of the step alone. Writes benchmarks/results/<date>-roofline.json and prints a line per
+batch. The offline throughput benchmark takes its peaks, costs and step profile from here.
+"""
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
+import argparse
 import statistics
-import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-
-def _median_time(fn: Callable[[], object], repeats: int, min_time: float = 0.0) -> tuple[float, list[float]]:
-    """Median seconds of `fn()` over `repeats` calls (after one untimed call); keeps going until `min_time` spent."""
-    fn()
-    times: list[float] = []
-    t_start = time.perf_counter()
-    while len(times) < repeats or time.perf_counter() - t_start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 10 * repeats:
-            break
-    return statistics.median(times), times
+from benchmarks.step_profile import common
 
 
 def numpy_sgemm_gflops(n: int = 2048, repeats: int = 7) -> dict:
@@ -34,7 +25,7 @@ def numpy_sgemm_gflops(n: int = 2048, repeats: int = 7) -> dict:
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     c = np.empty((n, n), np.float32)
-    med, times = _median_time(lambda: np.matmul(a, b, out=c), repeats)
+    med, times = common.median_time(lambda: np.matmul(a, b, out=c), repeats)
     flops = 2.0 * n**3
     return {"n": n, "median_s": med, "gflops": flops / med / 1e9, "best_gflops": flops / min(times) / 1e9}
 
@@ -49,7 +40,7 @@ def xla_dot_gflops(m: int = 2048, k: int = 2048, n: int = 2048, repeats: int = 7
     b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
     f = jax.jit(jnp.dot)
     f(a, b).block_until_ready()
-    med, times = _median_time(lambda: f(a, b).block_until_ready(), repeats)
+    med, times = common.median_time(lambda: f(a, b).block_until_ready(), repeats)
     flops = 2.0 * m * k * n
     return {"shape": [m, k, n], "median_s": med, "gflops": flops / med / 1e9, "best_gflops": flops / min(times) / 1e9}
 
@@ -59,7 +50,7 @@ def copy_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> dict:
     n = nbytes // 4
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
-    med, times = _median_time(lambda: np.copyto(dst, src), repeats)
+    med, times = common.median_time(lambda: np.copyto(dst, src), repeats)
     moved = 2.0 * n * 4
     return {"bytes": n * 4, "median_s": med, "gbs": moved / med / 1e9, "best_gbs": moved / min(times) / 1e9}
 
@@ -78,52 +69,6 @@ def measure_peaks(quick: bool = False) -> dict:
         "copy_bandwidth": bw,
         "bandwidth_gbs": bw["gbs"],
     }
-
-
-def _cpu_busy(pids: tuple[int, ...] = ()) -> tuple[float, float]:
-    """(whole-machine busy CPU seconds, CPU seconds of this process, its reaped children and `pids`)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    t = os.times()
-    mine = t.user + t.system + t.children_user + t.children_system
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            mine += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return (sum(v[:8]) - v[3] - v[4]) / tick, mine
-
-
-class Phase:
-    """Times a phase and records the load average and the CPU seconds other processes used meanwhile."""
-
-    children: list[int] = []  # our live subprocesses: their CPU time is ours, not others'
-
-    def __init__(self, log: dict, name: str):
-        self.log, self.name = log, name
-
-    def __enter__(self):
-        self.t0, self.c0 = time.perf_counter(), _cpu_busy(tuple(self.children))
-        return self
-
-    def __exit__(self, *exc):
-        dt = time.perf_counter() - self.t0
-        c1 = _cpu_busy(tuple(self.children))
-        other = (c1[0] - self.c0[0]) - (c1[1] - self.c0[1])
-        self.rec = {
-            "wall_s": round(dt, 3),
-            "load1": round(os.getloadavg()[0], 2),
-            "others_cores": round(max(0.0, other) / dt, 2) if dt > 0 else None,
-        }
-        self.log[self.name] = self.rec
-        print(
-            f"[{self.name}] {dt:.1f} s, load {self.rec['load1']}, others {self.rec['others_cores']} cores",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 # ---------------------------------------------------------------------------------------------------- model costs
@@ -172,98 +117,6 @@ def decode_step_costs(cfg, batch: int, context: float, itemsize: int = 4) -> dic
         "kv_bytes_per_step": batch * kv_bytes_per_token(cfg, context, itemsize),
         "bytes_per_step": weight_bytes(cfg, itemsize) + batch * kv_bytes_per_token(cfg, context, itemsize),
     }
-
-
-def machine_info() -> dict:
-    """CPU model, core count, memory and the 1/5/15-minute load average at the time of the call."""
-    info: dict = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        info["cpu_model"] = names[0] if names else None
-        with open("/proc/meminfo") as f:
-            info["mem_total_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
-    except OSError:
-        pass
-    info["loadavg"] = list(os.getloadavg())
-    try:
-        import jax
-
-        info["jax"] = jax.__version__
-        info["jax_devices"] = [str(d) for d in jax.devices()]
-    except ImportError:
-        pass
-    info["numpy"] = np.__version__
-    return info
-
-
-def run_record(benchmark: str, phases: dict) -> dict:
-    """The head of a benchmark's result JSON: its name, the date, the machine, and `phases` (filled by `Phase`)."""
-    return {
-        "benchmark": benchmark,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "phases": phases,
-    }
-
-
-QUIET_CORES = 0.2  # a run counts as quiet when other processes used less CPU than this on average
-
-
-def figures(cfg, itemsize: int, prompt_ids, args, peaks: dict, ours: dict, hf: dict | None) -> dict:
-    """The headline numbers: tok/s, ours/HF ratios, fractions of the matmul peak and of the batch-1 bandwidth
-    roofline, from the median runs (`ours` / `hf` hold `batch` and `batch1` summaries)."""
-    peak, bw = peaks["matmul_peak_gflops"] * 1e9, peaks["bandwidth_gbs"] * 1e9
-    lens = [len(p) for p in prompt_ids]
-    n = args.max_tokens
-    ctx = statistics.mean(lens) + n / 2  # mean context of the decode tokens
-    fpt = flops_per_token(cfg, ctx)
-    attn1 = attention_flops_per_token(cfg, 1.0)  # per key (full-attention layers)
-    run_flops = sum((L + n - 1) * 2.0 * matmul_params(cfg) + attn1 * (L + n - 1) * (L + n) / 2 for L in lens)
-    ob, o1 = ours["batch"]["median"], ours["batch1"]["median"]
-    ctx1 = lens[0] + args.batch1_tokens / 2
-    bytes1 = weight_bytes(cfg, itemsize) + kv_bytes_per_token(cfg, ctx1, itemsize)
-    f = {
-        "costs_batch": decode_step_costs(cfg, len(prompt_ids), ctx, itemsize),
-        "costs_batch1": decode_step_costs(cfg, 1, ctx1, itemsize),
-        "ours_tok_s": ob["tok_s"],
-        "ours_total_s": ob["total_s"],
-        "ours_decode_tok_s": ob["decode_tok_s"],
-        "ours_prefill_s": ob["prefill_s"],
-        "ours_frac_peak": ob["tok_s"] * fpt / peak,
-        "ours_frac_peak_decode_only": ob["decode_tok_s"] * fpt / peak,
-        "ours_frac_peak_all_flops": run_flops / ob["total_s"] / peak,
-        "ours_batch1_tok_s": o1["tok_s"],
-        "ours_batch1_decode_tok_s": o1["decode_tok_s"],
-        "batch1_roofline_tok_s": bw / bytes1,
-        "ours_batch1_frac_roofline": o1["decode_tok_s"] / (bw / bytes1),
-    }
-    if hf and "batch" in hf:
-        hb, h1 = hf["batch"]["median"], hf["batch1"]["median"]
-        f.update(
-            hf_tok_s=hb["tok_s"],
-            hf_total_s=hb["total_s"],
-            ratio=ob["tok_s"] / hb["tok_s"],
-            hf_frac_peak=hb["tok_s"] * fpt / peak,
-            hf_frac_peak_all_flops=run_flops / hb["total_s"] / peak,
-            hf_batch1_tok_s=h1["tok_s"],
-            ratio_batch1=o1["tok_s"] / h1["tok_s"],
-            hf_batch1_frac_roofline=h1["tok_s"] / (bw / bytes1),
-        )
-        if hf["batch"].get("paired_ratios"):
-            f["ratio_paired_median"] = statistics.median(hf["batch"]["paired_ratios"])
-        for name in ("batch", "batch1"):  # pairs in which other processes used under QUIET_CORES
-            quiet = [
-                (o["tok_s"], h["tok_s"])
-                for o, h in zip(ours[name]["runs"], hf[name]["runs"], strict=False)
-                if max(o.get("others_cores") or 0, h.get("others_cores") or 0) < QUIET_CORES
-            ]
-            f[f"quiet_pairs_{name}"] = len(quiet)
-            if quiet:
-                f[f"ours_tok_s_quiet_{name}"] = statistics.median(o for o, _ in quiet)
-                f[f"hf_tok_s_quiet_{name}"] = statistics.median(h for _, h in quiet)
-                f[f"ratio_quiet_{name}"] = statistics.median(o / h for o, h in quiet)
-    return f
 
 
 # ---------------------------------------------------------------------------------------------------- where time goes
@@ -331,7 +184,7 @@ def component_times(llm, batch: int, context: int, repeats: int = 3) -> dict:
         return acc
 
     def t(fn):
-        return 1e3 * _median_time(lambda: jax.block_until_ready(fn()), repeats)[0]
+        return 1e3 * common.median_time(lambda: jax.block_until_ready(fn()), repeats)[0]
 
     return {
         "batch": batch,
@@ -430,8 +283,8 @@ def decode_matmul_shapes(cfg, batch: int, repeats: int = 5) -> list[dict]:
         b = rng.standard_normal((k, n), dtype=np.float32)
         ja, jb = jnp.asarray(a), jnp.asarray(b)
         flops = 2.0 * batch * k * n
-        t_xla = _median_time(lambda ja=ja, jb=jb: dot(ja, jb).block_until_ready(), repeats)[0]
-        t_np = _median_time(lambda a=a, b=b: a @ b, repeats)[0]
+        t_xla = common.median_time(lambda ja=ja, jb=jb: dot(ja, jb).block_until_ready(), repeats)[0]
+        t_np = common.median_time(lambda a=a, b=b: a @ b, repeats)[0]
         out.append(
             {
                 "name": name,
@@ -443,3 +296,56 @@ def decode_matmul_shapes(cfg, batch: int, repeats: int = 5) -> list[dict]:
             }
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- the sub-command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(p, repeats=3, repeats_help="timed calls of each part, their median")
+    p.add_argument("--batches", default="1,32", help="decoding sequences per step, comma-separated")
+    p.add_argument("--context", type=int, default=200, help="tokens of context of every sequence")
+    p.add_argument("--quick", action="store_true", help="small peak tests (a 512 x 512 matmul, 32 MB copied)")
+
+
+def run(a: argparse.Namespace) -> int:
+    import jax
+
+    record = common.Run("roofline")
+    peaks = measure_peaks(a.quick)
+    batches = [int(b) for b in a.batches.split(",")]
+    llm = common.build_llm(a.model, max_num_seqs=max(batches), warmup=False)
+    cfg = llm.model_config
+    peak, bandwidth = peaks["matmul_peak_gflops"] * 1e9, peaks["bandwidth_gbs"] * 1e9
+    rows = []
+    for batch in batches:
+        costs = decode_step_costs(cfg, batch, a.context)
+        floors = {
+            "compute_ms": 1e3 * costs["flops_per_step"] / peak,
+            "bandwidth_ms": 1e3 * costs["bytes_per_step"] / bandwidth,
+        }
+        parts = component_times(llm, batch, a.context, a.repeats)
+        rows.append(
+            {
+                "batch": batch,
+                "context": a.context,
+                "costs": costs,
+                "floors": floors,
+                "parts": parts,
+                "matmul_shapes": decode_matmul_shapes(cfg, batch, a.repeats + 2),
+            }
+        )
+        bound = max(floors, key=floors.get).removesuffix("_ms")
+        print(
+            f"batch {batch:3d} at {a.context}: floor {max(floors.values()):7.2f} ms ({bound}) | parts alone: "
+            f"matmuls {parts['matmuls_ms']:7.2f}, lm_head {parts['lm_head_ms']:6.2f}, "
+            f"attention {parts['attention_ms']:6.2f} ms",
+            flush=True,
+        )
+    doc = record.record(
+        model=common.model_label(a.model),
+        dtype="float32",
+        params_bytes=sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params)),
+        peaks=peaks,
+        rows=rows,
+    )
+    record.write(doc, a.out)
+    return 0

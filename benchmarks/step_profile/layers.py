@@ -3,30 +3,27 @@ XLA (the jnp layer, matmul backend "xla") and as decode-layer calls ("cpu_rows")
 alone on the same weights: the layer calls, the lm_head, the weights streamed through the rows kernel with nothing
 else (the layers' matmul floor), against this machine's read bandwidth measured in the same run.
 
-Usage: `.venv/bin/python benchmarks/decode_step_profile.py [--model GGUF_OR_DIR] [--rows 1,32] [--context 200]`
-(default model: the float32 copy of the embedded SmolLM2, `python -m netra_jax.bench.gguf_f32 --default`).
-Times are the minimum over interleaved repeats. Writes benchmarks/results/<date>-decode_step_profile.{json,md}.
+Usage: `.venv/bin/python -m benchmarks.step_profile layers [--model GGUF_OR_DIR] [--rows 1,32] [--context 200]
+[--repeats 9] [--out STEM]` (default model: the float32 copy of the embedded SmolLM2, `python -m
+netra_jax.bench.gguf_f32 --default`). Times are the minimum over interleaved repeats. Writes
+benchmarks/results/<date>-decode_step_profile.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.step_profile import common
 
 
 def _timer(fn, *args):
-    import jax
+    """A timer of `fn(*args)` (wall seconds until ready), called twice first so that it is compiled and warm."""
 
     def once() -> float:
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - t
+        return common.time_call(lambda: fn(*args))[0]
 
     once()
     once()
@@ -137,42 +134,39 @@ def paged_layout(md, num_tokens: int):
     return lay.q_pos, lay.valid, lay.rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a float32-loadable checkpoint (default: SmolLM2 F32 GGUF)")
-    ap.add_argument("--rows", default="1,32", help="decode tokens per step, comma-separated")
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--out", default=None, help="results stem (default benchmarks/results/<date>-decode_step_profile)")
-    a = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(
+        p,
+        repeats=9,
+        model_help="a float32-loadable checkpoint (default: SmolLM2 F32 GGUF)",
+        out_help="results stem (default benchmarks/results/<date>-decode_step_profile)",
+    )
+    p.add_argument("--rows", default="1,32", help="decode tokens per step, comma-separated")
+    p.add_argument("--context", type=int, default=200)
 
+
+def run(a: argparse.Namespace) -> int:
     from netra_jax.bench import limits
     from netra_jax.bench.gguf_f32 import default_f32
-    from netra_jax.bench.machine import describe, machine_info
+    from netra_jax.bench.machine import describe
     from netra_jax.loader import load_model
     from netra_jax.models.transformer import fuse_qkv
 
+    record = common.Run("decode_step_profile")
     model = a.model or str(default_f32())
     cfg, params = load_model(model, "float32", cache=False)
     params = fuse_qkv(params)
     bw = limits.read_bandwidth_gbs()
     rows = [profile(cfg, params, int(r), a.context, a.repeats) for r in a.rows.split(",")]
-    doc = {
-        "benchmark": "decode_step_profile",
-        "date": datetime.date.today().isoformat(),
-        "model": model,
-        "read_GBs": bw,
-        "machine": machine_info(),
-        "rows": rows,
-    }
-    stem = Path(a.out) if a.out else HERE / "results" / f"{doc['date']}-decode_step_profile"
+    doc = record.record(model=model, read_GBs=bw, rows=rows)
+    stem = Path(a.out) if a.out else common.RESULTS / f"{doc['date']}-decode_step_profile"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [
         f"# A CPU decode step, part by part ({doc['date']})",
         "",
         f"- Model: `{Path(model).name}` float32 (q/k/v joined, the engine's CPU layout); context {a.context}.",
         f"- Machine: {describe(doc['machine'])}; read bandwidth {bw:.1f} GB/s measured in this run.",
-        "- `python benchmarks/decode_step_profile.py`: minimum of interleaved repeats, each part jitted alone.",
+        "- `python -m benchmarks.step_profile layers`: minimum of interleaved repeats, each part jitted alone.",
         "",
         "| rows | forward, XLA layers | forward, decode layers | layer calls (GB/s) | lm_head (GB/s) | rest |"
         " weights through the rows kernel alone (GB/s) |",
@@ -189,7 +183,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"wrote {stem.with_suffix('.json')} and .md")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

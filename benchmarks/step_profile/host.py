@@ -1,7 +1,7 @@
 """Per-token host overhead of streamed serving: where the time between the engine's step and the client's SSE chunk
 goes at 1 and 8 users, on the default model (SmolLM2-135M-Instruct, float32), through the real app and uvicorn.
 
-Usage: `.venv/bin/python benchmarks/host_overhead.py [--model PATH] [--users 1 8] [--requests 4 16]
+Usage: `.venv/bin/python -m benchmarks.step_profile host [--model PATH] [--users 1 8] [--requests 4 16]
 [--input-len 128] [--output-len 128] [--endpoint completions|chat] [--repeats 3] [--label L] [--profile DIR]`.
 Writes benchmarks/results/<date>-host_overhead[_<label>].json and prints a line per concurrency.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import datetime
 import io
 import json
 import os
@@ -39,7 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks import sse_client
+from benchmarks.step_profile import common
 
 
 class Probe:
@@ -162,9 +162,7 @@ def bodies(a, tok, prompts: list[list[int]]) -> list[str]:
 
 def run_client(port: int, path: str, concurrency: int, request_bodies: list[str]) -> dict:
     spec = {"host": "127.0.0.1", "port": port, "path": path, "concurrency": concurrency, "bodies": request_bodies}
-    p = subprocess.run(
-        [sys.executable, str(HERE / "sse_client.py")], input=json.dumps(spec), capture_output=True, text=True
-    )
+    p = subprocess.run([sys.executable, sse_client.__file__], input=json.dumps(spec), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"client failed: {p.stderr[-2000:]}")
     return json.loads(p.stdout)
@@ -303,34 +301,28 @@ def print_row(r: dict) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--users", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--requests", type=int, nargs="+", default=None, help="per pass, one per --users (default 2x)")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--label", default="", help="names the result file and is kept in it (e.g. before, after)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="directory for yappi profiles of one extra pass")
-    a = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(p, repeats=3)
+    p.add_argument("--users", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--requests", type=int, nargs="+", default=None, help="per pass, one per --users (default 2x)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--label", default="", help="names the result file and is kept in it (e.g. before, after)")
+    p.add_argument("--profile", default=None, help="directory for yappi profiles of one extra pass")
+
+
+def run(a: argparse.Namespace) -> int:
     a.path = "/v1/chat/completions" if a.endpoint == "chat" else "/v1/completions"
     requests = a.requests or [2 * u for u in a.users]
     if len(requests) != len(a.users):
-        ap.error("--requests needs one count per --users")
+        raise common.OptionError("--requests needs one count per --users")
 
-    import jax
-
-    from netra_jax import LLM
-    from netra_jax.bench.machine import machine_info
-    from netra_jax.bench.results import write_result
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.serving.app import create_app
 
-    load0 = os.getloadavg()
-    llm = LLM(a.model, dtype="float32", warmup=False)  # `netra-jax serve`'s engine defaults; buckets compile on use
+    record = common.Run("host_overhead")
+    llm = common.build_llm(a.model, warmup=False)  # `netra-jax serve`'s engine defaults; buckets compile on use
     engine = llm.engine
     engine.ready = True
     a.vocab_size = engine.vocab_size
@@ -354,25 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(results) != len(a.users):
         print("error: the measurement did not finish", file=sys.stderr)
         return 1
-    doc = {
-        "benchmark": "host_overhead",
-        "label": a.label,
-        "date": datetime.date.today().isoformat(),
-        "model": a.model or "SmolLM2-135M-Instruct (default)",
-        "dtype": "float32",
-        "endpoint": a.endpoint,
-        "input_len": a.input_len,
-        "output_len": a.output_len,
-        "repeats": a.repeats,
-        "platform": jax.default_backend(),
-        "jax": jax.__version__,
-        "machine": machine_info(),
-        "load_average_before_after": [load0, os.getloadavg()],
-        "results": results,
-    }
-    write_result(doc, f"host_overhead{'_' + a.label if a.label else ''}", HERE / "results", a.out)
+    doc = record.record(
+        label=a.label,
+        model=common.model_label(a.model),
+        dtype="float32",
+        endpoint=a.endpoint,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        repeats=a.repeats,
+        results=results,
+    )
+    record.write(doc, a.out, a.label)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 and output lengths, greedy, ignore_eos) and the next one when it finishes, as `netra-jax bench serve` does against
 the server, but into one LLMEngine, so the variants share the compiled steps and alternate pass by pass.
 
-Usage: `.venv/bin/python benchmarks/step_composition.py [--users 8,32] [--rounds 2] [--repeats 2]
+Usage: `.venv/bin/python -m benchmarks.step_profile composition [--users 8,32] [--rounds 2] [--repeats 2]
         [--variants aligned:align_chunks_to_buckets=true plain:align_chunks_to_buckets=false] [--trace FILE]`
 A variant sets SchedulerConfig fields that leave the step shapes alone (the engine's scheduler config is swapped
 between passes). Arrivals: a user's next request comes 0..--jitter-ms after its previous one finished (the HTTP
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import heapq
 import json
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.step_profile import common
+
+DEFAULT_VARIANTS = ("aligned:align_chunks_to_buckets=true", "plain:align_chunks_to_buckets=false")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -107,45 +106,44 @@ def run_pass(engine, users, num_requests, prompt_len, output_len, jitter_s, seed
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--users", default="8,32", help="comma list of concurrencies")
-    ap.add_argument("--rounds", type=int, default=2, help="requests per user in a pass")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--jitter-ms", type=float, default=20.0)
-    ap.add_argument("--repeats", type=int, default=2, help="passes of each variant at each concurrency")
-    ap.add_argument(
-        "--variants",
-        nargs="+",
-        type=parse_variant,
-        default=[
-            parse_variant(v) for v in ("aligned:align_chunks_to_buckets=true", "plain:align_chunks_to_buckets=false")
-        ],
-    )
-    ap.add_argument("--trace", default=None, help="also write a step trace of every pass (engine/step_trace.py)")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(p, repeats=2, repeats_help="passes of each variant at each concurrency")
+    p.add_argument("--users", default="8,32", help="comma list of concurrencies")
+    p.add_argument("--rounds", type=int, default=2, help="requests per user in a pass")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--jitter-ms", type=float, default=20.0)
+    p.add_argument("--variants", nargs="+", type=parse_variant, default=[parse_variant(v) for v in DEFAULT_VARIANTS])
+    p.add_argument("--trace", default=None, help="also write a step trace of every pass (engine/step_trace.py)")
 
-    import jax
 
-    from netra_jax import LLM
-    from netra_jax.bench.machine import machine_info
+def print_table(results: list[dict]) -> None:
+    print("\n| users | variant | output tok/s | ratio | median TTFT ms | median TPOT ms | steps | padding |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in results:
+        for name, v in row["variants"].items():
+            m = v["median"]
+            print(
+                f"| {row['users']} | {name} | {m['output_tok_s']:.1f} | {m['tok_s_ratio_to_first']:.3f} | "
+                f"{m['median_ttft_ms']:.0f} | {m['median_tpot_ms']:.1f} | {m['steps']:.0f} | "
+                f"{100 * m['padding_share']:.0f}% |"
+            )
 
-    llm = LLM(a.model, dtype="float32")  # every bucket compiled first (the persistent cache makes it quick)
+
+def run(a: argparse.Namespace) -> int:
+    llm = common.build_llm(a.model)  # every bucket compiled first (the persistent cache makes it quick)
     engine = llm.engine
     base = engine.scheduler.config
     configs = {name: dataclasses.replace(base, **fields) for name, fields in a.variants}
     trace = engine.trace_steps(a.trace) if a.trace else None
-    load0 = os.getloadavg()
+    record = common.Run("step_composition")
     results, passes = [], 0
     for users in (int(u) for u in a.users.split(",")):
         n = users * a.rounds
         args = (users, n, a.prompt_len, a.output_len, a.jitter_ms / 1e3)
         runs: dict[str, list[dict]] = {name: [] for name in configs}
-        for r in range(a.repeats):  # interleaved, alternating order
-            for name in list(configs) if r % 2 == 0 else list(configs)[::-1]:
+        for r in range(a.repeats):
+            for name in common.alternating(configs, r):
                 engine.scheduler.config = configs[name]
                 first_step = engine.runner.num_steps
                 passes += 1
@@ -168,34 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
     if trace is not None:
         trace.close()
-    doc = {
-        "benchmark": "step_composition",
-        "date": datetime.date.today().isoformat(),
-        "model": a.model or "SmolLM2-135M-Instruct (default)",
-        "dtype": "float32",
-        "platform": jax.default_backend(),
-        "machine": machine_info(),
-        "load_average_before_after": [load0, os.getloadavg()],
-        "settings": {k: v for k, v in vars(a).items() if k != "variants"},
-        "variants": {name: fields for name, fields in a.variants},
-        "note": "offline closed loop in one engine; variants alternate pass by pass; medians of --repeats passes",
-        "results": results,
-    }
-    from netra_jax.bench.results import write_result
-
-    write_result(doc, "step_composition", HERE / "results", a.out)
-    print("\n| users | variant | output tok/s | ratio | median TTFT ms | median TPOT ms | steps | padding |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for row in results:
-        for name, v in row["variants"].items():
-            m = v["median"]
-            print(
-                f"| {row['users']} | {name} | {m['output_tok_s']:.1f} | {m['tok_s_ratio_to_first']:.3f} | "
-                f"{m['median_ttft_ms']:.0f} | {m['median_tpot_ms']:.1f} | {m['steps']:.0f} | "
-                f"{100 * m['padding_share']:.0f}% |"
-            )
+    doc = record.record(
+        model=common.model_label(a.model),
+        dtype="float32",
+        settings={k: v for k, v in vars(a).items() if k != "variants"},
+        variants={name: fields for name, fields in a.variants},
+        note="offline closed loop in one engine; variants alternate pass by pass; medians of --repeats passes",
+        results=results,
+    )
+    record.write(doc, a.out)
+    print_table(results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,28 +1,26 @@
 """What one engine step costs on this machine, by composition: D decodes at a context length plus prompt chunks, each
 padded to its token bucket, run through ModelRunner.run on the default model in float32 (no scheduler, no server).
 
-Usage: `.venv/bin/python benchmarks/step_cost.py [CASE ...] [--repeats 7] [--no-attention] [--out FILE]`
+Usage: `.venv/bin/python -m benchmarks.step_profile cost [CASE ...] [--repeats 7] [--no-attention] [--xla-only]
+[--model PATH] [--out FILE]`
 A CASE is JSON `[decodes, context, [chunk, ...]]`, e.g. `[8,200,[120]]`: 8 decode tokens at position 200 and one
 120-token prompt chunk (bucket 128). Without cases, a grid of decode-only, prefill-only and mixed steps around the
 8- and 32-user serving loads. Times: the minimum over interleaved repeats, as wall time and as the process's CPU
 time (all threads; steadier than wall time on a shared machine, though contention inflates it too).
 --no-attention: each case also runs through a second runner whose attention is the identity (the projections, MLPs,
 lm_head and sampling rows alone), interleaved with the real one: their difference is the attention's cost.
+--xla-only: each case also runs without the C++ CPU kernels (XLA's dot for every matmul, the jnp attention).
 Writes benchmarks/results/<date>-step_cost.json (with the machine) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
-import sys
-import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.step_profile import common
+
 GRID = [
     [1, 200, []],
     [8, 200, []],
@@ -61,11 +59,7 @@ def build_step(pool, rng, counter, decodes: int, context: int, chunks: list[int]
 
 def time_run(runner, out) -> tuple[float, float]:
     """(wall s, process CPU s) of one dispatched step until its logits are ready."""
-    import jax
-
-    c0, t0 = time.process_time(), time.perf_counter()
-    jax.block_until_ready(runner.run(out).logits)
-    return time.perf_counter() - t0, time.process_time() - c0
+    return common.time_call(lambda: runner.run(out).logits)
 
 
 def second_runner(engine, **overrides):
@@ -102,31 +96,26 @@ def identity_attention_runner(engine):
     return second_runner(engine), lambda: patch(real)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cases", nargs="*", type=json.loads, help="[decodes, context, [chunk, ...]] (default: a grid)")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--no-attention", action="store_true", help="also time each case with attention stubbed out")
-    ap.add_argument(
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_options(p, repeats=7, model_help="a checkpoint (default: the embedded SmolLM2 Q4_1)")
+    p.add_argument("cases", nargs="*", type=json.loads, help="[decodes, context, [chunk, ...]] (default: a grid)")
+    p.add_argument("--no-attention", action="store_true", help="also time each case with attention stubbed out")
+    p.add_argument(
         "--xla-only",
         action="store_true",
         help="also time each case without the C++ CPU kernels: XLA's dot for every matmul and the jnp attention",
     )
-    ap.add_argument("--model", default=None, help="a checkpoint (default: the embedded SmolLM2 Q4_1)")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
 
+
+def run(a: argparse.Namespace) -> int:
     import random
 
-    from netra_jax.bench.machine import machine_info
     from netra_jax.engine.factory import build_engine
     from netra_jax.engine_config import EngineConfig
 
-    load0 = os.getloadavg()
+    record = common.Run("step_cost")
     model = {"model": a.model} if a.model else {}
-    engine = build_engine(
-        EngineConfig(**model, dtype="float32", warmup=False)
-    )  # overlapped steps, as the server runs them
+    engine = build_engine(EngineConfig(**model, dtype="float32", warmup=False))  # overlapped steps, as served
     rng, counter = random.Random(0), itertools.count()
     cases = a.cases or GRID
     steps = [build_step(engine.pool, rng, counter, d, ctx, chunks) for d, ctx, chunks in cases]
@@ -146,18 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         for out in steps:
             time_run(runners["xla_only"], out)
     times = {(i, k): [] for i in range(len(steps)) for k in runners}
-    for rep in range(a.repeats):  # interleaved, the runners in alternating order
+    for rep in range(a.repeats):
         for i, out in enumerate(steps):
-            for k in list(runners) if rep % 2 == 0 else list(runners)[::-1]:
+            for k in common.alternating(runners, rep):
                 times[(i, k)].append(time_run(runners[k], out))
     rows = []
     for i, (case, out) in enumerate(zip(cases, steps, strict=True)):
         row = {
             "case": case,
             "tokens": out.num_batched_tokens,
-            "bucket": engine.runner.shape_for(out.num_batched_tokens),
+            "bucket": engine.runner.shape_for(out.num_batched_tokens).num_tokens,
         }
-        row["bucket"] = row["bucket"].num_tokens
         for k in runners:
             row[f"{k}_wall_ms"] = 1e3 * min(w for w, _ in times[(i, k)])
             row[f"{k}_cpu_ms"] = 1e3 * min(c for _, c in times[(i, k)])
@@ -173,22 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             f"CPU/bucket token {row['full_cpu_ms'] / row['bucket']:5.2f}{extra}",
             flush=True,
         )
-    doc = {
-        "benchmark": "step_cost",
-        "date": datetime.date.today().isoformat(),
-        "model": f"{a.model or 'SmolLM2-135M-Instruct (default)'}, float32",
-        "matmul_backend": engine.runner.matmul_backend,
-        "attention_backend": engine.runner.backend,
-        "machine": machine_info(),
-        "load_average_before_after": [load0, os.getloadavg()],
-        "repeats": a.repeats,
-        "rows": rows,
-    }
-    from netra_jax.bench.results import write_result
-
-    write_result(doc, "step_cost", HERE / "results", a.out)
+    doc = record.record(
+        model=f"{common.model_label(a.model)}, float32",
+        matmul_backend=engine.runner.matmul_backend,
+        attention_backend=engine.runner.backend,
+        repeats=a.repeats,
+        rows=rows,
+    )
+    record.write(doc, a.out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
