@@ -16,7 +16,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 SECTIONS = ["device", "correctness", "kernels", "attention", "model", "quant", "serve", "peers"]
-sys.path.insert(0, str(BENCH))
 
 
 def _env(tmp_path: Path, guard: bool = True) -> dict:
@@ -40,6 +39,7 @@ def dry_run(tmp_path_factory):
     return r, json.loads(found.read_text()), found.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow  # the dry run of every section: about 95 s
 def test_dry_run_measures_every_section(dry_run):
     r, res, md = dry_run
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
@@ -93,8 +93,9 @@ def test_dry_run_measures_every_section(dry_run):
 
 def test_spent_budget_is_recorded(tmp_path):
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "gpu_check", str(out), "--dry-run", "--budget", "1", "--work-dir", str(tmp_path)]
-    env = _env(tmp_path, guard=False) | {"PYTHONPATH": str(BENCH)}
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", str(out), "--dry-run", "--budget", "1"]
+    cmd += ["--work-dir", str(tmp_path)]
+    env = _env(tmp_path, guard=False) | {"PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert r.returncode == 1
     (found,) = out.glob("*-gpu_check-cpu-dry.json")
@@ -105,8 +106,7 @@ def test_spent_budget_is_recorded(tmp_path):
 
 
 def test_synthetic_tokenizer_round_trips(tmp_path):
-    from gpu_check.model_dir import LLAMA3_8B, ensure_model_dir
-
+    from benchmarks.gpu_check.model_dir import LLAMA3_8B, ensure_model_dir
     from netra_jax.tokenization.tokenizer import Tokenizer
 
     path = ensure_model_dir(tmp_path, dry=False)

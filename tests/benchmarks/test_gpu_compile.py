@@ -13,15 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_check import configs
+from benchmarks.gpu_compile import capture
+from netra_jax.engine.buckets import token_buckets
+from netra_jax.ops.gpu_budget import GpuBudget
+
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-from gpu_check import configs  # noqa: E402
-from gpu_compile import capture  # noqa: E402
-
-from netra_jax.engine.buckets import token_buckets  # noqa: E402
-from netra_jax.ops.gpu_budget import GpuBudget  # noqa: E402
 
 CUDA_SITE = Path(os.environ.get("NETRA_JAX_CUDA_SITE") or REPO / ".venv" / "cuda13").resolve()
 HAVE_CUDA = (CUDA_SITE / "jax_plugins" / "xla_cuda13").is_dir()
@@ -223,8 +220,8 @@ def test_the_list_spans_what_the_kernels_branch_on():
 
 
 def _run(args: list[str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CUDA_SITE), str(BENCH)]), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "gpu_compile", *args, "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CUDA_SITE), str(REPO)]), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "benchmarks.gpu_compile", *args, "--out", str(tmp_path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
 
@@ -238,6 +235,7 @@ def compile_check(tmp_path_factory):
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_every_kernel_configuration_compiles_within_its_budget(compile_check):
     r, results = compile_check
     assert set(results) == {"h200", "a100"}, r.stdout[-3000:] + r.stderr[-3000:]
@@ -254,6 +252,7 @@ def test_every_kernel_configuration_compiles_within_its_budget(compile_check):
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_fp8_weights_multiply_in_fp8_on_hopper_and_are_never_copied_there(compile_check):
     """H200: every fp8 product of 16 rows or more is a GEMM over fp8 operands (XLA's Triton GEMM or cuBLASLt's fp8
     call) and no product copies the weight; A100: the W8A16 fallback compiles (XLA widens the weight there)."""
@@ -269,6 +268,7 @@ def test_fp8_weights_multiply_in_fp8_on_hopper_and_are_never_copied_there(compil
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_every_step_program_fits_the_memory_sizing(compile_check):
     r, results = compile_check
     assert r.returncode == 0, r.stdout[-3000:]
@@ -298,6 +298,7 @@ def test_every_step_program_fits_the_memory_sizing(compile_check):
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_broken_kernels_fail_the_check(tmp_path):
     """An oversized Triton block does not compile for the A100; the Mosaic kernel at head_dim 256 with P staged
     through shared memory spills: the check must fail both, each for its reason."""

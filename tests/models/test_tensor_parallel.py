@@ -352,7 +352,7 @@ def _refuse(*a, **k):
 def _gguf_check(tmp: Path) -> dict:
     """tiny-qwen2 (1 KV head) as GGUF on 4 devices: de-quantized whole, then placed; again from the param cache."""
     import jax
-    from test_loader import to_gguf
+    from support.hf_to_gguf import to_gguf
 
     from netra_jax.loader import gguf_loader, load_model
 

@@ -1,6 +1,6 @@
-"""Request bodies for the Responses API tests (tests/server/test_server_responses.py): a conversation in both APIs' shapes,
-function tools, the table of refused bodies with the field each must name, and generated bodies (input items and
-parts of every kind, tools, tool choices, formats, edge values)."""
+"""Request bodies for the Responses API tests (tests/server/test_server_responses.py): a conversation in both APIs'
+shapes, function tools, the table of refused bodies with the field each must name, and generated bodies (input items
+and parts of every kind, tools, tool choices, formats, edge values)."""
 
 from __future__ import annotations
 
