@@ -45,6 +45,7 @@ import numpy as np
 from netra_jax.config import ModelConfig
 from netra_jax.models.head_parallel import head_parallel
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
+from netra_jax.models.lora import LayerLoRA, lora_delta
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.rope import rope, rope_tables
 from netra_jax.ops import cpu_decode_layer
@@ -101,11 +102,20 @@ def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str) -> jax.Array:
+def _with_lora(y: jax.Array, x: jax.Array, lora: tuple[LayerLoRA, jax.Array] | None, target: str) -> jax.Array:
+    """y plus the adapters' delta of `target` on input x (see `netra_jax.models.lora`); y itself without adapters."""
+    if lora is None:
+        return y
+    layer, slots = lora
+    return y + lora_delta(x, layer[target], slots)
+
+
+def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None) -> jax.Array:
     gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
-    gate, up = gu[:, 0], gu[:, 1]
+    gate, up = _with_lora(gu[:, 0], x, lora, "gate"), _with_lora(gu[:, 1], x, lora, "up")
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return _linear(act * up, lp["w_down"], mb=mb)
+    h = act * up
+    return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down")
 
 
 def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, backend: str):
@@ -124,7 +134,7 @@ def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, b
     return o, kp, vp
 
 
-def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh, mb: str):
+def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh, mb: str, lora=None):
     """Attention of layer i before its output projection: x [T, hidden] -> (each head's output [T, q_heads,
     head_dim], K pages, V pages)."""
     T = x.shape[0]
@@ -133,6 +143,7 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
     else:
         q, k, v = (_linear(x, lp[w], lp.get(b), mb) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q, k, v = _with_lora(q, x, lora, "q"), _with_lora(k, x, lora, "k"), _with_lora(v, x, lora, "v")
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -157,6 +168,7 @@ def _layer(
     md,
     hook_ctx=None,
     hook_in=None,
+    lora=None,
     *,
     cfg: ModelConfig,
     i: int,
@@ -168,7 +180,8 @@ def _layer(
     """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages, recorded activations). A
     nested jit, so a model's alike layers are traced and lowered once per step variant instead of once each
     (start-up time); XLA inlines the calls, and the compiled step is the one the unrolled loop gives. `hooks`: this
-    layer's hook points (see `netra_jax.models.hooks`), run with `hook_ctx` and their traced inputs `hook_in`."""
+    layer's hook points (see `netra_jax.models.hooks`), run with `hook_ctx` and their traced inputs `hook_in`.
+    lora: (this layer's adapter slots, each token's slot [T]) or None (see `netra_jax.models.lora`)."""
     records: dict[str, jax.Array] = {}
 
     def point(name, value):
@@ -178,14 +191,14 @@ def _layer(
     x = point("resid_pre", x)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     mb = matmul_backend
-    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb)  # [T, q_heads, head_dim]
-    o = point("attn_heads", o)
-    h = _linear(o.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), mb)
+    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb, lora)  # [T, q_heads, hd]
+    o = point("attn_heads", o).reshape(T, cfg.q_size)
+    h = _with_lora(_linear(o, lp["wo"], lp.get("bo"), mb), o, lora, "o")
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     x = point("resid_mid", x + point("attn_out", h))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb)
+    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb, lora)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
     x = point("resid_post", x + point("mlp_out", h))
@@ -253,6 +266,8 @@ def hidden_states(
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
     matmul_backend: str = "xla",
+    lora: list[LayerLoRA] | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """The decoder stack up to the final norm (no lm_head): what `forward` turns into logits and embedding models
     pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
@@ -271,7 +286,17 @@ def hidden_states(
     new_k, new_v = [], []
     records: dict[str, jax.Array] = {}
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
-    one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and hooks is None and mesh is None
+    if (lora is None) != (lora_slots is None):
+        raise ValueError("lora and lora_slots go together: the adapter slots and each token's slot [T]")
+    if lora is not None and mesh is not None:
+        raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
+    one_call = (
+        matmul_backend in ("cpu_rows", "cpu_rows_q8")
+        and backend == "cpu"
+        and hooks is None
+        and mesh is None
+        and lora is None
+    )
     tables: dict = {}  # RoPE tables per rope setting, for the layers run as one kernel call
     for i, lp in enumerate(params["layers"]):
         if one_call and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0]):
@@ -296,6 +321,7 @@ def hidden_states(
             md,
             None if lh is None else ctx,
             layer_inputs(hook_arrays, lh),
+            None if lora is None else (lora[i], lora_slots),
             cfg=cfg,
             i=like,
             backend=backend,
@@ -344,6 +370,8 @@ def forward(
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
     matmul_backend: str = "xla",
+    lora: list[LayerLoRA] | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """Run the model on a flat batch of new tokens, writing their K/V into the pages.
 
@@ -358,6 +386,8 @@ def forward(
     of `netra_jax.ops.cpu_matmul` and, with the "cpu" attention backend and no hooks, the dense float32 layers of a
     step of at most 32 tokens as one call each of `netra_jax.ops.cpu_decode_layer` (what the engine runs on CPU;
     unsharded parameters only, lowers for CPU only, not differentiable).
+    lora, lora_slots: LoRA adapter slots (per layer {target: (a [S, in, R], b [S, R, out])}) and each token's slot
+    [T] int32 (-1: the base model), see `netra_jax.models.lora`; differentiable in the slots' factors.
     Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
     activations {hook name: array}.
     """
@@ -376,6 +406,8 @@ def forward(
         hook_arrays=hook_arrays,
         hook_request=hook_request,
         matmul_backend=matmul_backend,
+        lora=lora,
+        lora_slots=lora_slots,
     )
     logits = unembed(params, cfg, out[0], matmul_backend=matmul_backend)  # [S or T, vocab]
     return (logits, *out[1:])
@@ -393,7 +425,14 @@ def _scratch_sequence(cfg: ModelConfig, num_tokens: int, dtype) -> tuple[KVCache
 
 
 def forward_dense(
-    params: dict, cfg: ModelConfig, x: jax.Array, *, backend: str = "reference", matmul_backend: str = "xla"
+    params: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    *,
+    backend: str = "reference",
+    matmul_backend: str = "xla",
+    lora: list[LayerLoRA] | None = None,
+    lora_slot: int | jax.Array | None = None,
 ) -> jax.Array:
     """Logits at every position of one sequence, without a cache argument: `forward` on a scratch paged cache
     that holds just this sequence (positions 0..T-1). For training-style use.
@@ -412,6 +451,8 @@ def forward_dense(
         backend: the attention backend (see `netra_jax.ops.attention.BACKENDS`).
         matmul_backend: the matmul backend (see `netra_jax.quant.matmul.BACKENDS`; its kernels are not
             differentiable: keep "xla" for gradients).
+        lora, lora_slot: LoRA adapter slots (`netra_jax.models.lora.empty_slots` / `set_slot`) and the slot the
+            whole sequence uses (-1 or None: the base model); differentiable in the slots' factors.
 
     Returns:
         logits [T, vocab] float32.
@@ -425,7 +466,20 @@ def forward_dense(
     kv, md = _scratch_sequence(cfg, T, params["embed"].dtype)
     positions = jnp.arange(T, dtype=jnp.int32)
     token_ids, embeds = (x, None) if ids else (None, x)
+    slots = None
+    if lora is not None:
+        slots = jnp.full((T,), -1 if lora_slot is None else lora_slot, jnp.int32)
     logits, _ = forward(
-        params, cfg, token_ids, positions, kv, md, backend=backend, input_embeds=embeds, matmul_backend=matmul_backend
+        params,
+        cfg,
+        token_ids,
+        positions,
+        kv,
+        md,
+        backend=backend,
+        input_embeds=embeds,
+        matmul_backend=matmul_backend,
+        lora=lora,
+        lora_slots=slots,
     )
     return logits

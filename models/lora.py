@@ -1,0 +1,232 @@
+"""LoRA adapters over the pure forward: PEFT checkpoints read into per-layer low-rank factors (checked against the
+base model), a fixed number of device slots that hold several adapters at once, and the per-token delta.
+
+An adapter adds `scale * (x @ A) @ B` to a projection's output, scale = alpha / r (alpha / sqrt(r) with rsLoRA);
+here the scale is folded into B at load. Targets, by their names in the PEFT checkpoint: q_proj, k_proj, v_proj,
+o_proj (attention) and gate_proj, up_proj, down_proj (dense MLP layers). Our fused layouts (wqkv, w_gate_up) keep one
+factor pair per projection: the delta is added to the fused output's part that projection owns.
+
+Slots (what the forward takes): one dict per layer, target -> (a [S, in, R], b [S, R, out]), S slots of rank R (the
+largest rank served; smaller adapters are zero-padded, which adds exact zeros), and `slots` [T] int32, each token's
+slot, -1 for the base model. Every target of every layer is always present (zeros where an adapter leaves it), so
+the compiled step never depends on which adapters, ranks or mixes a batch holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from netra_jax.config import ModelConfig
+
+__all__ = [
+    "TARGETS",
+    "LoRAAdapter",
+    "LoRAError",
+    "LayerLoRA",
+    "empty_slots",
+    "load_peft_adapter",
+    "lora_delta",
+    "set_slot",
+    "target_shapes",
+]
+
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+_PEFT_MODULES = {f"{t}_proj": t for t in TARGETS}
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (Gemma 3's multimodal checkpoints add
+# language_model.; PEFT's adapter name may stand before .weight in checkpoints saved without stripping it)
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+    r"(self_attn|mlp)\.([A-Za-z0-9_.]+?)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
+)
+
+# one layer's slots: target -> (a [S, in, R], b [S, R, out])
+LayerLoRA = dict[str, tuple[jax.Array, jax.Array]]
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served on this model; the message names the file, tensor or setting."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoRAAdapter:
+    """One adapter's factors, ready for a slot: weights[(layer, target)] = (a [in, r] float32, b [r, out] float32,
+    the scale folded in). `rank` is the largest r of its modules."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({t for _, t in self.weights}, key=TARGETS.index)
+
+
+def target_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of every projection an adapter may target in `layer` (MLP targets only in dense MLP layers)."""
+    shapes = {
+        "q": (cfg.hidden_size, cfg.q_size),
+        "k": (cfg.hidden_size, cfg.kv_size),
+        "v": (cfg.hidden_size, cfg.kv_size),
+        "o": (cfg.q_size, cfg.hidden_size),
+    }
+    if not cfg.is_moe_layer(layer):
+        shapes |= {
+            "gate": (cfg.hidden_size, cfg.intermediate_size),
+            "up": (cfg.hidden_size, cfg.intermediate_size),
+            "down": (cfg.intermediate_size, cfg.hidden_size),
+        }
+    return shapes
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that the module's name ends with (as a regex)."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise LoRAError(f"{path}: no adapter_config.json (a PEFT LoRA adapter directory holds it)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LoRAError(f"{cfg_file}: not JSON ({e})") from None
+    refusals = [
+        (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA is served)"),
+        (config.get("modules_to_save"), f"modules_to_save {config.get('modules_to_save')} (fully trained modules)"),
+        (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} (only 'none')"),
+        (config.get("lora_bias"), "lora_bias (a bias on lora_B)"),
+        (config.get("use_dora"), "use_dora (DoRA's magnitude vectors)"),
+        (config.get("target_parameters"), "target_parameters (LoRA on MoE expert weights)"),
+        (config.get("layer_replication"), "layer_replication"),
+    ]
+    for refused, what in refusals:
+        if refused:
+            raise LoRAError(f"{cfg_file}: {what} is not supported")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
+            raise LoRAError(f"{cfg_file}: {key} must be a positive number, got {config.get(key)!r}")
+    return config
+
+
+def load_peft_adapter(
+    path: str | Path, cfg: ModelConfig, *, name: str | None = None, max_rank: int | None = None
+) -> LoRAAdapter:
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) for the model `cfg`.
+
+    Raises LoRAError naming the problem: a refused setting (modules_to_save, a bias, DoRA, expert weights), a tensor
+    that targets something other than the q/k/v/o and dense gate/up/down projections, a layer the model lacks, a
+    shape that does not match the base projection, A without B, or a rank over `max_rank`."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    config = _read_config(path)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        hint = " (adapter_model.bin, a pickle, is not read: convert it to safetensors)"
+        raise LoRAError(
+            f"{path}: no adapter_model.safetensors" + (hint if (path / "adapter_model.bin").exists() else "")
+        )
+    try:
+        tensors = load_file(weights_file)
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        raise LoRAError(f"{weights_file}: not a safetensors file ({e})") from None
+    factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    modules: dict[tuple[int, str], str] = {}
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise LoRAError(f"{weights_file}: tensor {key!r} is not a LoRA factor of a decoder layer's projection")
+        layer, block, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        target = _PEFT_MODULES.get(module)
+        if target is None or (block == "self_attn") != (target in ATTENTION_TARGETS):
+            what = "expert weights" if "experts" in module else f"module {block}.{module}"
+            raise LoRAError(
+                f"{weights_file}: tensor {key!r} targets {what}; served targets are "
+                f"{', '.join(_PEFT_MODULES)} (MLP ones in dense layers)"
+            )
+        if layer >= cfg.num_layers:
+            raise LoRAError(f"{weights_file}: tensor {key!r} is for layer {layer}; the model has {cfg.num_layers}")
+        shapes = target_shapes(cfg, layer)
+        if target not in shapes:
+            raise LoRAError(f"{weights_file}: tensor {key!r} targets layer {layer}'s MLP, a mixture of experts")
+        factors.setdefault((layer, target), {})[which] = np.asarray(value, np.float32)
+        modules[(layer, target)] = f"model.layers.{layer}.{block}.{module}"
+    if not factors:
+        raise LoRAError(f"{weights_file}: no LoRA factors")
+    weights, rank = {}, 0
+    for (layer, target), ab in sorted(factors.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise LoRAError(f"{weights_file}: {modules[(layer, target)]} has no {missing}")
+        a, b = ab["A"], ab["B"]  # PEFT: lora_A.weight [r, in], lora_B.weight [out, r]
+        fan_in, fan_out = target_shapes(cfg, layer)[target]
+        r = a.shape[0]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise LoRAError(
+                f"{weights_file}: {modules[(layer, target)]}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do "
+                f"not fit the projection [{fan_in} -> {fan_out}] (expected [r, {fan_in}] and [{fan_out}, r])"
+            )
+        if max_rank is not None and r > max_rank:
+            raise LoRAError(f"{weights_file}: {modules[(layer, target)]} has rank {r}, over max_lora_rank={max_rank}")
+        alpha = _pattern_value(config.get("alpha_pattern"), modules[(layer, target)], config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        weights[(layer, target)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T) * np.float32(scale))
+        rank = max(rank, r)
+    return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)
+
+
+def empty_slots(cfg: ModelConfig, num_slots: int, max_rank: int, dtype=jnp.float32) -> list[LayerLoRA]:
+    """Zeroed slots for every target of every layer: per layer {target: (a [S, in, R], b [S, R, out])}."""
+    return [
+        {
+            t: (jnp.zeros((num_slots, fan_in, max_rank), dtype), jnp.zeros((num_slots, max_rank, fan_out), dtype))
+            for t, (fan_in, fan_out) in target_shapes(cfg, i).items()
+        }
+        for i in range(cfg.num_layers)
+    ]
+
+
+def set_slot(slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None) -> list[LayerLoRA]:
+    """`slots` with slot `slot` holding `adapter` (zero-padded to the slots' rank; targets it leaves are zeroed), or
+    cleared when adapter is None. Functional: returns new arrays."""
+    out = []
+    for i, layer in enumerate(slots):
+        new = {}
+        for t, (a, b) in layer.items():
+            max_rank = a.shape[2]
+            fa = np.zeros(a.shape[1:], np.float32)
+            fb = np.zeros(b.shape[1:], np.float32)
+            if adapter is not None and (i, t) in adapter.weights:
+                wa, wb = adapter.weights[(i, t)]
+                if wa.shape[1] > max_rank:
+                    raise LoRAError(f"adapter {adapter.name!r} has rank {wa.shape[1]}, over the slots' {max_rank}")
+                fa[:, : wa.shape[1]] = wa
+                fb[: wb.shape[0]] = wb
+            new[t] = (a.at[slot].set(jnp.asarray(fa, a.dtype)), b.at[slot].set(jnp.asarray(fb, b.dtype)))
+        out.append(new)
+    return out
+
+
+def lora_delta(x: jax.Array, ab: tuple[jax.Array, jax.Array], slots: jax.Array) -> jax.Array:
+    """Each token's adapter delta: x [T, in], ab = (a [S, in, R], b [S, R, out]), slots [T] int32 (-1: none) ->
+    [T, out] in x's dtype. Every slot's product is taken and the others' masked to exact zeros before the second
+    factor, so a token's delta does not depend on which adapters its neighbours use (static shapes, one program for
+    every mix); the cost is S times a single adapter's, small next to the base matmul at ranks of 8-64."""
+    a, b = ab
+    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype))  # [T, S, R]
+    mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]  # [T, S]
+    xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), xa.dtype))
+    return jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype))  # [T, out]
