@@ -6,9 +6,17 @@ from netra_jax.api import LLM
 from netra_jax.config import ModelConfig
 from netra_jax.engine.factory import build_engine
 from netra_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from netra_jax.engine_config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig
+from netra_jax.engine_config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
 from netra_jax.interventions import HookedOutput, ParamsUpdate
+from netra_jax.lora_request import LoRARequest
 from netra_jax.models.hooks import HookContext, Hooks
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
@@ -32,6 +40,8 @@ __all__ = [
     "HookContext",
     "HookedOutput",
     "ParamsUpdate",
+    "LoRARequest",
+    "LoRAConfig",
     "EngineConfig",
     "CacheConfig",
     "SchedulerConfig",

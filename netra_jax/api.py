@@ -21,6 +21,7 @@ from netra_jax.engine.outputs import RequestOutput
 from netra_jax.engine_args import EngineArgs
 from netra_jax.engine_config import PoolerConfig, SpeculativeConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
+from netra_jax.lora_request import LoRARequest
 from netra_jax.models.hooks import Hooks
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
@@ -105,6 +106,12 @@ class LLM:
             are identical to decoding without it (see `netra_jax.engine.spec`).
         max_logprobs: The most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default 20, also the
             most the compiled sampler computes); a request asking for more is a ValueError.
+        enable_lora: Serve LoRA adapters: `generate(..., lora_request=LoRARequest(name, id, path))`, any mix of
+            adapters and the base model in one batch (see `netra_jax.models.lora`).
+        max_loras: Adapters held on the device at once; a request of another adapter waits until one of them has
+            no running request.
+        max_lora_rank: The largest adapter rank served (every device slot is padded to it).
+        max_cpu_loras: Adapters kept read in host memory (None: max_loras); others are read again when needed.
         **engine_options: Any other option of `netra_jax.engine_args.EngineArgs` (max_waiting,
             align_chunks_to_buckets, served_model_name); every option has the default EngineArgs gives it, except
             warmup (False here).
@@ -145,6 +152,10 @@ class LLM:
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | None = None,
         max_logprobs: int = 20,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **engine_options: Any,
     ):
         if model is not None and not Path(model).exists():
@@ -180,6 +191,10 @@ class LLM:
             scheduling_policy=scheduling_policy,
             speculative_config=speculative_config,
             max_logprobs=max_logprobs,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
             **engine_options,
         )
         self.config = args.create_engine_config()
@@ -352,11 +367,18 @@ class LLM:
         ]
 
     # ------------------------------------------------------------------ generation
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0, hooked: bool = False) -> str:
+    def _add(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        hooked: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         rid = str(next(self._ids))
         # a hooked request's KV depends on its hooks: its prefix-cache key is its own, so it shares no block
         key = f"hooked:{id(self)}:{rid}" if hooked else None
-        self.engine.add_request(rid, prompt, params, priority=priority, cache_key=key)
+        self.engine.add_request(rid, prompt, params, priority=priority, cache_key=key, lora_request=lora_request)
         return rid
 
     def _normalize(self, prompts, params) -> tuple[list[PromptType], list[SamplingParams]]:
@@ -379,6 +401,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         hooks: Hooks | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for all prompts at once through the batching engine; outputs in prompt order.
 
@@ -394,6 +417,8 @@ class LLM:
                 + output (the last output token never runs through the model), padding removed. Hooked requests
                 share no prefix-cache block with any other request; n must be 1; not with speculative decoding;
                 nothing else may run in the engine meanwhile.
+            lora_request: The LoRA adapter of every prompt, or one per prompt (None: the base model), as in vLLM;
+                needs enable_lora. A bad adapter raises LoRAError (a ValueError naming the file or tensor).
 
         Returns:
             One RequestOutput per prompt, in order.
@@ -405,10 +430,16 @@ class LLM:
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         if hooks is not None:
             self._check_hooked(hooks, plist)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp, prio in zip(prompts, plist, priority, strict=True):
-                ids.append(self._add(p, sp, prio, hooked=hooks is not None))
+            for p, sp, prio, lora in zip(prompts, plist, priority, loras, strict=True):
+                ids.append(self._add(p, sp, prio, hooked=hooks is not None, lora_request=lora))
             if hooks is None:
                 return self._run(ids, use_tqdm)
             self.engine.set_hooks(hooks, {rid: i for i, rid in enumerate(ids)})

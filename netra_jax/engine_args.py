@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig, speculative_config_from
+from netra_jax.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, speculative_config_from
 from netra_jax.ops.kv_quant import KV_CACHE_DTYPES
 from netra_jax.options import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, TASKS
 from netra_jax.quant import MATMULS, METHODS
@@ -71,6 +71,10 @@ class EngineArgs:
     async_scheduling: bool = True
     speculative_config: Any = None  # SpeculativeConfig, vLLM's dict or its JSON text
     max_logprobs: int = 20
+    enable_lora: bool = False  # serve LoRA adapters (netra_jax/engine/lora_slots.py)
+    max_loras: int = 1  # adapters on the device at once
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
 
     @classmethod
     def from_strings(cls, options: dict[str, Any]) -> EngineArgs:
@@ -138,7 +142,16 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             speculative=speculative_config_from(self.speculative_config),
             max_logprobs=self.max_logprobs,
+            lora=self.lora_config(),
         )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA options as a LoRAConfig when enable_lora, else None (the other LoRA options then unused)."""
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
 
 
 _DEFAULTS = EngineArgs()
@@ -259,6 +272,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=_DEFAULTS.max_logprobs,
         help="the most logprobs / prompt_logprobs a request may ask for (at most 20)",
+    )
+    p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters over the base model (PEFT directories)"
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=_DEFAULTS.max_loras, help="LoRA adapters held on the device at once"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="the largest LoRA rank served")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=_DEFAULTS.max_cpu_loras,
+        help="LoRA adapters kept read on the host (default: --max-loras); more are read again when needed",
     )
     p.add_argument(
         "--async-scheduling",

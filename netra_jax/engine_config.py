@@ -1,5 +1,6 @@
 """The engine's options, as frozen dataclasses checked when built (so a bad option fails before any weight is read,
-on every way in): the KV cache, the scheduler, embedding pooling, speculative decoding and the engine itself."""
+on every way in): the KV cache, the scheduler, embedding pooling, speculative decoding, LoRA adapters and the engine
+itself."""
 
 from __future__ import annotations
 
@@ -39,6 +40,26 @@ def check_bool(name: str, v: object) -> None:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served over the base model (vLLM's --enable-lora options; netra_jax/engine/lora_slots.py)."""
+
+    max_loras: int = 1  # adapters held on the device at once (slots), so at most this many distinct ones per step
+    max_lora_rank: int = 16  # the largest rank served: every slot is padded to it
+    max_cpu_loras: int | None = None  # adapters kept read on the host (LRU); None: max_loras
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras)
+        check_int("max_lora_rank", self.max_lora_rank)
+        check_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # explicit page count; else derived from the memory budget
@@ -67,9 +88,13 @@ class SchedulerConfig:
     # to the next step than it saves in padding (engine/buckets.py fit_chunk). None: on for the CPU backend, where a
     # step costs in proportion to its padded size (`for_platform`)
     align_chunks_to_buckets: bool | None = None
+    # distinct LoRA adapters running at once (the engine's device slots); a request of another adapter waits until
+    # one of them has no running request. None: no adapters (LoRAConfig sets it)
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_loras", self.max_loras, optional=True)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_model_len", self.max_model_len, optional=True)
         check_int("max_waiting", self.max_waiting, optional=True)
@@ -132,6 +157,7 @@ class EngineConfig:
     # (remote code is never run: a checkpoint whose architecture is not native is refused whatever this says)
     trust_remote_code: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default 20)
+    lora: LoRAConfig | None = None  # LoRA adapters (enable_lora); None: the base model only
 
     def __post_init__(self) -> None:
         """Check every option now, so a bad one fails with a clear message before any weight is read."""
@@ -177,6 +203,14 @@ class EngineConfig:
                 raise ConfigError("pooler_config applies to task 'embed' only")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoRAConfig):
+                raise ConfigError(f"lora must be a LoRAConfig, got {type(self.lora).__name__}")
+            if self.task != "generate" or self.tensor_parallel_size > 1 or self.speculative is not None:
+                raise ConfigError(
+                    "LoRA adapters are served with task 'generate' on one device without speculative decoding (not yet "
+                    "with embeddings, tensor parallelism or speculation)"
+                )
         if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ConfigError(
                 f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top logprobs the compiled sampler "

@@ -17,6 +17,7 @@ from netra_jax.engine.activations import ActivationRecorder
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.embedder import Embedder
 from netra_jax.engine.input_processor import InputProcessor, PromptType
+from netra_jax.engine.lora_slots import LoRASlots
 from netra_jax.engine.observer import EngineObserver
 from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
@@ -30,6 +31,7 @@ from netra_jax.engine.spec.policy import Speculation
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
+from netra_jax.lora_request import LoRARequest
 from netra_jax.models.transformer import fuse_qkv
 from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
@@ -73,6 +75,7 @@ def runner_options(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, platf
         overlap=config.async_scheduling and spec is None,
         num_spec_tokens=spec.num_speculative_tokens if spec else 0,
         max_spec_seqs=spec.disable_by_batch_size if spec else None,
+        lora=config.lora,
     )
 
 
@@ -120,8 +123,11 @@ class LLMEngine:
         if config.task == "embed":  # embedding steps bring their own scratch pages; the runner's stay unused
             num_pages = opts["num_pages"] = 2
         self.pool = BlockPool(num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching)
+        if config.lora is not None:  # the scheduler admits at most as many distinct adapters as there are slots
+            sched = dataclasses.replace(sched, max_loras=config.lora.max_loras)
         self.scheduler = Scheduler(sched.for_platform(jax.default_backend()), self.pool, self.max_model_len)
         self.runner = ModelRunner(model_cfg, params, **opts)
+        self.loras = None if config.lora is None else LoRASlots(config.lora, model_cfg, self.runner)
         self.speculation: Speculation | None = None  # proposals before each step (engine/spec/policy.py)
         if spec is not None:
             proposer = make_proposer(
@@ -196,6 +202,7 @@ class LLMEngine:
         priority: int = 0,
         cache_key: str | None = None,
         prompt_logprobs_from: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
         `cache_key`: mixed into its prefix-cache hashes, so it shares cached blocks only with requests of the same
@@ -203,16 +210,24 @@ class LLMEngine:
         `priority`: smaller is served first; anything but 0 needs `--scheduling-policy priority` (ValueError).
         `prompt_logprobs_from` (with `params.prompt_logprobs`): the first prompt token whose logprob is computed;
         the tokens before it are context only, so prefix-cache hits may cover them (scoring continuations).
+        `lora_request`: the LoRA adapter it runs with (the engine needs `config.lora`); read and checked on first use,
+        a bad one raises LoRAError (a ValueError naming the problem). Its prefix-cache blocks are its adapter's own.
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
         if self.embedder is not None:
             raise ValueError("this engine serves embeddings (task 'embed'); text generation needs task 'generate'")
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled (enable_lora=True)")
+            self.loras.register(lora_request)
         state = self.inputs.process(request_id, prompt, params, arrival_time, priority, prompt_logprobs_from)
-        if cache_key is not None:
-            for sample in state.samples:
-                sample.request.cache_key = cache_key
+        if lora_request is not None:  # the adapter's KV is its own: blocks hashed under its id
+            cache_key = f"lora:{lora_request.lora_int_id}" + ("" if cache_key is None else f"|{cache_key}")
+        for sample in state.samples:
+            sample.request.cache_key = cache_key if cache_key is not None else sample.request.cache_key
+            sample.request.lora_id = 0 if lora_request is None else lora_request.lora_int_id
         added = []
         try:
             for sample in state.samples:
@@ -412,10 +427,15 @@ class LLMEngine:
 
     def _dispatch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step:
         """Pack and dispatch the forward; placeholder tokens come from `prev`'s sampled ids on device."""
+        lora = {}  # with adapters: each request's device slot, its adapter loaded there first if need be
+        if self.loras is not None:
+            lora_of = {s.request_id: s.request.lora_id for s in sched.scheduled}
+            slots = self.loras.slots_for(set(lora_of.values()))
+            lora["lora_slot_of"] = {rid: slots[lid] for rid, lid in lora_of.items() if lid}
         if prev is None:
-            run = self.runner.run(sched)
+            run = self.runner.run(sched, **lora)
         else:
-            run = self.runner.run(sched, prev.next_ids, prev.row_of)
+            run = self.runner.run(sched, prev.next_ids, prev.row_of, **lora)
         for o in self._observers:
             o.dispatched(sched, run, self.scheduler.num_running, self.scheduler.num_waiting)
         if self.speculation is not None:

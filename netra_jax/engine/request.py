@@ -122,6 +122,7 @@ class Request:
         self.eos_token_ids: frozenset[int] = frozenset(_token_list(eos_token_ids, "eos_token_ids"))
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
         self.cache_key = cache_key  # mixed into the root of the block hash chain (e.g. adapter or model id)
+        self.lora_id = 0  # the LoRA adapter it runs with (LoRARequest.lora_int_id; 0: the base model)
         # first prompt token whose logprob is wanted (with prompt logprobs): the tokens before it are context only,
         # so prefix-cache hits may cover them
         self.prompt_logprobs_from = prompt_logprobs_from

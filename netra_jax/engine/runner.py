@@ -28,8 +28,9 @@ from netra_jax.engine.step_layout import (
     prompt_logprob_positions,
     unpack,
 )
-from netra_jax.engine_config import CacheConfig
+from netra_jax.engine_config import CacheConfig, LoRAConfig
 from netra_jax.models.hooks import Hooks, HookSpec
+from netra_jax.models.lora import LoRAAdapter, empty_slots, set_slot
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
@@ -43,6 +44,8 @@ def _step(
     prev_ids=None,
     hook_arrays=None,
     hook_request=None,
+    lora=None,
+    lora_slots=None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -53,7 +56,8 @@ def _step(
 ):
     """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
     into placeholder slots (None: every token is known). hooks: a hook spec with its arrays and each token's
-    request index [T] (see `netra_jax.models.hooks`). Returns (logits [R, vocab] float32 of the sampled rows, kv,
+    request index [T] (see `netra_jax.models.hooks`). lora, lora_slots: the LoRA adapter slots and each token's slot
+    [T] (-1: the base model; see `netra_jax.models.lora`). Returns (logits [R, vocab] float32 of the sampled rows, kv,
     prompt logprobs of the P prompt rows or None, recorded activations {name: [T, ...]} or None)."""
     x = unpack(packed, shape)
     tokens = x.tokens  # [T]
@@ -74,6 +78,8 @@ def _step(
         hook_arrays=hook_arrays,
         hook_request=hook_request,
         matmul_backend=matmul_backend,
+        lora=lora,
+        lora_slots=lora_slots,
     )
     logits, kv, records = out if hooks is not None else (*out, None)
     if not shape.prompt_rows:
@@ -245,6 +251,7 @@ class ModelRunner:
         max_spec_seqs: int | None = None,
         matmul_backend: str = "xla",
         compile_for: jax.Device | None = None,
+        lora: LoRAConfig | None = None,
     ):
         if compile_for is not None and tensor_parallel_size > 1:
             raise ValueError("a runner compiled for a target device (compile_for) runs on that one device only")
@@ -297,6 +304,28 @@ class ModelRunner:
         self._hook_spec: HookSpec | None = None  # the hooks' static part, derived once per set_hooks
         self._hook_arrays = None
         self._hook_index: dict[str, int] = {}
+        # LoRA adapter slots (models/lora.py), written by `set_lora_slot`; every step then takes them (one program
+        # for every mix of adapters)
+        self.lora = None
+        if lora is not None:
+            dtype = params["embed"].dtype if compile_for is None else jnp.float32
+            self.lora = self._place(empty_slots(cfg, lora.max_loras, lora.max_lora_rank, dtype))
+
+    # ------------------------------------------------------------------ LoRA
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put `adapter` in device slot `slot` (None: clear it). Steps already dispatched keep the slots they took."""
+        if self.lora is None:
+            raise ValueError("this runner was built without LoRA slots (enable_lora)")
+        self.lora = self._place(set_slot(self.lora, slot, adapter))
+
+    def _lora_tokens(self, out: SchedulerOutput | None, pb: PackedBatch | None, slot_of: dict[str, int] | None, T: int):
+        """[T] int32 each token's adapter slot (-1: the base model and padding)."""
+        slots = np.full(T, -1, np.int32)
+        if out is not None and slot_of:
+            qsl = pb.shape.layout.view(pb.host, "query_start_loc")
+            for s, sr in enumerate(out.scheduled):
+                slots[qsl[s] : qsl[s + 1]] = slot_of.get(sr.request_id, -1)
+        return slots
 
     # ------------------------------------------------------------------ interventions
     def set_hooks(self, hooks: Hooks | None, request_index: dict[str, int] | None = None) -> None:
@@ -369,21 +398,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def run(
-        self, out: SchedulerOutput, prev_ids: jax.Array | None = None, prev_rows: dict[str, int] | None = None
+        self,
+        out: SchedulerOutput,
+        prev_ids: jax.Array | None = None,
+        prev_rows: dict[str, int] | None = None,
+        lora_slot_of: dict[str, int] | None = None,
     ) -> StepResult:
         """Dispatch the forward for a scheduled step (asynchronously: nothing here waits for the device).
         Overlap: `prev_ids` [max_seqs_bucket] are the previous step's sampled ids still on device (`widen`) and
-        `prev_rows` maps a request id to its row there; a chunk ending on a placeholder takes that token."""
+        `prev_rows` maps a request id to its row there; a chunk ending on a placeholder takes that token.
+        `lora_slot_of`: the adapter slot of each request running with a LoRA adapter (the others: the base model)."""
         wants_plp = any(prompt_logprob_positions(s) for s in out.scheduled)
         shape = self.shape_for(out.num_batched_tokens, wants_plp)
         pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
         hook_request = None if self.hooks is None else self._hook_request(out, pb)
-        logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hook_request)
+        lora_tokens = None if self.lora is None else self._lora_tokens(out, pb, lora_slot_of, shape.num_tokens)
+        logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hook_request, lora_tokens)
         self.num_steps += 1
         return StepResult(logits, plp, pb, records)
 
     def _dispatch(
-        self, host: np.ndarray, shape: BatchShape, prev_ids: jax.Array | None, hook_request: np.ndarray | None = None
+        self,
+        host: np.ndarray,
+        shape: BatchShape,
+        prev_ids: jax.Array | None,
+        hook_request: np.ndarray | None = None,
+        lora_tokens: np.ndarray | None = None,
     ):
         if self.compile_for is not None:
             raise RuntimeError("a runner built with compile_for lowers steps for its target device and runs none")
@@ -394,12 +434,20 @@ class ModelRunner:
         hooked = {}
         if self.hooks is not None:
             hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self._hook_spec}
+        hooked |= self._lora_args(shape, lora_tokens)
         logits, self.kv, plp, records = self._jit(
             self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
         )  # host: numpy, moved by the call (one host->device copy)
         if self.mesh is not None:  # the sampler and its inputs live on device 0
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
         return logits, plp, records
+
+    def _lora_args(self, shape: BatchShape, lora_tokens: np.ndarray | None = None) -> dict:
+        """The step's LoRA arguments: the slots and each token's slot (all -1 when not given); none without LoRA."""
+        if self.lora is None:
+            return {}
+        tokens = self._lora_tokens(None, None, None, shape.num_tokens) if lora_tokens is None else lora_tokens
+        return {"lora": self.lora, "lora_slots": tokens}
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
         """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
@@ -448,7 +496,14 @@ class ModelRunner:
         prev_ids = self._no_ids if self.overlap else None
         host = empty_batch(shape, self.pad_slot)  # numpy, as pack_batch's
         return self._jit.trace(
-            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend
+            self.params,
+            self.kv,
+            host,
+            prev_ids,
+            cfg=self.cfg,
+            shape=shape,
+            backend=self.backend,
+            **self._lora_args(shape),
         ).lower()
 
     def lower_widen(self, num_rows: int) -> jax.stages.Lowered:

@@ -32,7 +32,8 @@ class Scheduler:
     priority then arrival) while the token budget, `max_num_seqs` and the pool allow. When a running request cannot
     get a block, the policy's victim is preempted (blocks freed, recomputed later from prompt + output): the most
     recently admitted request (fcfs) or the lowest-priority one (priority). Under "priority" a waiting request that
-    finds no room also preempts a running request of strictly lower priority (larger value)."""
+    finds no room also preempts a running request of strictly lower priority (larger value). With LoRA adapters, a
+    waiting request whose adapter would be one more than `max_loras` distinct running ones waits (others pass it)."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
@@ -184,6 +185,9 @@ class Scheduler:
             if req.num_placeholders:  # preempted while its last token was in flight: resumes once it is known
                 deferred.append(self._waiting.pop())
                 continue
+            if not self._lora_fits(req):  # every adapter slot is held by running requests of other adapters
+                deferred.append(self._waiting.pop())
+                continue
             hits: list[int] = []
             limit = self._hit_limit(req) if caching else 0
             if limit:
@@ -226,6 +230,14 @@ class Scheduler:
             if pending is not None:
                 self._add_pending(pending, req)
         self._waiting.prepend(deferred)
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether `req`'s adapter can run now: the base model always, an adapter when it already runs or fewer than
+        `max_loras` distinct adapters do (each needs a device slot; a request never fails for want of one)."""
+        if not req.lora_id or self.config.max_loras is None:
+            return True
+        running = {r.lora_id for r in self._running if r.lora_id}
+        return req.lora_id in running or len(running) < self.config.max_loras
 
     def _hit_limit(self, req: Request) -> int:
         """Full blocks a prefix hit may give `req`: all but the one holding its last token (whose logits are needed),

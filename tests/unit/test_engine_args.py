@@ -81,6 +81,11 @@ CLI_FLAGS = [  # OTHER as command-line flags
 ]  # fmt: skip
 
 
+# the LoRA options, non-default (they need one device and no speculation, unlike OTHER)
+LORA = dict(model=MODEL, enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5)
+LORA_FLAGS = [MODEL, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8", "--max-cpu-loras", "5"]
+
+
 def _cli(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -106,7 +111,9 @@ def _llm_config(monkeypatch, **kw):
 
 
 def test_every_option_has_one_default_everywhere():
-    assert set(OTHER) | {"warmup", "enforce_eager", "pooler_config"} == set(NAMES)  # the table covers every option
+    assert set(OTHER) | set(LORA) | {"warmup", "enforce_eager", "pooler_config"} == set(
+        NAMES
+    )  # the table covers every option
     assert engine_args(_cli([])) == EngineArgs()  # the flags' defaults are EngineArgs'
     explicit = inspect.signature(LLM.__init__).parameters
     for name in NAMES:  # LLM takes every option, explicitly (with EngineArgs' default) or through **engine_options
@@ -124,6 +131,19 @@ def test_the_three_ways_in_build_the_same_config_from_the_same_values(monkeypatc
     assert cli == reference and ray == reference and llm == reference
     for name, value in OTHER.items():  # and every value arrived (none was dropped on the way)
         assert getattr(engine_args(_cli(CLI_FLAGS)), name) == value, name
+
+
+def test_lora_options_agree(monkeypatch):
+    reference = EngineArgs(**LORA).create_engine_config()
+    assert (reference.lora.max_loras, reference.lora.max_lora_rank, reference.lora.cpu_loras) == (3, 8, 5)
+    assert engine_config(_cli(LORA_FLAGS)) == reference
+    assert EngineArgs.from_strings({k: str(v) for k, v in LORA.items()}).create_engine_config() == reference
+    assert _llm_config(monkeypatch, **LORA) == dataclasses.replace(reference, warmup=False)
+    assert EngineArgs(max_loras=3).create_engine_config().lora is None  # without enable_lora: no adapters
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be >= max_loras \(3\)"):
+        EngineArgs(**{**LORA, "max_cpu_loras": 2}).create_engine_config()
+    with pytest.raises(ValueError, match="LoRA adapters are served with task 'generate' on one device"):
+        EngineArgs(**LORA, tensor_parallel_size=2).create_engine_config()
 
 
 def test_embedding_options_and_defaults_agree(monkeypatch):
