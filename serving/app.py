@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 
 from netra_jax.engine.async_engine import AsyncEngine, EngineDeadError
 from netra_jax.engine.scheduler import QueueFullError
+from netra_jax.lora_request import LoRARequest
 from netra_jax.serving import preprocess as pre
 from netra_jax.serving.chat import chat_response, prepare_chat, render_chat
 from netra_jax.serving.chat_output import ChatOutputConfig
@@ -25,6 +26,8 @@ from netra_jax.serving.context import ServingContext
 from netra_jax.serving.embeddings import EmbeddingRequest, EmbeddingResponse, check_task, create_embeddings
 from netra_jax.serving.errors import APIError, envelope, install_error_handlers
 from netra_jax.serving.generation import ClientDisconnected, Generation, race_disconnect
+from netra_jax.serving.lora_modules import ServedAdapters
+from netra_jax.serving.lora_routes import install_lora_routes
 from netra_jax.serving.metrics import ServerMetrics
 from netra_jax.serving.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from netra_jax.serving.openapi import doc, install_openapi
@@ -90,14 +93,18 @@ def create_app(
     ready: Callable[[], bool] | None = None,
     retry_after: int = 1,
     chat_output: ChatOutputConfig | None = None,
+    adapters: ServedAdapters | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """An app serving `engine` as the model `served_model_name`. `chat_template`: Jinja source replacing the
     checkpoint's (requests cannot supply one). `ready`: warm-up finished (default: the engine's `ready` flag).
-    `chat_output`: tool-call and reasoning parsers for chat answers (--enable-auto-tool-choice and friends)."""
+    `chat_output`: tool-call and reasoning parsers for chat answers (--enable-auto-tool-choice and friends).
+    `adapters`: the LoRA adapters requests may name as their `model` (--lora-modules, already registered with the
+    engine); `allow_runtime_lora_updating`: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     metrics = ServerMetrics(engine)
     st = ServerState(
         engine,
-        ServingContext.of(engine.engine, served_model_name, chat_template, chat_output),
+        ServingContext.of(engine.engine, served_model_name, chat_template, chat_output, adapters),
         metrics,
         ready or (lambda: engine.engine.ready),
         retry_after,
@@ -118,8 +125,8 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
         )
 
-    def check_model(model: str | None) -> None:
-        pre.check_model(st.ctx, model)
+    def check_model(model: str | None) -> LoRARequest | None:
+        return pre.check_model(st.ctx, model)
 
     def check_serving(task: str = "generate") -> None:
         check_task(st.llm, task)  # 400: a text-generation route on an embedding server, or the other way round
@@ -150,7 +157,10 @@ def create_app(
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def card() -> ModelCard:
+    def card(lora: LoRARequest | None = None) -> ModelCard:
+        if lora is not None:  # an adapter: its directory, and the base model as its parent (vLLM's cards)
+            root = lora.lora_path or lora.lora_name
+            return ModelCard(id=lora.lora_name, created=st.created, root=root, parent=st.model_name)
         return ModelCard(
             id=st.model_name,
             created=st.created,
@@ -160,12 +170,14 @@ def create_app(
 
     @app.get("/v1/models", openapi_extra=doc(response=ModelList))
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *(card(a) for a in st.ctx.adapters.all())])
 
     @app.get("/v1/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
     async def model(model_id: str) -> ModelCard:
-        check_model(model_id)
-        return card()
+        return card(check_model(model_id))
+
+    if allow_runtime_lora_updating:
+        install_lora_routes(app, st, parse_body)
 
     @app.post("/tokenize", openapi_extra=doc(TokenizeRequest, TokenizeResponse))
     async def tokenize(raw: Request) -> TokenizeResponse:
@@ -241,10 +253,10 @@ def create_app(
     )
     async def completions(raw: Request) -> Response | CompletionResponse:
         req = await parse_body(raw, CompletionRequest)
-        check_model(req.model)
+        lora = check_model(req.model)
         check_serving()
         plan = await asyncio.to_thread(prepare_completion, st.ctx, req)  # tokenizes up to 256 prompts
-        gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics, plan.priority)
+        gen = Generation(engine, plan.prompts, plan.params, plan.engine_id, metrics, plan.priority, lora)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -260,10 +272,10 @@ def create_app(
     )
     async def chat_completions(raw: Request) -> Response | ChatCompletionResponse:
         req = await parse_body(raw, ChatCompletionRequest)
-        check_model(req.model)
+        lora = check_model(req.model)
         check_serving()
         plan = await asyncio.to_thread(prepare_chat, st.ctx, req)
-        gen = Generation(engine, [plan.prompt], plan.params, plan.engine_id, metrics, plan.priority)
+        gen = Generation(engine, [plan.prompt], plan.params, plan.engine_id, metrics, plan.priority, lora)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=CLIENT_CLOSED)

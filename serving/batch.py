@@ -24,6 +24,7 @@ from netra_jax.serving.batch_io import (
 )
 from netra_jax.serving.batch_openai import Job, RequestError, prepare, response_body
 from netra_jax.serving.context import ServingContext
+from netra_jax.serving.lora_modules import LoRAModule, ServedAdapters
 
 if TYPE_CHECKING:
     from netra_jax.engine.engine import LLMEngine
@@ -48,9 +49,15 @@ class _Runner:
         window: int,
         chat_output: ChatOutputConfig | None = None,
         chat_template: str | None = None,
+        lora_modules: list[LoRAModule] | None = None,
     ):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
-        self.ctx = ServingContext.of(engine, model_name, chat_template, chat_output)
+        adapters = ServedAdapters()
+        for m in lora_modules or []:  # read and checked before the first line (LoRAError names a bad one)
+            lora = adapters.request_for(m)
+            engine.add_lora(lora)
+            adapters.add(lora)
+        self.ctx = ServingContext.of(engine, model_name, chat_template, chat_output, adapters)
         self.jobs: dict[str, Job] = {}  # engine request id -> its job
         self.in_flight = 0
         self._next = 0
@@ -78,7 +85,7 @@ class _Runner:
         try:
             for k, (prompt, sp) in enumerate(job.prompts):
                 rid = f"batch-{self._next}.{k}"
-                self.engine.add_request(rid, prompt, sp, priority=job.priority)
+                self.engine.add_request(rid, prompt, sp, priority=job.priority, lora_request=job.lora)
                 added.append(rid)
         except (QueueFullError, ValueError):
             for rid in added:
@@ -126,11 +133,13 @@ def process(
     window: int,
     chat_output: ChatOutputConfig | None = None,
     chat_template: str | None = None,
+    lora_modules: list[LoRAModule] | None = None,
 ) -> None:
     """Run every Work through the engine (error lines pass straight to `emit`). On any exception the requests in
     flight are aborted so the engine is left idle. `chat_output`: tool-call and reasoning parsers, and `chat_template`:
-    Jinja source replacing the checkpoint's, as the server's."""
-    runner = _Runner(engine, model_name, emit, max(1, window), chat_output, chat_template)
+    Jinja source replacing the checkpoint's, as the server's; `lora_modules`: LoRA adapters a body's `model` may name
+    (the engine needs enable_lora)."""
+    runner = _Runner(engine, model_name, emit, max(1, window), chat_output, chat_template, lora_modules)
     try:
         for item in items:
             if item is None:
@@ -241,6 +250,7 @@ def run_batch(
     progress: bool = True,
     chat_output: ChatOutputConfig | None = None,
     chat_template: str | None = None,
+    lora_modules: list[LoRAModule] | None = None,
 ) -> BatchSummary:
     """Run an OpenAI Batch JSONL file through one engine (built from `engine_config` when `engine` is None) and
     append the results to `output_path`; custom_ids already there are skipped. `max_in_flight` bounds the
@@ -267,7 +277,8 @@ def run_batch(
 
     try:
         with open(output_path, "a", encoding="utf-8") as f:
-            process(engine, items(), OutputWriter(f, summary, bar).emit, name, window, chat_output, chat_template)
+            emit = OutputWriter(f, summary, bar).emit
+            process(engine, items(), emit, name, window, chat_output, chat_template, lora_modules)
     finally:
         if spec_before is not None:
             summary.speculative = stats_between(spec_before, engine.spec_stats())

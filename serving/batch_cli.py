@@ -28,6 +28,13 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(_ModelAsFlag())
     add_chat_output_args(p)
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters a request body's model may name (with --enable-lora), as serve's",
+    )
     p.add_argument("--max-in-flight", type=int, default=None, help="sequences queued per engine (4 * max-num-seqs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or summary on stderr")
     p.add_argument("--ray", action="store_true", help="scale out with Ray Data (needs netra-jax[ray])")
@@ -39,11 +46,15 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     from netra_jax.engine_args import check_model, engine_config, load_engine
     from netra_jax.serving.cli import chat_output_config, load_chat_template
+    from netra_jax.serving.lora_modules import parse_lora_modules
 
     cfg = engine_config(a)
     try:
         chat_output = chat_output_config(a)
         chat_template = load_chat_template(a.chat_template)
+        lora_modules = parse_lora_modules(a.lora_modules)
+        if lora_modules and not a.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
     except (OSError, ValueError) as e:
         print(f"netra-jax batch: {e}", file=sys.stderr)
         return 2
@@ -66,6 +77,7 @@ def main(a: argparse.Namespace) -> int:
             progress=not a.no_progress,
             chat_output=chat_output,
             chat_template=chat_template,
+            lora_modules=lora_modules,
         )
         return 0
     engine = load_engine(cfg)
@@ -77,5 +89,6 @@ def main(a: argparse.Namespace) -> int:
         progress=not a.no_progress,
         chat_output=chat_output,
         chat_template=chat_template,
+        lora_modules=lora_modules,
     )
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.lora_request import LoRARequest
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving import preprocess as pre
 from netra_jax.serving.batch_io import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL
@@ -78,6 +79,7 @@ class Job:
     prompts: list[tuple[Any, SamplingParams]]
     rids: list[str] = field(default_factory=list)
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    lora: LoRARequest | None = None  # the LoRA adapter the body's model names
 
     @property
     def params(self) -> SamplingParams:
@@ -108,7 +110,7 @@ def prepare(work: Any, ctx: ServingContext) -> Job:
         message, param = validation_message(e.errors(include_url=False))
         raise RequestError(message, param=param) from None
     try:
-        pre.check_model(ctx, req.model)
+        lora = pre.check_model(ctx, req.model)
         plan = route.prepare(ctx, req)
     except APIError as e:
         raise RequestError.of(e) from None
@@ -116,7 +118,7 @@ def prepare(work: Any, ctx: ServingContext) -> Job:
         prompts = [(p, plan.params.clone()) for p in plan.prompts]
     else:
         prompts = [(_chat(plan).prompt, _chat(plan).params)]
-    return Job(work, route, req, plan, prompts)
+    return Job(work, route, req, plan, prompts, lora=lora)
 
 
 def response_body(job: Job, outs: list[RequestOutput], ctx: ServingContext) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class EngineActor:
         max_in_flight: int | None = None,
         chat_output: ChatOutputConfig | None = None,
         chat_template: str | None = None,
+        lora_modules: list | None = None,
     ):
         from netra_jax.engine.factory import build_engine
 
@@ -35,11 +36,21 @@ class EngineActor:
         self.window = max_in_flight or 4 * config.scheduler.max_num_seqs
         self.chat_output = chat_output
         self.chat_template = chat_template
+        self.lora_modules = lora_modules
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         out: list[dict] = []
         works = [Work.from_json(str(t)) for t in batch["work"]]
-        process(self.engine, works, out.append, self.model_name, self.window, self.chat_output, self.chat_template)
+        process(
+            self.engine,
+            works,
+            out.append,
+            self.model_name,
+            self.window,
+            self.chat_output,
+            self.chat_template,
+            self.lora_modules,
+        )
         return {"output": [json.dumps(o, ensure_ascii=False) for o in out]}
 
 
@@ -57,6 +68,7 @@ def run_batch_ray(
     progress: bool = True,
     chat_output: ChatOutputConfig | None = None,
     chat_template: str | None = None,
+    lora_modules: list | None = None,
 ) -> BatchSummary:
     """Run a batch file on `replicas` engine actors. The driver parses the input (malformed and duplicate lines
     and ids already in the output are settled here, as in run_batch), hands the remaining requests to Ray Data, and
@@ -95,6 +107,7 @@ def run_batch_ray(
                         "max_in_flight": max_in_flight,
                         "chat_output": chat_output,
                         "chat_template": chat_template,
+                        "lora_modules": lora_modules,
                     },
                     concurrency=replicas,
                     num_gpus=num_gpus,

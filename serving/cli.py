@@ -52,6 +52,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (with --enable-lora): name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request selects one by its "model"',
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates them behind the environment "
+        "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag, off by default: they read paths on the server)",
+    )
     add_chat_output_args(p)
 
 
@@ -182,15 +196,21 @@ def _run_uvicorn(app, args: argparse.Namespace, on_drain, on_started, holder: di
 def serve(args: argparse.Namespace) -> int:
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.engine.factory import resolve_model_path
-    from netra_jax.engine_args import CLIError, engine_config, load_engine
+    from netra_jax.engine_args import CLIError, engine_config, load_engine, one_line
     from netra_jax.serving.app import create_app
     from netra_jax.serving.context import served_model_name
+    from netra_jax.serving.lora_modules import ServedAdapters, parse_lora_modules
     from netra_jax.tokenization.chat_template import NoChatTemplateError
 
     try:
         check_model_root(args.model, args.allowed_model_root)
         template = load_chat_template(args.chat_template)
         chat_output = chat_output_config(args)
+        lora_modules = parse_lora_modules(args.lora_modules)
+        if (lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        for m in lora_modules:
+            check_model_root(m.path, args.allowed_model_root)
     except (OSError, ValueError) as e:
         print(f"netra-jax serve: {e}", file=sys.stderr)
         return 2
@@ -232,6 +252,16 @@ def serve(args: argparse.Namespace) -> int:
             f"{engine.pool.block_size}, {engine.kv_cache_dtype}); max_model_len {engine.max_model_len}",
             flush=True,
         )
+    adapters = ServedAdapters()
+    for m in lora_modules:  # read and checked now: a bad adapter stops the server before it listens
+        lora = adapters.request_for(m)
+        try:
+            engine.add_lora(lora)
+        except ValueError as e:
+            print(f"netra-jax serve: --lora-modules {m.name}: {one_line(e)}", file=sys.stderr)
+            return 2
+        adapters.add(lora)
+        print(f"netra-jax: LoRA adapter {m.name!r} from {m.path}", flush=True)
     ae = AsyncEngine(engine, step_timeout=args.step_timeout)
     warm = threading.Event()
     bound: dict[str, tuple[str, int]] = {}
@@ -245,6 +275,8 @@ def serve(args: argparse.Namespace) -> int:
         cors_origins=origins,
         ready=warm.is_set,
         chat_output=chat_output,
+        adapters=adapters,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     if args.enable_debug_endpoints:
         from netra_jax.serving.debug import install_debug_routes

@@ -3,11 +3,12 @@ template, per-token text. The server and batch jobs build one each, so both answ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from netra_jax.serving.chat_output import ChatOutputConfig
+from netra_jax.serving.lora_modules import ServedAdapters
 from netra_jax.serving.render import TokenText
 
 if TYPE_CHECKING:
@@ -31,13 +32,15 @@ def served_model_name(model: str | None, override: str | None = None) -> str:
 @dataclass(frozen=True)
 class ServingContext:
     """`chat_template`: Jinja source replacing the checkpoint's (requests cannot supply one). `chat_output`: how
-    chat answers are read (tool-call and reasoning parsers)."""
+    chat answers are read (tool-call and reasoning parsers). `adapters`: the LoRA adapters a request's `model` may
+    name besides `model_name`."""
 
     llm: LLMEngine
     model_name: str
     tokens: TokenText
     chat_template: str | None = None
     chat_output: ChatOutputConfig = ChatOutputConfig()
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)
 
     @classmethod
     def of(
@@ -46,5 +49,9 @@ class ServingContext:
         model_name: str,
         chat_template: str | None = None,
         chat_output: ChatOutputConfig | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> ServingContext:
-        return cls(llm, model_name, TokenText(llm.tokenizer), chat_template, chat_output or ChatOutputConfig())
+        tokens = TokenText(llm.tokenizer)
+        return cls(
+            llm, model_name, tokens, chat_template, chat_output or ChatOutputConfig(), adapters or ServedAdapters()
+        )

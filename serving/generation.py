@@ -12,6 +12,7 @@ from starlette.requests import Request
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.engine import PromptType
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.lora_request import LoRARequest
 from netra_jax.sampling_params import SamplingParams
 from netra_jax.serving.metrics import ServerMetrics
 
@@ -34,10 +35,12 @@ class Generation:
         request_id: str,
         metrics: ServerMetrics | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
         self.params = params
         self.priority = priority
+        self.lora_request = lora_request
         self.metrics = metrics
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.last: list[RequestOutput | None] = [None] * len(prompts)
@@ -53,7 +56,7 @@ class Generation:
             put((i, item))
 
         try:
-            await self.engine.submit(prompt, self.params, self.rids[i], sink, self.priority)
+            await self.engine.submit(prompt, self.params, self.rids[i], sink, self.priority, self.lora_request)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer

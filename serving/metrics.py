@@ -4,6 +4,7 @@ request counters, and gauges read from the engine at scrape time (queues, KV blo
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import jax.monitoring
@@ -43,6 +44,7 @@ class CompileCounter:
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
+        self.engine = engine
         self.ttft = Histogram("netra_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r)
         self.tpot = Histogram(
             "netra_time_per_output_token_seconds", "Time per output token after the first", buckets=_TPOT, registry=r
@@ -85,6 +87,14 @@ class ServerMetrics:
             Gauge(name, doc, registry=r).set_function(fn)
         if eng.speculation is not None:
             self._spec_gauges(eng.speculation.stats)
+        self.lora_info = None
+        if eng.loras is not None:  # vLLM's vllm:lora_requests_info: the adapters in use, as labels, set at each scrape
+            self.lora_info = Gauge(
+                "netra_lora_requests_info",
+                "LoRA adapters of running and waiting requests (labels; the value is the scrape's Unix time)",
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                registry=r,
+            )
 
     def _spec_gauges(self, stats) -> None:
         """vLLM's speculative-decoding counters (cumulative since start) under the server's prefix."""
@@ -127,4 +137,10 @@ class ServerMetrics:
         self.errors.labels(str(status)).inc()
 
     def render(self) -> bytes:
+        if self.lora_info is not None:
+            eng = self.engine.engine
+            running, waiting = eng.lora_requests()
+            self.lora_info.clear()
+            labels = (str(eng.config.lora.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting)))
+            self.lora_info.labels(*labels).set(time.time())
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.request import ContextLengthError, check_context_length
 from netra_jax.engine.request_queue import check_priority
+from netra_jax.lora_request import LoRARequest
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.serving.context import ServingContext
@@ -52,15 +53,20 @@ def check_ids(engine: LLMEngine, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def check_model(ctx: ServingContext, model: str | None) -> None:
-    """404 unless `model` is absent or the served model's name."""
-    if model is not None and model != ctx.model_name:
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(ctx: ServingContext, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter `model` names (None: the base model, also when absent); 404 for any other name."""
+    if model is None or model == ctx.model_name:
+        return None
+    lora = ctx.adapters.get(model)
+    if lora is not None:
+        return lora
+    names = [ctx.model_name, *(a.lora_name for a in ctx.adapters.all())]
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {', '.join(repr(n) for n in names)}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def response_id(prefix: str, req: SamplingRequest | EmbeddingRequest) -> str:

@@ -413,6 +413,7 @@ class ModelCard(_Out):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "netra_jax"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

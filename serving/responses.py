@@ -62,11 +62,11 @@ def install_responses_routes(
     @app.post("/v1/responses", response_model=None, openapi_extra=doc(ResponsesRequest, ResponseObject, stream=EVENTS))
     async def create_response(raw: Request) -> Response | ResponseObject:
         req = await parse_body(raw, ResponsesRequest)
-        pre.check_model(st.ctx, req.model)
+        lora = pre.check_model(st.ctx, req.model)
         check_serving()
         plan = await asyncio.to_thread(prepare_responses, st.ctx, req)
         chat = plan.chat
-        gen = Generation(st.engine, [chat.prompt], chat.params, chat.engine_id, st.metrics, chat.priority)
+        gen = Generation(st.engine, [chat.prompt], chat.params, chat.engine_id, st.metrics, chat.priority, lora)
         res = await start(raw, gen, req.stream)
         if res is None:
             return Response(status_code=client_closed)

@@ -17,6 +17,7 @@ from typing import Any
 
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.lora_request import LoRARequest
 from netra_jax.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class _Cmd:
     loop: asyncio.AbstractEventLoop | None = None
     fn: Callable[[LLMEngine], Any] | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AsyncEngine:
@@ -106,12 +108,18 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come. `priority` (vLLM's): smaller is served first under
-        `--scheduling-policy priority`; a non-zero value under fcfs is a ValueError, as any bad input."""
+        `--scheduling-policy priority`; a non-zero value under fcfs is a ValueError, as any bad input.
+        `lora_request`: the LoRA adapter it runs with (see `LLMEngine.add_request`)."""
         out_q: asyncio.Queue = asyncio.Queue()
-        await self.submit(prompt, params, request_id, out_q.put_nowait, priority)
+        await self.submit(prompt, params, request_id, out_q.put_nowait, priority, lora_request)
         finished = False
         try:
             while True:
@@ -127,7 +135,13 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def submit(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, sink: Sink, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        sink: Sink,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Admit a request whose outputs go to `sink(output)`, called in this event loop's thread, in order; then,
         if the engine fails before the request finishes, `sink(EngineDeadError)`. Returns once the engine took the
@@ -138,7 +152,10 @@ class AsyncEngine:
         with self._lock:
             if self.dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(f"engine is not running: {self.dead!r}")
-            self._send(_Cmd("add", request_id, prompt, params, reply, sink, loop, priority=priority))
+            cmd = _Cmd(
+                "add", request_id, prompt, params, reply, sink, loop, priority=priority, lora_request=lora_request
+            )
+            self._send(cmd)
         try:
             await reply  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:  # the caller left while the request was being admitted
@@ -192,7 +209,9 @@ class AsyncEngine:
                     self._post(cmd.loop, _set_exc, cmd.reply, e)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority, lora_request=cmd.lora_request
+                )
             except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
                 self._post(cmd.loop, _set_exc, cmd.reply, e)
                 continue

@@ -242,6 +242,43 @@ class LLMEngine:
             self._sample_of[sample.request.request_id] = (state, sample)
         self.num_requests += 1
 
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's add/remove/list)
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (LoRAError naming the problem), so that requests naming it start at once."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        self.loras.register(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False when unknown. ValueError while an unfinished request runs or waits with it."""
+        if self.loras is None or lora_int_id not in self.loras.known:
+            return False
+        users = sum(1 for _, s in self._sample_of.values() if s.request.lora_id == lora_int_id)
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} has {users} unfinished requests; retry once they finish")
+        self.loras.unregister(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set() if self.loras is None else set(self.loras.known)
+
+    def lora_requests(self) -> tuple[set[str], set[str]]:
+        """Names of the adapters of (running, waiting) requests (the lora_requests_info gauge's labels)."""
+        if self.loras is None:
+            return set(), set()
+        known = self.loras.known
+        for _ in range(3):  # read from another thread (/metrics) while the engine thread may change them
+            try:
+                running = {r.lora_id for r in self.scheduler.running if r.lora_id}
+                unfinished = {s.request.lora_id for _, s in tuple(self._sample_of.values()) if s.request.lora_id}
+                break
+            except RuntimeError:
+                continue
+        else:
+            return set(), set()
+        name = lambda ids: {known[i].lora_name for i in ids if i in known}  # noqa: E731
+        return name(running), name(unfinished - running)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks now (a step still in flight for it only
         writes them before any later step can reuse them). Returns False if it is unknown."""
