@@ -6,10 +6,12 @@ here the scale is folded into B at load. Targets, by their names in the PEFT che
 o_proj (attention) and gate_proj, up_proj, down_proj (dense MLP layers). Our fused layouts (wqkv, w_gate_up) keep one
 factor pair per projection: the delta is added to the fused output's part that projection owns.
 
-Slots (what the forward takes): one dict per layer, target -> (a [S, in, R], b [S, R, out]), S slots of rank R (the
-largest rank served; smaller adapters are zero-padded, which adds exact zeros), and `slots` [T] int32, each token's
-slot, -1 for the base model. Every target of every layer is always present (zeros where an adapter leaves it), so
-the compiled step never depends on which adapters, ranks or mixes a batch holds."""
+Slots (what the forward takes): per layer, one pair of factors per group of projections sharing an input (q/k/v,
+o, gate/up, down) holding all S slots side by side, rank R each (the largest rank served; smaller adapters are
+zero-padded, which adds exact zeros), and `slots` [T] int32, each token's slot, -1 for the base model. A group's
+delta is two plain matmuls for every slot and target at once (see `lora_delta`). Every target of every layer is
+always present (zeros where an adapter leaves it), so the compiled step never depends on which adapters, ranks or
+mixes a batch holds."""
 
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ _KEY = re.compile(
     r"(self_attn|mlp)\.([A-Za-z0-9_.]+?)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
 )
 
-# one layer's slots: target -> (a [S, in, R], b [S, R, out])
+# the projections that share an input, in the order of the fused weights' outputs (wqkv, w_gate_up)
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+# one layer's slots: group -> (a [in, S, Rg], b [S, Rg, out]); see `empty_slots`
 LayerLoRA = dict[str, tuple[jax.Array, jax.Array]]
 
 
@@ -188,45 +192,71 @@ def load_peft_adapter(
     return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)
 
 
+def _group_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, list[tuple[str, int]]]]:
+    """group -> (its input width, [(target, output width)] in the fused output's order), for this layer."""
+    shapes = target_shapes(cfg, layer)
+    return {
+        g: (shapes[ts[0]][0], [(t, shapes[t][1]) for t in ts])
+        for g, ts in GROUPS.items()
+        if all(t in shapes for t in ts)
+    }
+
+
 def empty_slots(cfg: ModelConfig, num_slots: int, max_rank: int, dtype=jnp.float32) -> list[LayerLoRA]:
-    """Zeroed slots for every target of every layer: per layer {target: (a [S, in, R], b [S, R, out])}."""
-    return [
-        {
-            t: (jnp.zeros((num_slots, fan_in, max_rank), dtype), jnp.zeros((num_slots, max_rank, fan_out), dtype))
-            for t, (fan_in, fan_out) in target_shapes(cfg, i).items()
-        }
-        for i in range(cfg.num_layers)
-    ]
+    """Zeroed slots for every group of every layer: per layer {group: (a [in, S, Rg], b [S, Rg, out])}, Rg = max_rank
+    times the group's targets; target j of the group owns the j-th max_rank of a slot's Rg and writes only its own
+    output columns of b."""
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for g, (fan_in, outs) in _group_shapes(cfg, i).items():
+            group_rank, fan_out = max_rank * len(outs), sum(n for _, n in outs)
+            layer[g] = (
+                jnp.zeros((fan_in, num_slots, group_rank), dtype),
+                jnp.zeros((num_slots, group_rank, fan_out), dtype),
+            )
+        layers.append(layer)
+    return layers
 
 
-def set_slot(slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None) -> list[LayerLoRA]:
+def set_slot(cfg: ModelConfig, slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None) -> list[LayerLoRA]:
     """`slots` with slot `slot` holding `adapter` (zero-padded to the slots' rank; targets it leaves are zeroed), or
     cleared when adapter is None. Functional: returns new arrays."""
     out = []
     for i, layer in enumerate(slots):
         new = {}
-        for t, (a, b) in layer.items():
-            max_rank = a.shape[2]
-            fa = np.zeros(a.shape[1:], np.float32)
-            fb = np.zeros(b.shape[1:], np.float32)
-            if adapter is not None and (i, t) in adapter.weights:
-                wa, wb = adapter.weights[(i, t)]
-                if wa.shape[1] > max_rank:
-                    raise LoRAError(f"adapter {adapter.name!r} has rank {wa.shape[1]}, over the slots' {max_rank}")
-                fa[:, : wa.shape[1]] = wa
-                fb[: wb.shape[0]] = wb
-            new[t] = (a.at[slot].set(jnp.asarray(fa, a.dtype)), b.at[slot].set(jnp.asarray(fb, b.dtype)))
+        widths = dict(_group_shapes(cfg, i))
+        for g, (a, b) in layer.items():
+            targets = GROUPS[g]
+            group_rank = a.shape[2]  # max_rank * len(targets)
+            max_rank = group_rank // len(targets)
+            fa = np.zeros((a.shape[0], group_rank), np.float32)
+            fb = np.zeros((group_rank, b.shape[2]), np.float32)
+            offset = 0
+            for j, t in enumerate(targets):
+                wa, wb = (None, None) if adapter is None else adapter.weights.get((i, t), (None, None))
+                if wa is not None:
+                    if wa.shape[1] > max_rank:
+                        raise LoRAError(f"adapter {adapter.name!r} has rank {wa.shape[1]}, over the slots' {max_rank}")
+                    r = wa.shape[1]
+                    fa[:, j * max_rank : j * max_rank + r] = wa
+                    fb[j * max_rank : j * max_rank + r, offset : offset + wb.shape[1]] = wb
+                offset += widths[g][1][j][1]
+            new[g] = (a.at[:, slot].set(jnp.asarray(fa, a.dtype)), b.at[slot].set(jnp.asarray(fb, b.dtype)))
         out.append(new)
     return out
 
 
-def lora_delta(x: jax.Array, ab: tuple[jax.Array, jax.Array], slots: jax.Array) -> jax.Array:
-    """Each token's adapter delta: x [T, in], ab = (a [S, in, R], b [S, R, out]), slots [T] int32 (-1: none) ->
-    [T, out] in x's dtype. Every slot's product is taken and the others' masked to exact zeros before the second
-    factor, so a token's delta does not depend on which adapters its neighbours use (static shapes, one program for
-    every mix); the cost is S times a single adapter's, small next to the base matmul at ranks of 8-64."""
-    a, b = ab
-    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype))  # [T, S, R]
-    mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]  # [T, S]
-    xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), xa.dtype))
-    return jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype))  # [T, out]
+def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array) -> jax.Array:
+    """Each token's adapter delta for one group of projections that share their input: x [T, in], group = (a [in,
+    S, Rg], b [S, Rg, out]), slots [T] int32 (-1: none) -> [T, out] in x's dtype (the group's
+    targets' outputs side by side, as the fused weight's). Two plain matmuls over every slot, the other slots'
+    columns masked to exact zeros in between, so a token's delta does not depend on which adapters its neighbours
+    use (static shapes, one program for every mix); the cost is S times a single adapter's, small next to the base
+    matmul at ranks of 8-64."""
+    a, b = group
+    fan_in, num_slots, group_rank = a.shape
+    xa = x @ a.reshape(fan_in, num_slots * group_rank).astype(x.dtype)  # [T, S*Rg]
+    cols = jnp.arange(num_slots * group_rank, dtype=slots.dtype) // group_rank  # each column's slot
+    xa = jnp.where(slots[:, None] == cols[None, :], xa, jnp.zeros((), xa.dtype))
+    return xa @ b.reshape(num_slots * group_rank, -1).astype(x.dtype)  # [T, out]

@@ -102,17 +102,21 @@ def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _with_lora(y: jax.Array, x: jax.Array, lora: tuple[LayerLoRA, jax.Array] | None, target: str) -> jax.Array:
-    """y plus the adapters' delta of `target` on input x (see `netra_jax.models.lora`); y itself without adapters."""
+def _with_lora(y: jax.Array, x: jax.Array, lora: tuple[LayerLoRA, jax.Array] | None, group: str) -> jax.Array:
+    """y (the group's outputs side by side, as its fused weight gives them) plus the adapters' delta of that group of
+    projections on input x (see `netra_jax.models.lora`); y itself without adapters."""
     if lora is None:
         return y
     layer, slots = lora
-    return y + lora_delta(x, layer[target], slots)
+    return y + lora_delta(x, layer[group], slots)
 
 
 def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None) -> jax.Array:
     gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
-    gate, up = _with_lora(gu[:, 0], x, lora, "gate"), _with_lora(gu[:, 1], x, lora, "up")
+    if lora is not None:
+        T, _, inter = gu.shape
+        gu = _with_lora(gu.reshape(T, 2 * inter), x, lora, "gate_up").reshape(T, 2, inter)
+    gate, up = gu[:, 0], gu[:, 1]
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     h = act * up
     return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down")
@@ -143,7 +147,10 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
     else:
         q, k, v = (_linear(x, lp[w], lp.get(b), mb) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-    q, k, v = _with_lora(q, x, lora, "q"), _with_lora(k, x, lora, "k"), _with_lora(v, x, lora, "v")
+    if lora is not None:  # the q, k and v deltas in one pair of matmuls
+        d = lora_delta(x, lora[0]["qkv"], lora[1])  # [T, q_size + 2 kv_size]
+        dq, dk, dv = jnp.split(d, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
+        q, k, v = q + dq, k + dk, v + dv
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)

@@ -264,7 +264,20 @@ def sampling_params(
     return sp
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_request_fields(req: SamplingRequest) -> None:
+    """vLLM's 400s for fields the protocol models accept alone: stream_options without stream=true, and a seed
+    outside int64."""
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options can only be given with stream=true", "stream_options")
+    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1]:
+        raise bad(f"seed must be a 64-bit signed integer, in [{INT64[0]}, {INT64[1]}]", "seed")
+
+
 def completion_checks(req: CompletionRequest) -> None:
+    check_request_fields(req)
     check_logprob_counts(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix")
@@ -274,6 +287,7 @@ def completion_checks(req: CompletionRequest) -> None:
 
 def chat_checks(req: ChatCompletionRequest) -> int | None:
     """The number of top logprobs (None: no logprobs). Tools and tool_choice are serving.tool_choice's."""
+    check_request_fields(req)
     check_logprob_counts(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.step_profile import common, composition, cost, host, layers, overlap, roofline
+from benchmarks.step_profile import common, composition, cost, host, layers, lora, overlap, roofline
 
 # sub-command: its module (add_arguments, run) and what it measures; each writes the result file it wrote as a
 # script of its own before they were merged (in brackets), so that earlier results stay comparable
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "overlap": (overlap, "host time per step and how much async scheduling hides [host_overlap]"),
     "host": (host, "per-token host overhead of streamed serving: engine loop, server, client [host_overhead]"),
     "roofline": (roofline, "machine peaks, a decode step's FLOPs and bytes, its parts jitted alone [roofline]"),
+    "lora": (lora, "a decode step with LoRA adapters (0, 1, 4 distinct) against the engine without LoRA [lora_step]"),
     "layers": (layers, "a CPU decode step's forward, XLA layers against the decode layers [decode_step_profile]"),
 }
 

@@ -54,16 +54,19 @@ def check_context_length(
 ) -> None:
     """The one context-length rule (engine, scheduler and HTTP front all call it): a prompt must leave at least one
     token to generate, and prompt + max_tokens must fit `max_model_len`. Raises ContextLengthError."""
+    # worded as OpenAI's and vLLM's: clients (litellm) read "maximum context length" to fall back to a larger model
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthError(
-            f"prompt has {num_prompt_tokens} tokens; the model's context is {max_model_len} (at least one token "
-            "must be left to generate)",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens} tokens in the prompt, which leaves none to generate. Please reduce the length of "
+            "the prompt.",
             "prompt",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
-            f"prompt ({num_prompt_tokens} tokens) + {max_tokens_name} ({max_tokens}) exceeds the model's context of "
-            f"{max_model_len} tokens",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion: {max_tokens_name}). Please reduce the length of the prompt or {max_tokens_name}.",
             max_tokens_name,
         )
 

@@ -316,7 +316,7 @@ class ModelRunner:
         """Put `adapter` in device slot `slot` (None: clear it). Steps already dispatched keep the slots they took."""
         if self.lora is None:
             raise ValueError("this runner was built without LoRA slots (enable_lora)")
-        self.lora = self._place(set_slot(self.lora, slot, adapter))
+        self.lora = self._place(set_slot(self.cfg, self.lora, slot, adapter))
 
     def _lora_tokens(self, out: SchedulerOutput | None, pb: PackedBatch | None, slot_of: dict[str, int] | None, T: int):
         """[T] int32 each token's adapter slot (-1: the base model and padding)."""
@@ -424,6 +424,7 @@ class ModelRunner:
         prev_ids: jax.Array | None,
         hook_request: np.ndarray | None = None,
         lora_tokens: np.ndarray | None = None,
+        force_lora: bool = False,
     ):
         if self.compile_for is not None:
             raise RuntimeError("a runner built with compile_for lowers steps for its target device and runs none")
@@ -434,7 +435,7 @@ class ModelRunner:
         hooked = {}
         if self.hooks is not None:
             hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self._hook_spec}
-        hooked |= self._lora_args(shape, lora_tokens)
+        hooked |= self._lora_args(shape, lora_tokens, force=force_lora)
         logits, self.kv, plp, records = self._jit(
             self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
         )  # host: numpy, moved by the call (one host->device copy)
@@ -442,12 +443,17 @@ class ModelRunner:
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
         return logits, plp, records
 
-    def _lora_args(self, shape: BatchShape, lora_tokens: np.ndarray | None = None) -> dict:
-        """The step's LoRA arguments: the slots and each token's slot (all -1 when not given); none without LoRA."""
+    def _lora_args(self, shape: BatchShape, lora_tokens: np.ndarray | None = None, force: bool = False) -> dict:
+        """The step's LoRA arguments: the slots and each token's slot. None when no token of the step has an
+        adapter (unless `force`): such a step runs the program without LoRA, as an engine without adapters would
+        (on CPU its decode layers stay one kernel call each); so does every step without LoRA enabled."""
         if self.lora is None:
             return {}
-        tokens = self._lora_tokens(None, None, None, shape.num_tokens) if lora_tokens is None else lora_tokens
-        return {"lora": self.lora, "lora_slots": tokens}
+        if lora_tokens is None or (lora_tokens < 0).all():
+            if not force:
+                return {}
+            lora_tokens = self._lora_tokens(None, None, None, shape.num_tokens)
+        return {"lora": self.lora, "lora_slots": lora_tokens}
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
         """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
@@ -503,7 +509,6 @@ class ModelRunner:
             cfg=self.cfg,
             shape=shape,
             backend=self.backend,
-            **self._lora_args(shape),
         ).lower()
 
     def lower_widen(self, num_rows: int) -> jax.stages.Lowered:
@@ -512,9 +517,12 @@ class ModelRunner:
         return self._widen.trace(ids).lower()
 
     def warmup_shape(self, shape: BatchShape) -> None:
-        """Compile (and run once on an all-padding batch, which writes nothing) one step variant, and the widening
-        of its sampled ids when steps overlap."""
+        """Compile (and run once on an all-padding batch, which writes nothing) one step variant (with LoRA enabled,
+        both its programs: with adapters and without), and the widening of its sampled ids when steps overlap."""
         logits, plp, _ = self._dispatch(empty_batch(shape, self.pad_slot), shape, None)
+        if self.lora is not None:
+            jax.block_until_ready((logits, plp))
+            logits, plp, _ = self._dispatch(empty_batch(shape, self.pad_slot), shape, None, force_lora=True)
         if self.overlap:
             ids = jax.device_put(np.zeros(shape.num_rows, np.int32), jax.devices()[0])  # as the sampler returns
             jax.block_until_ready(self.widen(ids))

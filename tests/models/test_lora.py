@@ -45,7 +45,7 @@ def test_logits_and_greedy_match_peft(models, name):
     ref, logits = _ref(name)
     cfg, params = models[ref["base"]]
     adapter = L.load_peft_adapter(LORA / name, cfg, max_rank=16)
-    slots = L.set_slot(L.empty_slots(cfg, 3, 16), 1, adapter)  # slot 1 of 3, padded from its rank to 16
+    slots = L.set_slot(cfg, L.empty_slots(cfg, 3, 16), 1, adapter)  # slot 1 of 3, padded from its rank to 16
     base_greedy = [c["greedy_ids"][:8] for c in reference(ref["base"])["cases"]]
     changed = False
     for i, case in enumerate(ref["cases"]):
@@ -61,7 +61,7 @@ def test_logits_and_greedy_match_peft(models, name):
 
 def test_slot_minus_one_is_the_base_model(models):
     cfg, params = models["tiny-llama"]
-    slots = L.set_slot(L.empty_slots(cfg, 2, 8), 0, L.load_peft_adapter(LORA / "llama-all-r8", cfg))
+    slots = L.set_slot(cfg, L.empty_slots(cfg, 2, 8), 0, L.load_peft_adapter(LORA / "llama-all-r8", cfg))
     case = reference("tiny-llama")["cases"][1]
     ids = jnp.asarray(case["prompt_ids"], jnp.int32)
     base = np.asarray(forward_dense(params, cfg, ids))
@@ -76,14 +76,14 @@ def test_tokens_of_one_batch_use_their_own_slots(models):
     names = [n for n in ADAPTERS if n.startswith("llama")][:4]
     slots = L.empty_slots(cfg, 4, 16)
     for s, n in enumerate(names):
-        slots = L.set_slot(slots, s, L.load_peft_adapter(LORA / n, cfg))
+        slots = L.set_slot(cfg, slots, s, L.load_peft_adapter(LORA / n, cfg))
     rng = np.random.default_rng(0)
     which = jnp.asarray([0, 1, -1, 2, 3, 3, 0, -1, 1, 2], jnp.int32)
-    for t, (a, b) in slots[0].items():
-        x = jnp.asarray(rng.standard_normal((10, a.shape[1])), jnp.float32)  # [T, in]
-        mixed = np.asarray(L.lora_delta(x, (a, b), which))
+    for t, group in slots[0].items():
+        x = jnp.asarray(rng.standard_normal((10, group[0].shape[0])), jnp.float32)  # [T, in]
+        mixed = np.asarray(L.lora_delta(x, group, which))
         for s in range(-1, 4):
-            alone = np.asarray(L.lora_delta(x, (a, b), jnp.full((10,), s, jnp.int32)))
+            alone = np.asarray(L.lora_delta(x, group, jnp.full((10,), s, jnp.int32)))
             rows = np.asarray(which) == s
             assert np.array_equal(mixed[rows], alone[rows]), (t, s)
         assert not mixed[np.asarray(which) == -1].any()
@@ -91,7 +91,7 @@ def test_tokens_of_one_batch_use_their_own_slots(models):
 
 def test_gradient_reaches_the_factors(models):
     cfg, params = models["tiny-qwen3"]
-    slots = L.set_slot(L.empty_slots(cfg, 1, 8), 0, L.load_peft_adapter(LORA / "qwen3-all-r8", cfg))
+    slots = L.set_slot(cfg, L.empty_slots(cfg, 1, 8), 0, L.load_peft_adapter(LORA / "qwen3-all-r8", cfg))
     ids = jnp.asarray(reference("tiny-qwen3")["cases"][1]["prompt_ids"], jnp.int32)
 
     def loss(slots):
@@ -99,7 +99,7 @@ def test_gradient_reaches_the_factors(models):
         return -jax.nn.log_softmax(logits)[jnp.arange(ids.shape[0] - 1), ids[1:]].mean()
 
     grads = jax.grad(loss)(slots)
-    a, b = grads[0]["q"]
+    a, b = grads[0]["qkv"]
     assert float(jnp.abs(a).max()) > 0 and float(jnp.abs(b).max()) > 0
 
 

@@ -247,6 +247,16 @@ def test_metrics_parse_and_move(server, client):
     assert after["netra_engine_alive"] == 1
 
 
+def test_context_length_errors_read_as_openai_and_vllm_word_them(client):
+    """litellm raises ContextWindowExceededError (and falls back to a larger model) on this wording."""
+    for prompt, max_tokens, asked in (([7] * 600, 1, "600 tokens in the prompt"), ([7] * 500, 100, "600 tokens (500")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+        message = e.value.body["message"]
+        assert message.startswith(f"This model's maximum context length is 512 tokens. However, you requested {asked}")
+        assert e.value.body["code"] == "context_length_exceeded"
+
+
 def test_bad_requests_get_4xx_envelopes(server, client):
     errors_before = sum(v for k, v in scrape(server.url).items() if k.startswith("netra_request_errors_total"))
     with httpx.Client(base_url=server.url, timeout=30) as http:

@@ -189,7 +189,7 @@ def test_preemption_by_recompute_continues_output():
 
 def test_never_fitting_requests_are_rejected():
     sched, pool, _ = make(num_blocks=4, max_model_len=32)
-    with pytest.raises(ValueError, match="exceeds the model.s context of 32 tokens"):
+    with pytest.raises(ValueError, match=r"This model.s maximum context length is 32 tokens\. However, you requested"):
         sched.add_request(Request("a", [1] * 30, SamplingParams(max_tokens=3)))
     with pytest.raises(ValueError, match="needs 5 KV blocks of 4 tokens, the cache has 4"):
         sched.add_request(Request("b", [1] * 10, SamplingParams(max_tokens=8)))
