@@ -458,8 +458,9 @@ def forward_dense(
         backend: the attention backend (see `netra_jax.ops.attention.BACKENDS`).
         matmul_backend: the matmul backend (see `netra_jax.quant.matmul.BACKENDS`; its kernels are not
             differentiable: keep "xla" for gradients).
-        lora, lora_slot: LoRA adapter slots (`netra_jax.models.lora.empty_slots` / `set_slot`) and the slot the
-            whole sequence uses (-1 or None: the base model); differentiable in the slots' factors.
+        lora: LoRA adapter slots (`netra_jax.models.lora.empty_slots` / `set_slot`); differentiable in their
+            factors.
+        lora_slot: The slot the whole sequence uses with `lora` (-1 or None: the base model).
 
     Returns:
         logits [T, vocab] float32.
