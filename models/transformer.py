@@ -393,8 +393,8 @@ def forward(
     of `netra_jax.ops.cpu_matmul` and, with the "cpu" attention backend and no hooks, the dense float32 layers of a
     step of at most 32 tokens as one call each of `netra_jax.ops.cpu_decode_layer` (what the engine runs on CPU;
     unsharded parameters only, lowers for CPU only, not differentiable).
-    lora, lora_slots: LoRA adapter slots (per layer {target: (a [S, in, R], b [S, R, out])}) and each token's slot
-    [T] int32 (-1: the base model), see `netra_jax.models.lora`; differentiable in the slots' factors.
+    lora, lora_slots: LoRA adapter slots (per layer {group: (a [in, S, Rg], b [S, Rg, out])}, `lora.empty_slots`)
+    and each token's slot [T] int32 (-1: the base model), see `netra_jax.models.lora`; differentiable in the factors.
     Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
     activations {hook name: array}.
     """
