@@ -304,8 +304,8 @@ class ModelRunner:
         self._hook_spec: HookSpec | None = None  # the hooks' static part, derived once per set_hooks
         self._hook_arrays = None
         self._hook_index: dict[str, int] = {}
-        # LoRA adapter slots (models/lora.py), written by `set_lora_slot`; every step then takes them (one program
-        # for every mix of adapters)
+        # LoRA adapter slots (models/lora.py), written by `set_lora_slot`; every step with an adapter's token takes
+        # them (one program for every mix of adapters; steps of base requests alone run the program without them)
         self.lora = None
         if lora is not None:
             dtype = params["embed"].dtype if compile_for is None else jnp.float32
