@@ -3,8 +3,9 @@ base model), a fixed number of device slots that hold several adapters at once, 
 
 An adapter adds `scale * (x @ A) @ B` to a projection's output, scale = alpha / r (alpha / sqrt(r) with rsLoRA);
 here the scale is folded into B at load. Targets, by their names in the PEFT checkpoint: q_proj, k_proj, v_proj,
-o_proj (attention) and gate_proj, up_proj, down_proj (dense MLP layers). Our fused layouts (wqkv, w_gate_up) keep one
-factor pair per projection: the delta is added to the fused output's part that projection owns.
+o_proj (attention) and gate_proj, up_proj, down_proj (dense MLP layers). An adapter keeps one factor pair per
+projection; the slots join the projections that share an input, their deltas side by side as our fused weights'
+outputs are (wqkv, w_gate_up), each added to the part its projection owns.
 
 Slots (what the forward takes): per layer, one pair of factors per group of projections sharing an input (q/k/v,
 o, gate/up, down) holding all S slots side by side, rank R each (the largest rank served; smaller adapters are
@@ -28,6 +29,7 @@ import numpy as np
 from netra_jax.config import ModelConfig
 
 __all__ = [
+    "GROUPS",
     "TARGETS",
     "LoRAAdapter",
     "LoRAError",
