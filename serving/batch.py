@@ -54,9 +54,7 @@ class _Runner:
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
         adapters = ServedAdapters()
         for m in lora_modules or []:  # read and checked before the first line (LoRAError names a bad one)
-            lora = adapters.request_for(m)
-            engine.add_lora(lora)
-            adapters.add(lora)
+            adapters.load(engine, m)
         self.ctx = ServingContext.of(engine, model_name, chat_template, chat_output, adapters)
         self.jobs: dict[str, Job] = {}  # engine request id -> its job
         self.in_flight = 0

@@ -254,13 +254,11 @@ def serve(args: argparse.Namespace) -> int:
         )
     adapters = ServedAdapters()
     for m in lora_modules:  # read and checked now: a bad adapter stops the server before it listens
-        lora = adapters.request_for(m)
         try:
-            engine.add_lora(lora)
+            adapters.load(engine, m)
         except ValueError as e:
             print(f"netra-jax serve: --lora-modules {m.name}: {one_line(e)}", file=sys.stderr)
             return 2
-        adapters.add(lora)
         print(f"netra-jax: LoRA adapter {m.name!r} from {m.path}", flush=True)
     ae = AsyncEngine(engine, step_timeout=args.step_timeout)
     warm = threading.Event()

@@ -7,8 +7,12 @@ import itertools
 import json
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from netra_jax.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from netra_jax.engine.engine import LLMEngine
 
 __all__ = ["LoRAModule", "ServedAdapters", "parse_lora_modules"]
 
@@ -55,16 +59,18 @@ class ServedAdapters:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def request_for(self, module: LoRAModule) -> LoRARequest:
-        """A LoRARequest with a fresh id for `module` (not added yet: see `add`)."""
+    def load(self, engine: LLMEngine, module: LoRAModule) -> LoRARequest:
+        """Serve `module` under its name, with a fresh id: read and checked by `engine.add_lora` first (LoRAError
+        naming the problem; nothing is added then). ValueError when the name is taken."""
         with self._lock:
-            return LoRARequest(module.name, next(self._ids), module.path, module.base_model_name)
-
-    def add(self, lora: LoRARequest) -> None:
+            if module.name in self._by_name:
+                raise ValueError(f"a LoRA adapter named {module.name!r} is already loaded")
+            lora = LoRARequest(module.name, next(self._ids), module.path, module.base_model_name)
+        engine.add_lora(lora)
         with self._lock:
-            if lora.lora_name in self._by_name:
-                raise ValueError(f"a LoRA adapter named {lora.lora_name!r} is already loaded")
-            self._by_name[lora.lora_name] = lora
+            if self._by_name.setdefault(lora.lora_name, lora) is not lora:  # a concurrent load of the same name won
+                raise ValueError(f"a LoRA adapter named {module.name!r} is already loaded")
+        return lora
 
     def remove(self, name: str) -> LoRARequest | None:
         with self._lock:

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
+from netra_jax.models.lora import LoRAError
 from netra_jax.serving.errors import APIError, bad
 from netra_jax.serving.lora_modules import LoRAModule
 from netra_jax.serving.openapi import doc
@@ -41,14 +42,12 @@ def install_lora_routes(app: FastAPI, st: ServerState, parse_body: Callable[...,
             raise bad("lora_name and lora_path must be non-empty", "lora_name" if not req.lora_name else "lora_path")
         if req.lora_name == st.model_name or st.ctx.adapters.get(req.lora_name) is not None:
             raise bad(f"the name {req.lora_name!r} is already served", "lora_name")
-        lora = st.ctx.adapters.request_for(LoRAModule(req.lora_name, req.lora_path))
-        try:
-            await st.engine.call(lambda e: e.add_lora(lora))
-        except ValueError as e:  # LoRAError: the directory, a refused setting or a tensor, named
+        module = LoRAModule(req.lora_name, req.lora_path)
+        try:  # read in the engine thread, between steps
+            await st.engine.call(lambda e: st.ctx.adapters.load(e, module))
+        except LoRAError as e:  # the directory, a refused setting or a tensor, named
             raise bad(str(e), "lora_path") from None
-        try:
-            st.ctx.adapters.add(lora)
-        except ValueError as e:  # loaded by a concurrent call meanwhile
+        except ValueError as e:  # the name, loaded by a concurrent call meanwhile
             raise bad(str(e), "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

@@ -226,8 +226,10 @@ class LLMEngine:
         if lora_request is not None:  # the adapter's KV is its own: blocks hashed under its id
             cache_key = f"lora:{lora_request.lora_int_id}" + ("" if cache_key is None else f"|{cache_key}")
         for sample in state.samples:
-            sample.request.cache_key = cache_key if cache_key is not None else sample.request.cache_key
-            sample.request.lora_id = 0 if lora_request is None else lora_request.lora_int_id
+            if cache_key is not None:
+                sample.request.cache_key = cache_key
+            if lora_request is not None:
+                sample.request.lora_id = lora_request.lora_int_id
         added = []
         try:
             for sample in state.samples:

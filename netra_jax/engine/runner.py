@@ -318,10 +318,10 @@ class ModelRunner:
             raise ValueError("this runner was built without LoRA slots (enable_lora)")
         self.lora = self._place(set_slot(self.cfg, self.lora, slot, adapter))
 
-    def _lora_tokens(self, out: SchedulerOutput | None, pb: PackedBatch | None, slot_of: dict[str, int] | None, T: int):
+    def _lora_tokens(self, out: SchedulerOutput, pb: PackedBatch, slot_of: dict[str, int] | None) -> np.ndarray:
         """[T] int32 each token's adapter slot (-1: the base model and padding)."""
-        slots = np.full(T, -1, np.int32)
-        if out is not None and slot_of:
+        slots = np.full(pb.shape.num_tokens, -1, np.int32)
+        if slot_of:
             qsl = pb.shape.layout.view(pb.host, "query_start_loc")
             for s, sr in enumerate(out.scheduled):
                 slots[qsl[s] : qsl[s + 1]] = slot_of.get(sr.request_id, -1)
@@ -412,7 +412,7 @@ class ModelRunner:
         shape = self.shape_for(out.num_batched_tokens, wants_plp)
         pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
         hook_request = None if self.hooks is None else self._hook_request(out, pb)
-        lora_tokens = None if self.lora is None else self._lora_tokens(out, pb, lora_slot_of, shape.num_tokens)
+        lora_tokens = None if self.lora is None else self._lora_tokens(out, pb, lora_slot_of)
         logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hook_request, lora_tokens)
         self.num_steps += 1
         return StepResult(logits, plp, pb, records)
@@ -452,7 +452,7 @@ class ModelRunner:
         if lora_tokens is None or (lora_tokens < 0).all():
             if not force:
                 return {}
-            lora_tokens = self._lora_tokens(None, None, None, shape.num_tokens)
+            lora_tokens = np.full(shape.num_tokens, -1, np.int32)  # every token the base model's
         return {"lora": self.lora, "lora_slots": lora_tokens}
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
