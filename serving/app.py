@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/responses (JSON or SSE),
-/v1/embeddings, /v1/models; vLLM's /tokenize, /detokenize, /tokenizer_info; /health, /ready, /metrics."""
+/v1/embeddings, /v1/models; vLLM's /tokenize, /detokenize, /tokenizer_info, /v1/score (and /score) and the rerank
+routes /rerank, /v1/rerank (Jina's shape) and /v2/rerank (Cohere's); /health, /ready, /metrics."""
 
 from __future__ import annotations
 
@@ -47,7 +48,15 @@ from netra_jax.serving.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from netra_jax.serving.protocol_scoring import (
+    RerankRequest,
+    RerankResponse,
+    RerankV2Response,
+    ScoreRequest,
+    ScoreResponse,
+)
 from netra_jax.serving.responses import install_responses_routes
+from netra_jax.serving.scoring import create_rerank, create_scores
 from netra_jax.serving.state import ServerState
 from netra_jax.serving.streaming import StreamContext, chat_stream, completion_stream
 from netra_jax.serving.tokenizer_info import tokenizer_info
@@ -294,5 +303,27 @@ def create_app(
         check_model(req.model)
         check_serving("embed")
         return await create_embeddings(engine, st.model_name, req)
+
+    # ------------------------------------------------------------------ scoring with the embedding model
+    async def scoring_request[M: BaseModel](raw: Request, model: type[M]) -> M:
+        req = await parse_body(raw, model)
+        check_model(req.model)
+        check_task(st.llm, "embed", raw.url.path)  # the 400 naming this route, before check_serving's
+        check_serving("embed")
+        return req
+
+    @app.post("/v1/score", openapi_extra=doc(ScoreRequest, ScoreResponse))
+    @app.post("/score", openapi_extra=doc(ScoreRequest, ScoreResponse))
+    async def score(raw: Request) -> ScoreResponse:
+        return await create_scores(engine, st.model_name, await scoring_request(raw, ScoreRequest))
+
+    @app.post("/v1/rerank", openapi_extra=doc(RerankRequest, RerankResponse))
+    @app.post("/rerank", openapi_extra=doc(RerankRequest, RerankResponse))
+    async def rerank(raw: Request) -> RerankResponse:
+        return await create_rerank(engine, st.model_name, await scoring_request(raw, RerankRequest))
+
+    @app.post("/v2/rerank", openapi_extra=doc(RerankRequest, RerankV2Response))
+    async def rerank_v2(raw: Request) -> RerankV2Response:
+        return await create_rerank(engine, st.model_name, await scoring_request(raw, RerankRequest), cohere_v2=True)
 
     return app

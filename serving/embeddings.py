@@ -33,6 +33,7 @@ from netra_jax.serving.protocol_embeddings import (
 
 __all__ = [
     "EmbeddingBatcher",
+    "batcher_of",
     "EmbeddingRequest",
     "EmbeddingResponse",
     "check_task",
@@ -44,14 +45,15 @@ __all__ = [
 _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def check_task(engine: LLMEngine, wanted: str) -> None:
-    """APIError(400) when the served model's task is not `wanted` ("generate" or "embed")."""
+def check_task(engine: LLMEngine, wanted: str, route: str = "/v1/embeddings") -> None:
+    """APIError(400) when the served model's task is not `wanted` ("generate" or "embed"); `route`: the embedding
+    route asked for, named in the message."""
     task = engine.config.task
     if task == wanted:
         return
     if wanted == "embed":
         message = (
-            "this server generates text (--task generate): /v1/embeddings needs an embedding model served with "
+            f"this server generates text (--task {task}): {route} needs an embedding model served with "
             "`netra-jax serve MODEL --task embed`"
         )
     else:
