@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig
+from netra_jax.ops.lora_segment import lora_segment_delta
+from netra_jax.quant import GPU_BACKENDS
 
 __all__ = [
     "GROUPS",
@@ -249,13 +251,18 @@ def set_slot(cfg: ModelConfig, slots: list[LayerLoRA], slot: int, adapter: LoRAA
     return out
 
 
-def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array) -> jax.Array:
+def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array, backend: str = "xla") -> jax.Array:
     """Each token's adapter delta for one group of projections that share their input: x [T, in], group = (a [in,
     S, Rg], b [S, Rg, out]), slots [T] int32 (-1: none) -> [T, out] in x's dtype (the group's
-    targets' outputs side by side, as the fused weight's). Two plain matmuls over every slot, the other slots'
-    columns masked to exact zeros in between, so a token's delta does not depend on which adapters its neighbours
-    use (static shapes, one program for every mix); the cost is S times a single adapter's, small next to the base
-    matmul at ranks of 8-64."""
+    targets' outputs side by side, as the fused weight's). The reference: two plain matmuls over every slot, the
+    other slots' columns masked to exact zeros in between, so a token's delta does not depend on which adapters its
+    neighbours use (static shapes, one program for every mix); the cost is S times a single adapter's, small next to
+    the base matmul at ranks of 8-64. backend: the matmul backend (`netra_jax.quant.matmul.BACKENDS`); the GPU ones
+    ("gpu", "gpu_sm80"; "gpu_interpret" in the Pallas interpreter) run the segment matmul of
+    `netra_jax.ops.lora_segment` instead (tokens sorted by slot, each multiplied by its own slot's factors only,
+    the same result), every other one the reference."""
+    if backend in (*GPU_BACKENDS, "gpu_interpret"):
+        return lora_segment_delta(x, group, slots, interpret=backend == "gpu_interpret")
     a, b = group
     fan_in, num_slots, group_rank = a.shape
     xa = x @ a.reshape(fan_in, num_slots * group_rank).astype(x.dtype)  # [T, S*Rg]

@@ -102,24 +102,27 @@ def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _with_lora(y: jax.Array, x: jax.Array, lora: tuple[LayerLoRA, jax.Array] | None, group: str) -> jax.Array:
+def _with_lora(
+    y: jax.Array, x: jax.Array, lora: tuple[LayerLoRA, jax.Array] | None, group: str, mb: str = "xla"
+) -> jax.Array:
     """y (the group's outputs side by side, as its fused weight gives them) plus the adapters' delta of that group of
-    projections on input x (see `netra_jax.models.lora`); y itself without adapters."""
+    projections on input x (see `netra_jax.models.lora`; mb: the matmul backend, which picks its kernel); y itself
+    without adapters."""
     if lora is None:
         return y
     layer, slots = lora
-    return y + lora_delta(x, layer[group], slots)
+    return y + lora_delta(x, layer[group], slots, mb)
 
 
 def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None) -> jax.Array:
     gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
     if lora is not None:
         T, _, inter = gu.shape
-        gu = _with_lora(gu.reshape(T, 2 * inter), x, lora, "gate_up").reshape(T, 2, inter)
+        gu = _with_lora(gu.reshape(T, 2 * inter), x, lora, "gate_up", mb).reshape(T, 2, inter)
     gate, up = gu[:, 0], gu[:, 1]
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     h = act * up
-    return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down")
+    return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down", mb)
 
 
 def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, backend: str):
@@ -148,7 +151,7 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
     else:
         q, k, v = (_linear(x, lp[w], lp.get(b), mb) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     if lora is not None:  # the q, k and v deltas in one pair of matmuls
-        d = lora_delta(x, lora[0]["qkv"], lora[1])  # [T, q_size + 2 kv_size]
+        d = lora_delta(x, lora[0]["qkv"], lora[1], mb)  # [T, q_size + 2 kv_size]
         dq, dk, dv = jnp.split(d, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
         q, k, v = q + dq, k + dk, v + dv
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -200,7 +203,7 @@ def _layer(
     mb = matmul_backend
     o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb, lora)  # [T, q_heads, hd]
     o = point("attn_heads", o).reshape(T, cfg.q_size)
-    h = _with_lora(_linear(o, lp["wo"], lp.get("bo"), mb), o, lora, "o")
+    h = _with_lora(_linear(o, lp["wo"], lp.get("bo"), mb), o, lora, "o", mb)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     x = point("resid_mid", x + point("attn_out", h))

@@ -1,5 +1,6 @@
-"""The GPU compile check: every attention-kernel configuration and every step program of gpu_check.configs compiled
-for the H200 (sm_90a) and A100 (sm_80) targets on a machine without a GPU, in a pool of compiling processes; writes
+"""The GPU compile check: every attention-kernel configuration and every step program of gpu_check.configs (and the
+decode and prefill steps of jobs.LORA_STEPS with LoRA adapter slots) compiled for the H200 (sm_90a) and A100 (sm_80)
+targets on a machine without a GPU, in a pool of compiling processes; writes
 OUT/<date>-gpu_compile-<target>.json and .md and exits 1 if any kernel spills, goes over its budget or fails to
 compile, or any step program's temporaries exceed the memory sizing's margin.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only plans: the workers compile
 
-from benchmarks.gpu_compile import report, worker  # noqa: E402
+from benchmarks.gpu_compile import jobs, report, worker  # noqa: E402
 from benchmarks.gpu_compile.targets import TARGETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +41,8 @@ def plan_jobs(pool: cf.Executor, targets: list[str], only: str | None, cases: st
             steps += [("step", t, m, i, depth) for i in range(n.result())]
             for method in configs.QUANT_STEPS.get(m, ()):  # quantized weights: the smallest and the largest step
                 steps += [("step", t, m, i, depth, method) for i in (0, n.result() - 1)]
+            if m in jobs.LORA_STEPS:  # with LoRA adapter slots: the smallest and the largest step
+                steps += [("step", t, m, i, depth, None, jobs.LORA_STEPS[m]) for i in (0, n.result() - 1)]
     if only != "steps":
         for t in targets:
             for i, case in enumerate(configs.kernel_cases(t)):

@@ -23,6 +23,9 @@ KERNELS = {
 # products XLA compiles itself (no Pallas kernel, no budget): judged by their compiled HLO (`judge_gemm`)
 XLA_PRODUCTS = ("fp8",)
 PALLAS_PREFIXES = tuple(prefix for prefix, _ in KERNELS.values())
+# models whose smallest (decode) and largest (prefill) step also compile with LoRA slots (max_loras, max_lora_rank):
+# every token's adapter delta on the segment matmul (`ops.lora_segment`, the grouped-matmul kernel) on GPU backends
+LORA_STEPS = {"llama3-8b": (4, 64)}
 
 
 def budget(kernel: str):
@@ -126,13 +129,20 @@ def judge_gemm(case, compiled) -> dict:
 
 
 @functools.cache
-def step_runner(target: str, model: str, depth: int | None = None, quantization: str | None = None):
+def step_runner(
+    target: str,
+    model: str,
+    depth: int | None = None,
+    quantization: str | None = None,
+    lora: tuple[int, int] | None = None,
+):
     """The engine's runner for `model` (gpu_check.configs.STEP_MODELS) at the device run's engine settings, built
     for `target`'s compile-only device: abstract bf16 weights (the dummy loader's layout), nothing allocated, the
     attention and matmul backends "auto" resolves to on that target. depth: keep the model's first `depth` layers
     only (every layer is the same program, so its kernels and its temporaries are the full model's; the compile is
     shorter). quantization: the weights quantized at load by that method (abstract too) and laid out for the matmul
-    backend, as the engine does."""
+    backend, as the engine does. lora: (max_loras, max_lora_rank) of abstract adapter slots in the weights' dtype,
+    as an engine with enable_lora holds them (see `lower_lora_step`)."""
     import jax
     import jax.numpy as jnp
 
@@ -179,7 +189,38 @@ def step_runner(target: str, model: str, depth: int | None = None, quantization:
         params = jax.eval_shape(lambda p: layout(quantize_params(p, quantization)), params)
     runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
+    if lora is not None:  # abstract slots (a runner built with LoRAConfig would allocate them on the host)
+        from netra_jax.models.lora import empty_slots
+
+        on = jax.sharding.SingleDeviceSharding(targets.device(target))
+        slots = jax.eval_shape(lambda: empty_slots(cfg, *lora, dtype))
+        runner.lora = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), slots)
     return runner
+
+
+def lower_lora_step(runner, shape):
+    """`runner.lower_step` of the step's program with adapters: the LoRA slots and each token's slot [T] (the
+    program an engine with enable_lora runs when some token of the step has an adapter; one for every mix)."""
+    import jax
+    import jax.numpy as jnp
+
+    from netra_jax.engine.step_layout import empty_batch
+
+    on = jax.sharding.SingleDeviceSharding(runner.compile_for)
+    token_slots = jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32, sharding=on)
+    prev_ids = runner._no_ids if runner.overlap else None
+    host = empty_batch(shape, runner.pad_slot)  # numpy, as pack_batch's
+    return runner._jit.trace(
+        runner.params,
+        runner.kv,
+        host,
+        prev_ids,
+        cfg=runner.cfg,
+        shape=shape,
+        backend=runner.backend,
+        lora=runner.lora,
+        lora_slots=token_slots,
+    ).lower()
 
 
 def step_shapes(target: str, model: str) -> list:
@@ -217,17 +258,29 @@ def sizing(target: str, runner) -> dict:
 
 
 def compile_step(
-    target: str, model: str, index: int, depth: int | None = None, quantization: str | None = None
+    target: str,
+    model: str,
+    index: int,
+    depth: int | None = None,
+    quantization: str | None = None,
+    lora: tuple[int, int] | None = None,
 ) -> dict:
     """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers and weights quantized by
-    `quantization`: see `step_runner`): compile time, memory analysis against the full model's sizing, the Pallas
-    kernels ptxas compiled in it, any kernel that spills, and the matmul backend with its GEMMs' operand types."""
+    `quantization`, and with `lora` adapter slots: see `step_runner`): compile time, memory analysis against the
+    full model's sizing, the Pallas kernels ptxas compiled in it, any kernel that spills, and the matmul backend
+    with its GEMMs' operand types."""
     import jax
 
-    runner = step_runner(target, model, depth, quantization)
+    from netra_jax.quant import GPU_BACKENDS
+
+    runner = step_runner(target, model, depth, quantization, lora)
     shape = step_shapes(target, model)[index]
     name = f"{model}+{quantization}" if quantization else model
+    if lora is not None:
+        name += "+lora"
     row = {"model": name, "num_tokens": shape.num_tokens, "num_seqs": shape.num_seqs, "backend": runner.backend}
+    if lora is not None:
+        row["lora"] = {"max_loras": lora[0], "max_lora_rank": lora[1]}
     row["matmul_backend"] = runner.matmul_backend
     row["layers"] = runner.cfg.num_layers
     row |= {"prompt_rows": shape.prompt_rows, "logit_rows": shape.num_rows}
@@ -236,7 +289,7 @@ def compile_step(
         warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
         try:
             with jax.default_device(runner.compile_for):
-                lowered = runner.lower_step(shape)
+                lowered = runner.lower_step(shape) if lora is None else lower_lora_step(runner, shape)
                 t1 = time.perf_counter()
                 compiled = lowered.compile()
             failure = None
@@ -273,13 +326,17 @@ def compile_step(
     ]
     spills = [f"a Pallas kernel spills: {k}" for k in row["spilling_kernels"] if k.startswith(PALLAS_PREFIXES)]
     row["problems"] = row.get("problems", []) + spills
+    if lora is not None and runner.matmul_backend in GPU_BACKENDS:  # the deltas on the segment matmul kernel
+        if not any(k.startswith(KERNELS["grouped_matmul"][0]) for k in row["pallas_kernels"]):
+            row["problems"].append("the LoRA deltas are not on the grouped-matmul kernel (ops.lora_segment)")
     del compiled, lowered
     return row
 
 
 def run_job(job: tuple, dump_dir: str) -> dict:
     """One job: ("kernel", target, case index), ("broken", target, index of a `selftest.broken_cases` case) or
-    ("step", target, model, shape index, depth[, quantization]); an unexpected failure is the job's result."""
+    ("step", target, model, shape index, depth[, quantization[, lora]]); an unexpected failure is the job's
+    result."""
     from benchmarks.gpu_check import configs
     from benchmarks.gpu_compile import selftest
 

@@ -57,11 +57,12 @@ def choose_config(num_rows: int, num_groups: int, k: int, n: int, itemsize: int 
     return GroupedMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k)
 
 
-def _kernel(group_ref, start_ref, count_ref, x_ref, w_ref, o_ref, *, cfg: GroupedMatmulConfig):
+def _kernel(group_ref, start_ref, count_ref, x_ref, w_ref, o_ref, *, cfg: GroupedMatmulConfig, group_axis: int):
     """One [BM, BN] output tile: rows [start, start + count) of the block's group times columns j * BN onwards of
-    the group's matrix. group_ref, start_ref, count_ref: [NB] int32; x_ref: [R, K]; w_ref: [G, K, N]; o_ref:
-    [R + BM, cdiv(N, BN) * BN], padded so that every lane of a store has its own in-bounds address (the
-    interpreter turns masked stores into read-modify-write scatters, which would race on shared addresses)."""
+    the group's matrix. group_ref, start_ref, count_ref: [NB] int32; x_ref: [R, K]; w_ref: [G, K, N] (group_axis
+    0) or [K, G, N] (1); o_ref: [R + BM, cdiv(N, BN) * BN], padded so that every lane of a store has its own
+    in-bounds address (the interpreter turns masked stores into read-modify-write scatters, which would race on
+    shared addresses)."""
     b, j = pl.program_id(0), pl.program_id(1)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     R, K = x_ref.shape
@@ -84,7 +85,8 @@ def _kernel(group_ref, start_ref, count_ref, x_ref, w_ref, o_ref, *, cfg: Groupe
             k_ok = ks < K
             ks_c = jnp.minimum(ks, K - 1)
             x = plgpu.load(x_ref.at[rows[:, None], ks_c[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-            w = plgpu.load(w_ref.at[g, ks_c[:, None], cols_c[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+            at = (g, ks_c[:, None]) if group_axis == 0 else (ks_c[:, None], g)
+            w = plgpu.load(w_ref.at[*at, cols_c[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
             return acc + plgpu.dot(x, w.astype(x.dtype), precision=prec)  # [BM, BN] f32
 
         acc = lax.fori_loop(0, pl.cdiv(K, BK), step, jnp.zeros((BM, BN), jnp.float32))
@@ -99,12 +101,16 @@ def grouped_matmul_triton(
     *,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
+    group_axis: int = 0,
 ) -> jax.Array:
     """rows [R, K] sorted by group, w [G, K, N], group_sizes [G] int -> [R, N] in rows' dtype: row i times its
     group's matrix, accumulated in float32 (float32 inputs at full precision); rows past sum(group_sizes) are zeros,
-    as `jax.lax.ragged_dot` gives."""
+    as `jax.lax.ragged_dot` gives. group_axis=1: w is [K, G, N] (LoRA's shrink factors, `ops.lora_segment`), read
+    in place rather than transposed by a copy of every group."""
     R, K = rows.shape
-    G, K2, N = w.shape
+    if group_axis not in (0, 1):
+        raise ValueError(f"grouped matmul group_axis must be 0 ([G, K, N]) or 1 ([K, G, N]), got {group_axis}")
+    K2, G, N = w.shape if group_axis == 1 else (w.shape[1], w.shape[0], w.shape[2])
     if K2 != K or group_sizes.shape != (G,):
         raise ValueError(f"grouped matmul shapes: rows {rows.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
     if config is None:
@@ -116,7 +122,7 @@ def grouped_matmul_triton(
     nb = group.shape[0]
     n_tiles = pl.cdiv(N, config.block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, cfg=config),
+        functools.partial(_kernel, cfg=config, group_axis=group_axis),
         grid=(nb, n_tiles),
         out_shape=jax.ShapeDtypeStruct((R + config.block_m, n_tiles * config.block_n), rows.dtype),
         interpret=interpret,
