@@ -300,22 +300,28 @@ def hidden_states(
         raise ValueError("lora and lora_slots go together: the adapter slots and each token's slot [T]")
     if lora is not None and mesh is not None:
         raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
-    one_call = (
-        matmul_backend in ("cpu_rows", "cpu_rows_q8")
-        and backend == "cpu"
-        and hooks is None
-        and mesh is None
-        and lora is None
-    )
+    one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and hooks is None and mesh is None
     tables: dict = {}  # RoPE tables per rope setting, for the layers run as one kernel call
     for i, lp in enumerate(params["layers"]):
-        if one_call and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0]):
+        layer_lora = None if lora is None else (lora[i], lora_slots)
+        if one_call and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0], None if lora is None else lora[i]):
             rc = cfg.layer_rope(i)
             if rc not in tables:
                 tables[rc] = rope_tables(positions, rc, cfg.rotary_dim)
             lay = md.layout
             x, kp, vp = cpu_decode_layer.decode_layer(
-                x, lp, kv.k[i], kv.v[i], *tables[rc], md.slot_mapping, lay.q_pos, lay.valid, lay.rows, cfg=cfg, i=i
+                x,
+                lp,
+                kv.k[i],
+                kv.v[i],
+                *tables[rc],
+                md.slot_mapping,
+                lay.q_pos,
+                lay.valid,
+                lay.rows,
+                layer_lora,
+                cfg=cfg,
+                i=i,
             )
             new_k.append(kp)
             new_v.append(vp)
@@ -331,7 +337,7 @@ def hidden_states(
             md,
             None if lh is None else ctx,
             layer_inputs(hook_arrays, lh),
-            None if lora is None else (lora[i], lora_slots),
+            layer_lora,
             cfg=cfg,
             i=like,
             backend=backend,

@@ -1,6 +1,7 @@
 """The cost of serving LoRA adapters: a decode step's time with B running sequences (default 8 and 32) on an engine
 without LoRA, and on one with `--max-loras` slots of rank `--rank` whose requests use 0, 1 or 4 distinct adapters
-(random adapters on every projection, in memory), default model in float32.
+(random adapters on every projection, in memory), on SmolLM2's F32 copy by default (`netra_jax.bench.gguf_f32`:
+float32 weights, whose decode layers run as one C++ call each, adapters included).
 
 Usage: `.venv/bin/python -m benchmarks.step_profile lora [--batches 8 32] [--adapters 0 1 4] [--max-loras 4]
 [--rank 16] [--steps 12] [--repeats 3] [--model PATH] [--out FILE]`
@@ -22,7 +23,7 @@ from benchmarks.step_profile import common
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common.add_options(p, repeats=3)
+    common.add_options(p, repeats=3, model_help="a float checkpoint (default: SmolLM2-135M-Instruct's F32 copy)")
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4], help="distinct adapters among the requests")
     p.add_argument("--max-loras", type=int, default=4)
@@ -79,14 +80,16 @@ def decode_step_s(llm, batch: int, loras: list, a: argparse.Namespace, seed: int
 
 def run(a: argparse.Namespace) -> int:
     from netra_jax import LoRARequest
+    from netra_jax.bench.gguf_f32 import default_f32
 
     if max(a.adapters) > a.max_loras:
         raise common.OptionError(f"--adapters up to --max-loras ({a.max_loras})")
     record = common.Run("lora_step")
     options = dict(max_num_seqs=max(a.batches), max_num_batched_tokens=max(256, max(a.batches)), warmup=False)
+    model = a.model or str(default_f32())  # float32 weights (the default Q4_1 file stays in its GGML blocks)
     llms = {
-        "no LoRA": common.build_llm(a.model, **options),
-        "LoRA": common.build_llm(a.model, **options, enable_lora=True, max_loras=a.max_loras, max_lora_rank=a.rank),
+        "no LoRA": common.build_llm(model, **options),
+        "LoRA": common.build_llm(model, **options, enable_lora=True, max_loras=a.max_loras, max_lora_rank=a.rank),
     }
     adapters = random_adapters(llms["LoRA"].engine.model_config, max(a.adapters), a.rank)
     requests = [LoRARequest(x.name, k + 1, adapter=x) for k, x in enumerate(adapters)]
@@ -105,7 +108,7 @@ def run(a: argparse.Namespace) -> int:
             rows.append({"batch": batch, "engine": name, "adapters": n, "step_ms": ms, "ratio": ms / (1e3 * base)})
             print(f"batch {batch:3d} | {name:8s} | {n} adapters | step {ms:7.2f} ms | x{ms / (1e3 * base):.2f}")
     doc = record.record(
-        model=common.model_label(a.model),
+        model=common.model_label(a.model) if a.model else "SmolLM2-135M-Instruct F32 (default)",
         dtype="float32",
         max_loras=a.max_loras,
         rank=a.rank,

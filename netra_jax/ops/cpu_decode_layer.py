@@ -5,7 +5,8 @@ At decode sizes a layer in XLA is about ten small programs (norms, projections, 
 activation, residuals), each paying a dispatch and a thread-pool wake-up; the kernel runs them as the phases of one
 call on the calling thread and XLA's intra-op pool, its matmuls walking each weight once for all rows. It takes
 float32 dense layers with the q, k and v projections joined (`models.transformer.fuse_qkv`, the CPU engine's layout),
-float32 pages, up to ROWS_MAX tokens, every token attending per token (keys of this step's earlier tokens included);
+float32 pages, up to ROWS_MAX tokens, every token attending per token (keys of this step's earlier tokens included),
+and float32 LoRA adapter slots (`netra_jax.models.lora`: each token's delta through its own slot's factors);
 everything else (quantized weights or pages, mixture-of-experts layers, hooks, tensor parallelism, prefill-sized
 steps) runs the jnp layer. Not differentiable: gradients take the "xla" matmul backend's jnp layer."""
 
@@ -17,6 +18,9 @@ import numpy as np
 
 from netra_jax.config import ModelConfig
 from netra_jax.ops import cpu_kernels
+
+LayerLoRA = dict[str, tuple[jax.Array, jax.Array]]  # models.lora's: {group: (a [in, S, R], b [S, R, out])}
+LORA_GROUPS = ("qkv", "o", "gate_up", "down")  # the kernel's order of the adapter groups (models.lora.GROUPS)
 
 __all__ = ["ROWS_MAX", "TARGET", "decode_layer", "takes"]
 
@@ -31,10 +35,13 @@ def _f32(a) -> bool:
     return isinstance(a, jax.Array | np.ndarray) and a.dtype == jnp.float32
 
 
-def takes(lp: dict, cfg: ModelConfig, i: int, k_pages, num_tokens: int) -> bool:
-    """Whether layer i with parameters lp and pages k_pages runs as one kernel call for a step of num_tokens: a dense
-    layer of float32 arrays in the joined-qkv layout, float32 pages, 1..ROWS_MAX tokens, and the kernels built."""
+def takes(lp: dict, cfg: ModelConfig, i: int, k_pages, num_tokens: int, lora: LayerLoRA | None = None) -> bool:
+    """Whether layer i with parameters lp, pages k_pages and adapter slots lora runs as one kernel call for a step of
+    num_tokens: a dense layer of float32 arrays in the joined-qkv layout, float32 pages and adapter factors,
+    1..ROWS_MAX tokens, and the kernels built."""
     if not 0 < num_tokens <= ROWS_MAX or cfg.is_moe_layer(i) or not _f32(k_pages):
+        return False
+    if lora is not None and not all(_f32(f) for pair in lora.values() for f in pair):
         return False
     if not all(_f32(lp.get(k)) for k in _WEIGHTS) or any(k in lp and not _f32(lp[k]) for k in _OPTIONAL):
         return False
@@ -54,6 +61,7 @@ def decode_layer(
     q_pos: jax.Array,
     valid: jax.Array,
     rows: jax.Array,
+    lora: tuple[LayerLoRA, jax.Array] | None = None,
     *,
     cfg: ModelConfig,
     i: int,
@@ -63,8 +71,13 @@ def decode_layer(
 
     cos, sin: [T, rotary_dim // 2] the tokens' RoPE tables for this layer (`models.rope.rope_tables`);
     slot_mapping: [T] int32 KV slot of each token (out of range: not written); q_pos, valid: [T] each token's position
-    and whether it is real; rows: [T, max_pages] int32 each token's block-table row. Arguments `takes` accepts."""
+    and whether it is real; rows: [T, max_pages] int32 each token's block-table row; lora: (this layer's adapter
+    slots, {group: (a [in, S, R], b [S, R, out])}, each token's slot [T] int32, -1: none) or None. Arguments `takes`
+    accepts."""
     hidden, D = cfg.hidden_size, cfg.head_dim
+    none = jnp.zeros((0, 0, 0), jnp.float32)  # a group without adapters
+    groups, lora_slots = ({}, jnp.zeros((x.shape[0],), jnp.int32)) if lora is None else lora
+    factors = [f for g in LORA_GROUPS for f in groups.get(g, (none, none))]
     ones = jnp.ones((hidden,), jnp.float32)
 
     def opt(name, shape, fill):
@@ -100,6 +113,8 @@ def decode_layer(
         lp["w_gate_up"],
         lp["w_down"],
         lp.get("post_mlp_norm", ones),
+        lora_slots.astype(jnp.int32),
+        *factors,
         eps=np.float32(cfg.rms_norm_eps),
         scale=np.float32(cfg.attn_scale),
         soft_cap=np.float32(cfg.attn_logit_softcap or 0.0),
