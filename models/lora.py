@@ -12,7 +12,12 @@ o, gate/up, down) holding all S slots side by side, rank R each (the largest ran
 zero-padded, which adds exact zeros), and `slots` [T] int32, each token's slot, -1 for the base model. A group's
 delta is two plain matmuls for every slot and target at once (see `lora_delta`). Every target of every layer is
 always present (zeros where an adapter leaves it), so the compiled step never depends on which adapters, ranks or
-mixes a batch holds."""
+mixes a batch holds.
+
+Training: `adapter_slots` builds one adapter's slot with jnp pad/concatenate (the layout `set_slot` writes), so
+`jax.grad` of a loss of `forward_dense(..., lora=adapter_slots(...), lora_slot=0)` reaches each factor of the
+adapter's weights; `init_adapter` starts a trainable adapter as PEFT does (A random, B zeros) and `save_peft_adapter`
+writes one as a PEFT directory (PEFT's file layout and tensor names) that `load_peft_adapter` reads back."""
 
 from __future__ import annotations
 
@@ -36,9 +41,12 @@ __all__ = [
     "LoRAAdapter",
     "LoRAError",
     "LayerLoRA",
+    "adapter_slots",
     "empty_slots",
+    "init_adapter",
     "load_peft_adapter",
     "lora_delta",
+    "save_peft_adapter",
     "set_slot",
     "target_shapes",
 ]
@@ -67,11 +75,12 @@ class LoRAError(ValueError):
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoRAAdapter:
     """One adapter's factors, ready for a slot: weights[(layer, target)] = (a [in, r] float32, b [r, out] float32,
-    the scale folded in). `rank` is the largest r of its modules."""
+    the scale folded in), numpy arrays as `load_peft_adapter` reads them or jax arrays (`init_adapter`, or trained:
+    the weights dict is a pytree, what `jax.grad` and optax take). `rank` is the largest r of its modules."""
 
     name: str
     rank: int
-    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    weights: dict[tuple[int, str], tuple[np.ndarray | jax.Array, np.ndarray | jax.Array]]
 
     @property
     def targets(self) -> list[str]:
@@ -196,6 +205,97 @@ def load_peft_adapter(
     return LoRAAdapter(name=name or path.name, rank=rank, weights=weights)
 
 
+def _module_name(layer: int, target: str) -> str:
+    return f"model.layers.{layer}.{'self_attn' if target in ATTENTION_TARGETS else 'mlp'}.{target}_proj"
+
+
+def save_peft_adapter(
+    adapter: LoRAAdapter, path: str | Path, *, base_model_name_or_path: str | None = None, alpha: float | None = None
+) -> Path:
+    """Write `adapter` as a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors, float32 factors named
+    base_model.model.model.layers.{i}.{self_attn|mlp}.{target}_proj.lora_{A,B}.weight, A [r, in], B [out, r], as PEFT
+    saves them) that `load_peft_adapter` reads back to the same factors. Returns the directory.
+
+    The folded scale is undone with the alpha written: by default lora_alpha = r (scale 1, B written as held); with
+    `alpha`, scale = alpha / r and B is written divided by it. Modules of a rank other than the largest get PEFT's
+    rank_pattern (and, without `alpha`, alpha_pattern) entries."""
+    from safetensors.numpy import save_file
+
+    if not adapter.weights:
+        raise LoRAError(f"adapter {adapter.name!r} has no factors to save")
+    if alpha is not None and not alpha > 0:
+        raise LoRAError(f"alpha must be a positive number, got {alpha!r}")
+    ranks = {key: np.shape(a)[1] for key, (a, _) in adapter.weights.items()}
+    rank = max(ranks.values())
+    tensors, rank_pattern, alpha_pattern = {}, {}, {}
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        module, r = _module_name(layer, target), ranks[(layer, target)]
+        if r != rank:
+            rank_pattern[module] = r
+            if alpha is None:
+                alpha_pattern[module] = r
+        scale = 1.0 if alpha is None else alpha / r
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(
+            (np.asarray(b, np.float32) / np.float32(scale)).T
+        )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank,
+        "lora_alpha": rank if alpha is None else alpha,
+        "target_modules": sorted({f"{t}_proj" for _, t in adapter.weights}),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def init_adapter(
+    cfg: ModelConfig, key: jax.Array, rank: int, *, targets: tuple[str, ...] = TARGETS, name: str = "lora"
+) -> LoRAAdapter:
+    """A trainable adapter of rank `rank` on `targets` of every layer (MLP ones in dense layers), initialised as PEFT's
+    default (init_lora_weights=True): A kaiming-uniform (torch's kaiming_uniform_(a=sqrt(5)) on lora_A [r, in], i.e.
+    uniform in +-1/sqrt(in)), B zeros, so the adapter starts as the base model. The weights are float32 jax arrays.
+
+    There is no alpha here: the scale is folded into b, which starts at zero (with Adam, a scale on b only rescales
+    its step size); `save_peft_adapter` writes the alpha. Train `adapter.weights` (a pytree) and rebuild the adapter
+    with `dataclasses.replace(adapter, weights=trained)`."""
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"rank must be a positive integer, got {rank!r}")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise LoRAError(f"targets {list(targets)}: each must be one of {', '.join(TARGETS)}")
+    shapes = [
+        ((i, t), target_shapes(cfg, i)[t])
+        for i in range(cfg.num_layers)
+        for t in TARGETS
+        if t in targets and t in target_shapes(cfg, i)
+    ]
+    if not shapes:
+        raise LoRAError(f"targets {list(targets)}: none is in this model (MLP targets need dense MLP layers)")
+    keys = jax.random.split(key, len(shapes))
+    weights = {}
+    for k, (where, (fan_in, fan_out)) in zip(keys, shapes, strict=True):
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(k, (fan_in, rank), jnp.float32, -bound, bound)
+        weights[where] = (a, jnp.zeros((rank, fan_out), jnp.float32))
+    return LoRAAdapter(name=name, rank=rank, weights=weights)
+
+
 def _group_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, list[tuple[str, int]]]]:
     """group -> (its input width, [(target, output width)] in the fused output's order), for this layer."""
     shapes = target_shapes(cfg, layer)
@@ -223,32 +323,84 @@ def empty_slots(cfg: ModelConfig, num_slots: int, max_rank: int, dtype=jnp.float
     return layers
 
 
+def _layer_blocks(
+    cfg: ModelConfig, layer: int, weights: dict, max_rank: int, dtype
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """One layer's groups of `weights` as one slot: group -> (a [in, Rg], b [Rg, out]) in `empty_slots`' layout,
+    target j's factors at rows/columns j*max_rank.. (zero-padded to max_rank) and b's output columns its own. Built by
+    pad/concatenate only, so differentiable in every factor."""
+    blocks = {}
+    for g, (fan_in, outs) in _group_shapes(cfg, layer).items():
+        fan_out, a_parts, b_parts, offset = sum(n for _, n in outs), [], [], 0
+        for t, width in outs:
+            wa, wb = weights.get((layer, t), (None, None))
+            if wa is None:
+                a_parts.append(jnp.zeros((fan_in, max_rank), dtype))
+                b_parts.append(jnp.zeros((max_rank, fan_out), dtype))
+            else:
+                r = wa.shape[-1]
+                if wa.shape != (fan_in, r) or wb.shape != (r, width):
+                    raise LoRAError(
+                        f"layer {layer} {t}: a {list(wa.shape)} and b {list(wb.shape)} do not fit the projection "
+                        f"[{fan_in} -> {width}] (expected [{fan_in}, r] and [r, {width}])"
+                    )
+                if r > max_rank:
+                    raise LoRAError(f"layer {layer} {t} has rank {r}, over the slots' {max_rank}")
+                a_parts.append(jnp.pad(jnp.asarray(wa, dtype), ((0, 0), (0, max_rank - r))))
+                b_parts.append(jnp.pad(jnp.asarray(wb, dtype), ((0, max_rank - r), (offset, fan_out - offset - width))))
+            offset += width
+        blocks[g] = (jnp.concatenate(a_parts, axis=1), jnp.concatenate(b_parts, axis=0))
+    return blocks
+
+
+def _check_keys(cfg: ModelConfig, weights: dict) -> None:
+    for layer, target in weights:
+        if not (isinstance(layer, int) and 0 <= layer < cfg.num_layers and target in target_shapes(cfg, layer)):
+            raise LoRAError(
+                f"adapter weights key {(layer, target)!r}: not a target of this model (layers 0..{cfg.num_layers - 1}"
+                f", targets {', '.join(TARGETS)}, MLP ones in dense layers)"
+            )
+
+
+def adapter_slots(
+    cfg: ModelConfig, weights: dict[tuple[int, str], tuple[jax.Array, jax.Array]], max_rank: int, dtype=jnp.float32
+) -> list[LayerLoRA]:
+    """An adapter's factors (`LoRAAdapter.weights`: (layer, target) -> (a [in, r], b [r, out])) as one slot of the
+    forward's layout: per layer {group: (a [in, 1, Rg], b [1, Rg, out])}, Rg = max_rank times the group's targets,
+    each target zero-padded to max_rank and zeros where the adapter leaves a target. Pass it as
+    `forward_dense(..., lora=adapter_slots(...), lora_slot=0)`.
+
+    Differentiable (jnp pad/concatenate, no assignment): `jax.grad` of a loss of the forward with respect to
+    `weights` gives a dict of the same keys with (d a [in, r], d b [r, out]) (the scale is folded into b, so d b is
+    the gradient of the folded factor). Shapes are static: the padding and layout are fixed by cfg, max_rank and the
+    weights' keys and ranks. Raises LoRAError for a key the model lacks, a shape that does not fit its projection or
+    a rank over max_rank."""
+    _check_keys(cfg, weights)
+    out = []
+    for i in range(cfg.num_layers):
+        blocks = _layer_blocks(cfg, i, weights, max_rank, dtype)
+        out.append({g: (a[:, None, :], b[None]) for g, (a, b) in blocks.items()})
+    return out
+
+
 def set_slot(cfg: ModelConfig, slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None) -> list[LayerLoRA]:
     """`slots` with slot `slot` holding `adapter` (zero-padded to the slots' rank; targets it leaves are zeroed), or
-    cleared when adapter is None. Functional: returns new arrays."""
-    out = []
-    for i, layer in enumerate(slots):
-        new = {}
-        widths = dict(_group_shapes(cfg, i))
-        for g, (a, b) in layer.items():
-            targets = GROUPS[g]
-            group_rank = a.shape[2]  # max_rank * len(targets)
-            max_rank = group_rank // len(targets)
-            fa = np.zeros((a.shape[0], group_rank), np.float32)
-            fb = np.zeros((group_rank, b.shape[2]), np.float32)
-            offset = 0
-            for j, t in enumerate(targets):
-                wa, wb = (None, None) if adapter is None else adapter.weights.get((i, t), (None, None))
-                if wa is not None:
-                    if wa.shape[1] > max_rank:
-                        raise LoRAError(f"adapter {adapter.name!r} has rank {wa.shape[1]}, over the slots' {max_rank}")
-                    r = wa.shape[1]
-                    fa[:, j * max_rank : j * max_rank + r] = wa
-                    fb[j * max_rank : j * max_rank + r, offset : offset + wb.shape[1]] = wb
-                offset += widths[g][1][j][1]
-            new[g] = (a.at[:, slot].set(jnp.asarray(fa, a.dtype)), b.at[slot].set(jnp.asarray(fb, b.dtype)))
-        out.append(new)
-    return out
+    cleared when adapter is None. Functional: returns new arrays (differentiable in the adapter's factors, as
+    `adapter_slots`, whose layout it writes)."""
+    max_rank = slots[0]["o"][0].shape[2]  # the o group has one target: its Rg is the slots' rank
+    weights = {} if adapter is None else adapter.weights
+    try:
+        _check_keys(cfg, weights)
+        blocks = [_layer_blocks(cfg, i, weights, max_rank, jnp.float32) for i in range(len(slots))]
+    except LoRAError as e:
+        raise LoRAError(f"adapter {adapter.name!r}: {e}") from None
+    return [
+        {
+            g: (a.at[:, slot].set(blk[g][0].astype(a.dtype)), b.at[slot].set(blk[g][1].astype(b.dtype)))
+            for g, (a, b) in layer.items()
+        }
+        for layer, blk in zip(slots, blocks, strict=True)
+    ]
 
 
 def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array, backend: str = "xla") -> jax.Array:

@@ -153,3 +153,179 @@ def test_bad_tensors_are_named(models, tmp_path):
         L.load_peft_adapter(d, cfg)
     with pytest.raises(L.LoRAError, match="no adapter_config.json"):
         L.load_peft_adapter(tmp_path, cfg)
+
+
+# ---------------------------------------------------------------- training: adapter_slots, init_adapter, save
+
+
+def _set_slot_numpy(cfg, slots, slot, adapter):
+    """set_slot as it was written before adapter_slots (numpy assignment), the reference for its layout."""
+    out = []
+    for i, layer in enumerate(slots):
+        new = {}
+        widths = dict(L._group_shapes(cfg, i))
+        for g, (a, b) in layer.items():
+            targets = L.GROUPS[g]
+            group_rank = a.shape[2]
+            max_rank = group_rank // len(targets)
+            fa = np.zeros((a.shape[0], group_rank), np.float32)
+            fb = np.zeros((group_rank, b.shape[2]), np.float32)
+            offset = 0
+            for j, t in enumerate(targets):
+                wa, wb = (None, None) if adapter is None else adapter.weights.get((i, t), (None, None))
+                if wa is not None:
+                    r = wa.shape[1]
+                    fa[:, j * max_rank : j * max_rank + r] = wa
+                    fb[j * max_rank : j * max_rank + r, offset : offset + wb.shape[1]] = wb
+                offset += widths[g][1][j][1]
+            new[g] = (a.at[:, slot].set(jnp.asarray(fa, a.dtype)), b.at[slot].set(jnp.asarray(fb, b.dtype)))
+        out.append(new)
+    return out
+
+
+def _equal_trees(x, y) -> bool:
+    lx, ly = jax.tree.leaves(x), jax.tree.leaves(y)
+    return len(lx) == len(ly) and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(lx, ly, strict=True))
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_set_slot_writes_the_same_layout_as_before(models, name):
+    cfg, _ = models[_ref(name)[0]["base"]]
+    adapter = L.load_peft_adapter(LORA / name, cfg)
+    filled = L.set_slot(cfg, L.empty_slots(cfg, 3, 16), 1, adapter)
+    assert _equal_trees(filled, _set_slot_numpy(cfg, L.empty_slots(cfg, 3, 16), 1, adapter))
+    assert _equal_trees(L.set_slot(cfg, filled, 1, None), L.empty_slots(cfg, 3, 16))  # cleared
+    one = L.adapter_slots(cfg, adapter.weights, 16)  # the same blocks, as a slot of its own
+    for got, want in zip(one, filled, strict=True):
+        for g in want:
+            assert np.array_equal(got[g][0][:, 0], want[g][0][:, 1]) and np.array_equal(got[g][1][0], want[g][1][1])
+
+
+def _trainable(cfg, rank, targets, seed):
+    """init_adapter's A and, so that every factor has a gradient, a random B (the adapter after some training)."""
+    adapter = L.init_adapter(cfg, jax.random.key(seed), rank, targets=targets)
+    keys = jax.random.split(jax.random.key(seed + 1), len(adapter.weights))
+    weights = {
+        where: (a, 0.2 * jax.random.normal(k, b.shape, jnp.float32))
+        for k, (where, (a, b)) in zip(keys, adapter.weights.items(), strict=True)
+    }
+    return L.LoRAAdapter("trained", rank, weights)
+
+
+def test_gradient_through_adapter_slots_matches_finite_difference(models):
+    """d loss / d (a, b) of every adapted projection, through adapter_slots (rank 4 padded to 8) and forward_dense:
+    every factor gets a gradient of its own shape, and the directional derivatives along the gradient and along
+    single factors (an a or a b of each target) match a central finite difference."""
+    cfg, params = models["tiny-llama"]
+    adapter = _trainable(cfg, 4, ("q", "k", "o", "up", "down"), seed=3)
+    ids = jnp.asarray(reference("tiny-llama")["cases"][1]["prompt_ids"], jnp.int32)
+
+    def loss(weights):  # summed next-token cross entropy
+        logits = forward_dense(params, cfg, ids[:-1], lora=L.adapter_slots(cfg, weights, 8), lora_slot=0)
+        return -jax.nn.log_softmax(logits)[jnp.arange(ids.shape[0] - 1), ids[1:]].sum()
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    _, grads = value_and_grad(adapter.weights)
+    assert set(grads) == set(adapter.weights)
+    for where, (ga, gb) in grads.items():
+        a, b = adapter.weights[where]
+        assert ga.shape == a.shape and gb.shape == b.shape
+        assert float(jnp.abs(ga).max()) > 0 and float(jnp.abs(gb).max()) > 0, where
+
+    norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
+    directions = {"gradient": jax.tree.map(lambda g: g / norm, grads)}
+    for k, (where, factor) in enumerate(
+        [((0, "q"), 0), ((1, "k"), 0), ((0, "o"), 1), ((1, "up"), 0), ((1, "down"), 1)]
+    ):
+        d = jax.tree.map(jnp.zeros_like, adapter.weights)
+        x = jax.random.normal(jax.random.key(20 + k), adapter.weights[where][factor].shape)
+        d[where] = tuple(x / jnp.linalg.norm(x) if f == factor else d[where][f] for f in (0, 1))
+        directions[f"{where} {'ab'[factor]}"] = d
+    eps = 1e-2
+    for name, d in directions.items():
+        ad = float(sum(jnp.vdot(g, x) for g, x in zip(jax.tree.leaves(grads), jax.tree.leaves(d), strict=True)))
+        plus, _ = value_and_grad(jax.tree.map(lambda w, x: w + eps * x, adapter.weights, d))
+        minus, _ = value_and_grad(jax.tree.map(lambda w, x: w - eps * x, adapter.weights, d))
+        fd = float(plus - minus) / (2 * eps)
+        assert abs(ad) > 1e-2 and abs(ad - fd) <= 1e-2 * abs(ad), (name, ad, fd)
+
+
+def test_init_adapter_starts_as_the_base_model(models):
+    cfg, params = models["tiny-llama"]
+    adapter = L.init_adapter(cfg, jax.random.key(0), 4, targets=("q", "v", "gate"))
+    assert adapter.rank == 4 and adapter.targets == ["q", "v", "gate"]
+    assert set(adapter.weights) == {(i, t) for i in range(cfg.num_layers) for t in ("q", "v", "gate")}
+    a, b = adapter.weights[(0, "gate")]
+    assert a.shape == (cfg.hidden_size, 4) and b.shape == (4, cfg.intermediate_size)
+    assert a.dtype == jnp.float32 and not b.any() and 0 < float(jnp.abs(a).max()) <= 1 / np.sqrt(cfg.hidden_size)
+    ids = jnp.asarray(reference("tiny-llama")["cases"][0]["prompt_ids"], jnp.int32)
+    slots = L.adapter_slots(cfg, adapter.weights, 8)
+    assert np.array_equal(forward_dense(params, cfg, ids, lora=slots, lora_slot=0), forward_dense(params, cfg, ids))
+    with pytest.raises(L.LoRAError, match="each must be one of"):
+        L.init_adapter(cfg, jax.random.key(0), 4, targets=("q_proj",))
+
+
+def test_adapter_slots_refuses_what_does_not_fit(models):
+    cfg, _ = models["tiny-llama"]
+    adapter = L.init_adapter(cfg, jax.random.key(0), 8, targets=("q",))
+    with pytest.raises(L.LoRAError, match="layer 0 q has rank 8, over the slots' 4"):
+        L.adapter_slots(cfg, adapter.weights, 4)
+    with pytest.raises(L.LoRAError, match="adapter 'lora': layer 0 q has rank 8, over the slots' 4"):
+        L.set_slot(cfg, L.empty_slots(cfg, 1, 4), 0, adapter)
+    with pytest.raises(L.LoRAError, match=r"key \(2, 'q'\): not a target of this model"):
+        L.adapter_slots(cfg, {**adapter.weights, (2, "q"): adapter.weights[(0, "q")]}, 8)
+    a, b = adapter.weights[(0, "q")]
+    with pytest.raises(
+        L.LoRAError, match=r"layer 0 v: a \[64, 8\] and b \[8, 64\] do not fit the projection \[64 -> 32\]"
+    ):
+        L.adapter_slots(cfg, {(0, "v"): (a, b)}, 8)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_save_and_load_round_trip(models, tmp_path, name):
+    """load -> save -> load gives the same factors, bit for bit (the default alpha = r writes B as held)."""
+    ref, _ = _ref(name)
+    cfg, _ = models[ref["base"]]
+    adapter = L.load_peft_adapter(LORA / name, cfg)
+    L.save_peft_adapter(adapter, tmp_path / "saved", base_model_name_or_path=ref["base"])
+    back = L.load_peft_adapter(tmp_path / "saved", cfg)
+    assert back.name == "saved" and back.rank == adapter.rank and set(back.weights) == set(adapter.weights)
+    for where, (a, b) in adapter.weights.items():
+        assert np.array_equal(back.weights[where][0], a) and np.array_equal(back.weights[where][1], b), where
+    config = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == config["r"] == adapter.rank and config["base_model_name_or_path"] == ref["base"]
+    assert not config["rank_pattern"] and not config["alpha_pattern"]
+
+
+def test_save_with_alpha_and_mixed_ranks(models, tmp_path):
+    """A trained adapter of jax arrays with two ranks: rank_pattern (and alpha_pattern without alpha) make the loader
+    fold the same scale back in; with alpha, B is written divided by alpha / r. The reloaded adapter gives the same
+    logits (equal without alpha, within rounding with it)."""
+    from safetensors.numpy import load_file
+
+    cfg, params = models["tiny-llama"]
+    small, big = _trainable(cfg, 2, ("q", "v"), seed=5), _trainable(cfg, 6, ("down",), seed=6)
+    adapter = L.LoRAAdapter("mixed", 6, {**small.weights, **big.weights})
+    ids = jnp.asarray(reference("tiny-llama")["cases"][1]["prompt_ids"], jnp.int32)
+    logits = jax.jit(lambda w: forward_dense(params, cfg, ids, lora=L.adapter_slots(cfg, w, 8), lora_slot=0))
+    want = np.asarray(logits(adapter.weights))
+    assert np.abs(want - np.asarray(forward_dense(params, cfg, ids))).max() > 1e-3  # the adapter changes the logits
+    for alpha in (None, 12):
+        d = L.save_peft_adapter(adapter, tmp_path / f"alpha-{alpha}", alpha=alpha)
+        config = json.loads((d / "adapter_config.json").read_text())
+        assert config["r"] == 6 and config["lora_alpha"] == (alpha or 6)
+        assert config["rank_pattern"]["model.layers.1.self_attn.q_proj"] == 2
+        assert config["alpha_pattern"] == ({} if alpha else config["rank_pattern"])
+        assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+        tensors = load_file(d / "adapter_model.safetensors")
+        b = tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]  # [out, r]
+        scale = 1 if alpha is None else alpha / 6
+        np.testing.assert_allclose(b, np.asarray(adapter.weights[(0, "down")][1]).T / scale, rtol=1e-6)
+        assert tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"].shape == (2, cfg.hidden_size)
+        back = L.load_peft_adapter(d, cfg)
+        assert back.rank == 6 and set(back.weights) == set(adapter.weights)
+        for where, (a, b) in adapter.weights.items():
+            np.testing.assert_array_equal(back.weights[where][0], a)
+            np.testing.assert_allclose(back.weights[where][1], b, rtol=1e-6, atol=0)
+        got = np.asarray(logits(jax.tree.map(jnp.asarray, back.weights)))
+        assert np.array_equal(got, want) if alpha is None else np.abs(got - want).max() < 1e-5
