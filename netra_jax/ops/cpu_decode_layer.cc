@@ -46,6 +46,10 @@ namespace {
 
 namespace att = netra::attention;
 using netra::rows::columns;
+using netra::rows::load;
+using netra::rows::madd;
+using netra::rows::store;
+using netra::rows::vf;
 using netra::rows::VW;
 using RowsProblem = netra::rows::Problem<float>;
 
@@ -98,30 +102,66 @@ struct LoRA {
 
   bool on() const { return S > 0 && R > 0; }
 
-  // xa[t] = x[t] @ a[:, slot] for the run's tokens t (x: rows of ld floats)
+  // xa[t] = x[t] @ a[:, slot] for the run's tokens t (x: rows of ld floats): TB tokens by one vector of ranks at a
+  // time held in registers over k (the last, partial vector of ranks one rank at a time); each token's sums run over
+  // k in order, whatever block it is in
   void shrink(const float* x, int64_t ld, const int32_t* tokens, const SlotRun& run) const {
-    for (int64_t i = run.begin; i < run.end; ++i) std::fill(xa + tokens[i] * R, xa + (tokens[i] + 1) * R, 0.0f);
-    for (int64_t k = 0; k < in; ++k) {
-      const float* row = a + (k * S + run.slot) * R;
-      for (int64_t i = run.begin; i < run.end; ++i) {
-        const float xk = x[tokens[i] * ld + k];
-        float* acc = xa + tokens[i] * R;
-        for (int64_t r = 0; r < R; ++r) acc[r] += xk * row[r];
+    for (int64_t i = run.begin; i < run.end; i += TB) {
+      const int64_t nt = std::min<int64_t>(TB, run.end - i);
+      const float* xr[TB];
+      for (int64_t j = 0; j < TB; ++j) xr[j] = x + tokens[i + std::min(j, nt - 1)] * ld;  // a short block repeats
+      const float* col = a + run.slot * R;  // a[k, slot, r] = col[k * S * R + r]
+      int64_t r0 = 0;
+      for (; r0 + VW <= R; r0 += VW) {
+        vf acc[TB] = {};
+        for (int64_t k = 0; k < in; ++k) {
+          const vf w = load(col + k * S * R + r0);
+          for (int64_t j = 0; j < TB; ++j) acc[j] = madd(vf{} + xr[j][k], w, acc[j]);
+        }
+        for (int64_t j = 0; j < nt; ++j) store(xa + tokens[i + j] * R + r0, acc[j]);
+      }
+      for (; r0 < R; ++r0) {
+        for (int64_t j = 0; j < nt; ++j) {
+          float acc = 0.0f;
+          for (int64_t k = 0; k < in; ++k) acc += xr[j][k] * col[k * S * R + r0];
+          xa[tokens[i + j] * R + r0] = acc;
+        }
       }
     }
   }
 
-  // y[t][c - c0] += xa[t] @ b[slot][:, c] for the run's tokens t and the output columns [c0, c1) (y: rows of ld)
+  // y[t][c - c0] += xa[t] @ b[slot][:, c] for the run's tokens t and the output columns [c0, c1) (y: rows of ld):
+  // TB tokens by one vector of columns at a time held in registers over r (the last, partial vector one column at a
+  // time)
   void expand(const int32_t* tokens, const SlotRun& run, int64_t c0, int64_t c1, float* y, int64_t ld) const {
-    for (int64_t r = 0; r < R; ++r) {
-      const float* row = b + (run.slot * R + r) * out + c0;
-      for (int64_t i = run.begin; i < run.end; ++i) {
-        const float w = xa[tokens[i] * R + r];
-        float* yt = y + tokens[i] * ld;
-        for (int64_t c = 0; c < c1 - c0; ++c) yt[c] += w * row[c];
+    const float* bs = b + run.slot * R * out;  // [R, out]
+    for (int64_t i = run.begin; i < run.end; i += TB) {
+      const int64_t nt = std::min<int64_t>(TB, run.end - i);
+      const float* xr[TB];
+      for (int64_t j = 0; j < TB; ++j) xr[j] = xa + tokens[i + std::min(j, nt - 1)] * R;
+      int64_t n = c0;
+      for (; n + VW <= c1; n += VW) {
+        vf acc[TB] = {};
+        for (int64_t r = 0; r < R; ++r) {
+          const vf w = load(bs + r * out + n);
+          for (int64_t j = 0; j < TB; ++j) acc[j] = madd(vf{} + xr[j][r], w, acc[j]);
+        }
+        for (int64_t j = 0; j < nt; ++j) {
+          float* yt = y + tokens[i + j] * ld + (n - c0);
+          store(yt, load(yt) + acc[j]);
+        }
+      }
+      for (; n < c1; ++n) {
+        for (int64_t j = 0; j < nt; ++j) {
+          float acc = 0.0f;
+          for (int64_t r = 0; r < R; ++r) acc += xr[j][r] * bs[r * out + n];
+          y[tokens[i + j] * ld + (n - c0)] += acc;
+        }
       }
     }
   }
+
+  static constexpr int64_t TB = 4;  // tokens per register block
 };
 
 enum Group { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kGroups };
