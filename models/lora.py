@@ -17,7 +17,13 @@ mixes a batch holds.
 Training: `adapter_slots` builds one adapter's slot with jnp pad/concatenate (the layout `set_slot` writes), so
 `jax.grad` of a loss of `forward_dense(..., lora=adapter_slots(...), lora_slot=0)` reaches each factor of the
 adapter's weights; `init_adapter` starts a trainable adapter as PEFT does (A random, B zeros) and `save_peft_adapter`
-writes one as a PEFT directory (PEFT's file layout and tensor names) that `load_peft_adapter` reads back."""
+writes one as a PEFT directory (PEFT's file layout and tensor names) that `load_peft_adapter` reads back.
+
+Tensor parallelism (`slot_specs`): the factors split as the weights they modify. Column-parallel groups (q/k/v,
+gate/up): A replicated, B split on its outputs, its columns stored device-major (device d's q, k and v columns, or
+gate and up, side by side: `set_slot(..., tp=)`), so each device's share of B is the slice it needs and
+`from_device_major` puts the delta back in the fused order without moving data; row-parallel groups (o, down): A
+split on its inputs as the weight's rows are (XLA sums the [T, S*Rg] partial shrinks), B replicated."""
 
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
+from netra_jax.models.weight_map import TP
 from netra_jax.ops.lora_segment import lora_segment_delta
 from netra_jax.quant import GPU_BACKENDS
 
@@ -45,7 +53,10 @@ __all__ = [
     "empty_slots",
     "init_adapter",
     "load_peft_adapter",
+    "expand_kv_heads",
+    "from_device_major",
     "lora_delta",
+    "slot_specs",
     "save_peft_adapter",
     "set_slot",
     "target_shapes",
@@ -323,12 +334,57 @@ def empty_slots(cfg: ModelConfig, num_slots: int, max_rank: int, dtype=jnp.float
     return layers
 
 
+COLUMN_PARALLEL = ("qkv", "gate_up")  # groups whose outputs split over tensor-parallel devices (the others: inputs)
+
+
+def _device_major(widths: list[int], tp: int) -> np.ndarray:
+    """The column order of a fused output of targets `widths` (each divisible by tp) stored device-major: [out]
+    indices, device d's share of each target in turn."""
+    offsets = np.cumsum([0, *widths[:-1]])
+    return np.concatenate(
+        [o + d * (w // tp) + np.arange(w // tp) for d in range(tp) for o, w in zip(offsets, widths, strict=True)]
+    )
+
+
+def from_device_major(delta: jax.Array, widths: list[int], tp: int) -> jax.Array:
+    """A column-parallel group's delta [T, out] computed with device-major B (`set_slot(..., tp=tp)`) back in the
+    fused order (targets side by side); with the columns split over tp devices, each keeps its own (no data moves)."""
+    if tp == 1:
+        return delta
+    T = delta.shape[0]
+    per_device = delta.reshape(T, tp, -1)  # [T, tp, out / tp]: device d's share of every target
+    parts = jnp.split(per_device, np.cumsum([w // tp for w in widths[:-1]]), axis=2)
+    return jnp.concatenate([p.reshape(T, -1) for p in parts], axis=1)  # [T, out]
+
+
+def slot_specs(slots: list[LayerLoRA]) -> list[dict[str, tuple[P, P]]]:
+    """The PartitionSpecs of slots (per layer {group: (a [in, S, Rg], b [S, Rg, out])}) over the "tp" mesh axis, as
+    the weights they modify split: column-parallel groups' B on outputs, row-parallel groups' A on inputs."""
+    col, row = (P(), P(None, None, TP)), (P(TP, None, None), P())
+    return [{g: col if g in COLUMN_PARALLEL else row for g in layer} for layer in slots]
+
+
+def expand_kv_heads(adapter: LoRAAdapter, head_dim: int, replicas: int) -> LoRAAdapter:
+    """`adapter` with each KV head of its k and v outputs repeated `replicas` times, as tensor parallelism repeats
+    the base model's KV heads when there are fewer than devices (`netra_jax.parallel.shard_config`)."""
+    if replicas == 1:
+        return adapter
+    weights = dict(adapter.weights)
+    for (layer, target), (a, b) in adapter.weights.items():
+        if target in ("k", "v"):
+            b = np.asarray(b)
+            heads = b.reshape(b.shape[0], -1, head_dim)  # [r, kv_heads, head_dim]
+            weights[(layer, target)] = (a, np.repeat(heads, replicas, axis=1).reshape(b.shape[0], -1))
+    return dataclasses.replace(adapter, weights=weights)
+
+
 def _layer_blocks(
-    cfg: ModelConfig, layer: int, weights: dict, max_rank: int, dtype
+    cfg: ModelConfig, layer: int, weights: dict, max_rank: int, dtype, tp: int = 1
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
     """One layer's groups of `weights` as one slot: group -> (a [in, Rg], b [Rg, out]) in `empty_slots`' layout,
-    target j's factors at rows/columns j*max_rank.. (zero-padded to max_rank) and b's output columns its own. Built by
-    pad/concatenate only, so differentiable in every factor."""
+    target j's factors at rows/columns j*max_rank.. (zero-padded to max_rank) and b's output columns its own
+    (device-major for tp > 1 in the column-parallel groups). Built by pad/concatenate/gather only, so differentiable
+    in every factor."""
     blocks = {}
     for g, (fan_in, outs) in _group_shapes(cfg, layer).items():
         fan_out, a_parts, b_parts, offset = sum(n for _, n in outs), [], [], 0
@@ -349,7 +405,10 @@ def _layer_blocks(
                 a_parts.append(jnp.pad(jnp.asarray(wa, dtype), ((0, 0), (0, max_rank - r))))
                 b_parts.append(jnp.pad(jnp.asarray(wb, dtype), ((0, max_rank - r), (offset, fan_out - offset - width))))
             offset += width
-        blocks[g] = (jnp.concatenate(a_parts, axis=1), jnp.concatenate(b_parts, axis=0))
+        b = jnp.concatenate(b_parts, axis=0)  # [Rg, out]
+        if tp > 1 and g in COLUMN_PARALLEL:
+            b = b[:, _device_major([w for _, w in outs], tp)]
+        blocks[g] = (jnp.concatenate(a_parts, axis=1), b)
     return blocks
 
 
@@ -383,15 +442,18 @@ def adapter_slots(
     return out
 
 
-def set_slot(cfg: ModelConfig, slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None) -> list[LayerLoRA]:
+def set_slot(
+    cfg: ModelConfig, slots: list[LayerLoRA], slot: int, adapter: LoRAAdapter | None, tp: int = 1
+) -> list[LayerLoRA]:
     """`slots` with slot `slot` holding `adapter` (zero-padded to the slots' rank; targets it leaves are zeroed), or
-    cleared when adapter is None. Functional: returns new arrays (differentiable in the adapter's factors, as
-    `adapter_slots`, whose layout it writes)."""
+    cleared when adapter is None; tp: the tensor-parallel size the slots serve (column-parallel B device-major, see
+    the module docstring). Functional: returns new arrays (differentiable in the adapter's factors, as
+    `adapter_slots`, whose layout it writes for tp = 1)."""
     max_rank = slots[0]["o"][0].shape[2]  # the o group has one target: its Rg is the slots' rank
     weights = {} if adapter is None else adapter.weights
     try:
         _check_keys(cfg, weights)
-        blocks = [_layer_blocks(cfg, i, weights, max_rank, jnp.float32) for i in range(len(slots))]
+        blocks = [_layer_blocks(cfg, i, weights, max_rank, jnp.float32, tp) for i in range(len(slots))]
     except LoRAError as e:
         raise LoRAError(f"adapter {adapter.name!r}: {e}") from None
     return [

@@ -45,9 +45,10 @@ import numpy as np
 from netra_jax.config import ModelConfig
 from netra_jax.models.head_parallel import head_parallel
 from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
-from netra_jax.models.lora import LayerLoRA, lora_delta
+from netra_jax.models.lora import LayerLoRA, from_device_major, lora_delta
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.rope import rope, rope_tables
+from netra_jax.models.weight_map import TP
 from netra_jax.ops import cpu_decode_layer
 from netra_jax.ops.attention import (
     AttentionMetadata,
@@ -114,11 +115,16 @@ def _with_lora(
     return y + lora_delta(x, layer[group], slots, mb)
 
 
-def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None) -> jax.Array:
+def _tp(mesh) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, mesh=None) -> jax.Array:
     gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
-    if lora is not None:
+    if lora is not None:  # the gate and up deltas in one pair of matmuls (B device-major under tensor parallelism)
         T, _, inter = gu.shape
-        gu = _with_lora(gu.reshape(T, 2 * inter), x, lora, "gate_up", mb).reshape(T, 2, inter)
+        d = from_device_major(lora_delta(x, lora[0]["gate_up"], lora[1], mb), [inter, inter], _tp(mesh))
+        gu = (gu.reshape(T, 2 * inter) + d).reshape(T, 2, inter)
     gate, up = gu[:, 0], gu[:, 1]
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     h = act * up
@@ -151,7 +157,8 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
     else:
         q, k, v = (_linear(x, lp[w], lp.get(b), mb) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     if lora is not None:  # the q, k and v deltas in one pair of matmuls
-        d = lora_delta(x, lora[0]["qkv"], lora[1], mb)  # [T, q_size + 2 kv_size]
+        d = lora_delta(x, lora[0]["qkv"], lora[1], mb)  # [T, q_size + 2 kv_size] (device-major under TP)
+        d = from_device_major(d, [cfg.q_size, cfg.kv_size, cfg.kv_size], _tp(mesh))
         dq, dk, dv = jnp.split(d, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
         q, k, v = q + dq, k + dk, v + dv
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -208,7 +215,7 @@ def _layer(
         h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     x = point("resid_mid", x + point("attn_out", h))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb, lora)
+    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb, lora, mesh)
     if cfg.sandwich_norms:
         h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
     x = point("resid_post", x + point("mlp_out", h))
@@ -298,8 +305,6 @@ def hidden_states(
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
     if (lora is None) != (lora_slots is None):
         raise ValueError("lora and lora_slots go together: the adapter slots and each token's slot [T]")
-    if lora is not None and mesh is not None:
-        raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
     one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and hooks is None and mesh is None
     tables: dict = {}  # RoPE tables per rope setting, for the layers run as one kernel call
     for i, lp in enumerate(params["layers"]):

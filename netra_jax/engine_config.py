@@ -206,10 +206,10 @@ class EngineConfig:
         if self.lora is not None:
             if not isinstance(self.lora, LoRAConfig):
                 raise ConfigError(f"lora must be a LoRAConfig, got {type(self.lora).__name__}")
-            if self.task != "generate" or self.tensor_parallel_size > 1 or self.speculative is not None:
+            if self.task != "generate" or self.speculative is not None:
                 raise ConfigError(
-                    "LoRA adapters are served with task 'generate' on one device without speculative decoding (not yet "
-                    "with embeddings, tensor parallelism or speculation)"
+                    "LoRA adapters are served with task 'generate' without speculative decoding (not yet with "
+                    "embeddings or speculation)"
                 )
         if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ConfigError(

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 
 from netra_jax import paged, parallel
 from netra_jax.config import ModelConfig
@@ -30,7 +31,7 @@ from netra_jax.engine.step_layout import (
 )
 from netra_jax.engine_config import CacheConfig, LoRAConfig
 from netra_jax.models.hooks import Hooks, HookSpec
-from netra_jax.models.lora import LoRAAdapter, empty_slots, set_slot
+from netra_jax.models.lora import LoRAAdapter, empty_slots, expand_kv_heads, set_slot, slot_specs
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
@@ -261,6 +262,7 @@ class ModelRunner:
                 "overlapped steps cannot verify proposals (the next step needs this one's accepted length)"
             )
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        orig_cfg = cfg
         if self.mesh is not None:  # a no-op for parameters the loader already placed on this mesh
             params = parallel.shard_params(params, cfg, self.mesh)
             cfg = parallel.shard_config(cfg, tensor_parallel_size)  # KV heads replicated when fewer than N
@@ -306,17 +308,29 @@ class ModelRunner:
         self._hook_index: dict[str, int] = {}
         # LoRA adapter slots (models/lora.py), written by `set_lora_slot`; every step with an adapter's token takes
         # them (one program for every mix of adapters; steps of base requests alone run the program without them)
+        # (under tensor parallelism split as the weights they modify: `models.lora.slot_specs`)
         self.lora = None
+        self._kv_replicas = 1 if self.mesh is None else parallel.kv_replicas(orig_cfg, tensor_parallel_size)
         if lora is not None:
             dtype = params["embed"].dtype if compile_for is None else jnp.float32
-            self.lora = self._place(empty_slots(cfg, lora.max_loras, lora.max_lora_rank, dtype))
+            self.lora = self._place_lora(empty_slots(cfg, lora.max_loras, lora.max_lora_rank, dtype))
 
     # ------------------------------------------------------------------ LoRA
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Put `adapter` in device slot `slot` (None: clear it). Steps already dispatched keep the slots they took."""
         if self.lora is None:
             raise ValueError("this runner was built without LoRA slots (enable_lora)")
-        self.lora = self._place(set_slot(self.cfg, self.lora, slot, adapter))
+        if adapter is not None:  # KV heads repeated as the base model's are under tensor parallelism
+            adapter = expand_kv_heads(adapter, self.cfg.head_dim, self._kv_replicas)
+        tp = parallel.tp_size(self.mesh)
+        self.lora = self._place_lora(set_slot(self.cfg, self.lora, slot, adapter, tp))
+
+    def _place_lora(self, slots):
+        """LoRA slots placed: split over the mesh as the weights they modify (`slot_specs`), else as `_place`."""
+        if self.mesh is None:
+            return self._place(slots)
+        specs = slot_specs(slots)
+        return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec)), slots, specs)
 
     def _lora_tokens(self, out: SchedulerOutput, pb: PackedBatch, slot_of: dict[str, int] | None) -> np.ndarray:
         """[T] int32 each token's adapter slot (-1: the base model and padding)."""

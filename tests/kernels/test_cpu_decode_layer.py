@@ -1,8 +1,9 @@
 """The CPU decode layer (netra_jax/ops/cpu_decode_layer.cc): a decode-sized step's layers as one kernel call each
 must give the jnp layers' logits and KV pages (every dense family's fixture: biases, q/k norms, Gemma 3's sandwich
-norms, sliding windows and GELU; LoRA adapters mixed per token), be batch-invariant bit for bit (adapters included) (stream and register-tile matmul paths, a context
-split into 1024-position parts), leave everything it does not take to the jnp layer, and keep SmolLM2's greedy
-answers to the reference chats identical to the XLA path's."""
+norms, sliding windows and GELU; LoRA adapters mixed per token), be batch-invariant bit for bit (stream and
+register-tile matmul paths, a context split into 1024-position parts, a token's adapter beside others'), leave
+everything it does not take to the jnp layer, and keep SmolLM2's greedy answers to the reference chats identical to
+the XLA path's."""
 
 from __future__ import annotations
 

@@ -329,3 +329,23 @@ def test_save_with_alpha_and_mixed_ranks(models, tmp_path):
             np.testing.assert_allclose(back.weights[where][1], b, rtol=1e-6, atol=0)
         got = np.asarray(logits(jax.tree.map(jnp.asarray, back.weights)))
         assert np.array_equal(got, want) if alpha is None else np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_device_major_slots_give_the_same_deltas(models, tp):
+    """Tensor parallelism's layout of the column-parallel groups (B's columns device-major): the delta put back in the
+    fused order by from_device_major equals the one of the plain layout, for q/k/v and gate/up."""
+    cfg, _ = models["tiny-llama"]  # 4 heads, intermediate 160: both split 2 and 4 ways
+    adapter = L.load_peft_adapter(LORA / "llama-all-r8", cfg, max_rank=8)
+    plain = L.set_slot(cfg, L.empty_slots(cfg, 2, 8), 1, adapter)
+    split = L.set_slot(cfg, L.empty_slots(cfg, 2, 8), 1, adapter, tp=tp)
+    x = jax.random.normal(jax.random.key(0), (5, cfg.hidden_size))
+    slots = jnp.asarray([1, -1, 1, 0, 1], jnp.int32)
+    widths = {"qkv": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up": [cfg.intermediate_size] * 2}
+    for g, w in widths.items():
+        want = L.lora_delta(x, plain[0][g], slots)
+        got = L.from_device_major(L.lora_delta(x, split[0][g], slots), w, tp)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+        assert not np.allclose(np.asarray(split[0][g][1]), np.asarray(plain[0][g][1]))  # the columns did move
+    for g in ("o", "down"):  # row-parallel groups keep the plain layout
+        np.testing.assert_array_equal(np.asarray(split[0][g][1]), np.asarray(plain[0][g][1]))

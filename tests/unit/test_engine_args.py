@@ -142,8 +142,9 @@ def test_lora_options_agree(monkeypatch):
     assert EngineArgs(max_loras=3).create_engine_config().lora is None  # without enable_lora: no adapters
     with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be >= max_loras \(3\)"):
         EngineArgs(**{**LORA, "max_cpu_loras": 2}).create_engine_config()
-    with pytest.raises(ValueError, match="LoRA adapters are served with task 'generate' on one device"):
-        EngineArgs(**LORA, tensor_parallel_size=2).create_engine_config()
+    assert EngineArgs(**LORA, tensor_parallel_size=2).create_engine_config().lora == reference.lora
+    with pytest.raises(ValueError, match="LoRA adapters are served with task 'generate' without speculative"):
+        EngineArgs(**LORA, task="embed").create_engine_config()
 
 
 def test_embedding_options_and_defaults_agree(monkeypatch):
