@@ -87,6 +87,11 @@ def self_test(pool: cf.Executor) -> int:
     return 0 if ok else 1
 
 
+def _job_order(row: dict) -> tuple:
+    """A result row's place in the report: by its job's fields, an absent option (None) before any given one."""
+    return tuple((x is not None, x if isinstance(x, int) else str(x)) for x in row["job"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="h200,a100")
@@ -131,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             "workers": a.workers,
             "step_layers": a.depth or "all",
             "seconds": round(seconds, 1),
-            "kernels": sorted((r for r in mine if r["job"][0] == "kernel"), key=lambda r: r["job"]),
-            "steps": sorted((r for r in mine if r["job"][0] == "step"), key=lambda r: r["job"]),
+            "kernels": sorted((r for r in mine if r["job"][0] == "kernel"), key=_job_order),
+            "steps": sorted((r for r in mine if r["job"][0] == "step"), key=_job_order),
         }
         result["summary"] = report.summary(result)
         stem = report.write(result, out_dir)

@@ -141,8 +141,8 @@ def step_runner(
     attention and matmul backends "auto" resolves to on that target. depth: keep the model's first `depth` layers
     only (every layer is the same program, so its kernels and its temporaries are the full model's; the compile is
     shorter). quantization: the weights quantized at load by that method (abstract too) and laid out for the matmul
-    backend, as the engine does. lora: (max_loras, max_lora_rank) of abstract adapter slots in the weights' dtype,
-    as an engine with enable_lora holds them (see `lower_lora_step`)."""
+    backend, as the engine does. lora: (max_loras, max_lora_rank): the runner holds adapter slots (abstract, in the
+    weights' dtype) as an engine with enable_lora does."""
     import jax
     import jax.numpy as jnp
 
@@ -150,7 +150,7 @@ def step_runner(
     from netra_jax.config import ModelConfig
     from netra_jax.engine.engine import runner_options
     from netra_jax.engine.runner import ModelRunner
-    from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+    from netra_jax.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from netra_jax.loader import dummy
     from netra_jax.ops.attention import auto_backend
     from netra_jax.quant import GPU_BACKENDS, quantize_params, weight_layout
@@ -187,40 +187,11 @@ def step_runner(
     if quantization:
         layout = functools.partial(weight_layout, backend=opts["matmul_backend"])
         params = jax.eval_shape(lambda p: layout(quantize_params(p, quantization)), params)
+    if lora is not None:
+        opts["lora"] = LoRAConfig(max_loras=lora[0], max_lora_rank=lora[1])
     runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
-    if lora is not None:  # abstract slots (a runner built with LoRAConfig would allocate them on the host)
-        from netra_jax.models.lora import empty_slots
-
-        on = jax.sharding.SingleDeviceSharding(targets.device(target))
-        slots = jax.eval_shape(lambda: empty_slots(cfg, *lora, dtype))
-        runner.lora = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), slots)
     return runner
-
-
-def lower_lora_step(runner, shape):
-    """`runner.lower_step` of the step's program with adapters: the LoRA slots and each token's slot [T] (the
-    program an engine with enable_lora runs when some token of the step has an adapter; one for every mix)."""
-    import jax
-    import jax.numpy as jnp
-
-    from netra_jax.engine.step_layout import empty_batch
-
-    on = jax.sharding.SingleDeviceSharding(runner.compile_for)
-    token_slots = jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32, sharding=on)
-    prev_ids = runner._no_ids if runner.overlap else None
-    host = empty_batch(shape, runner.pad_slot)  # numpy, as pack_batch's
-    return runner._jit.trace(
-        runner.params,
-        runner.kv,
-        host,
-        prev_ids,
-        cfg=runner.cfg,
-        shape=shape,
-        backend=runner.backend,
-        lora=runner.lora,
-        lora_slots=token_slots,
-    ).lower()
 
 
 def step_shapes(target: str, model: str) -> list:
@@ -289,7 +260,7 @@ def compile_step(
         warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
         try:
             with jax.default_device(runner.compile_for):
-                lowered = runner.lower_step(shape) if lora is None else lower_lora_step(runner, shape)
+                lowered = runner.lower_step(shape, lora=lora is not None)
                 t1 = time.perf_counter()
                 compiled = lowered.compile()
             failure = None

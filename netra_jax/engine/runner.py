@@ -311,9 +311,10 @@ class ModelRunner:
         # (under tensor parallelism split as the weights they modify: `models.lora.slot_specs`)
         self.lora = None
         self._kv_replicas = 1 if self.mesh is None else parallel.kv_replicas(orig_cfg, tensor_parallel_size)
-        if lora is not None:
-            dtype = params["embed"].dtype if compile_for is None else jnp.float32
-            self.lora = self._place_lora(empty_slots(cfg, lora.max_loras, lora.max_lora_rank, dtype))
+        if lora is not None:  # in the weights' dtype; abstract for a compile-only runner (nothing allocated)
+            dtype = params["embed"].dtype
+            make = functools.partial(empty_slots, cfg, lora.max_loras, lora.max_lora_rank, dtype)
+            self.lora = self._place_lora(make() if compile_for is None else jax.eval_shape(make))
 
     # ------------------------------------------------------------------ LoRA
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -510,11 +511,15 @@ class ModelRunner:
             return logits
         return logits, {name: np.asarray(a[: len(ids)]) for name, a in records.items()}
 
-    def lower_step(self, shape: BatchShape) -> jax.stages.Lowered:
+    def lower_step(self, shape: BatchShape, lora: bool = False) -> jax.stages.Lowered:
         """Trace and lower one step variant with the arguments `run` passes it (compiling the result is what the
-        first `run` of that shape would compile; it then finds it in the jit's caches)."""
+        first `run` of that shape would compile; it then finds it in the jit's caches). lora: the program of a step
+        in which some token has an adapter (a runner built with LoRA slots; one program for every mix)."""
         prev_ids = self._no_ids if self.overlap else None
         host = empty_batch(shape, self.pad_slot)  # numpy, as pack_batch's
+        extra = self._lora_args(shape, force=True) if lora else {}
+        if extra and self.compile_for is not None:  # each token's slot [T], abstract on the target
+            extra["lora_slots"] = self._place(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
         return self._jit.trace(
             self.params,
             self.kv,
@@ -523,6 +528,7 @@ class ModelRunner:
             cfg=self.cfg,
             shape=shape,
             backend=self.backend,
+            **extra,
         ).lower()
 
     def lower_widen(self, num_rows: int) -> jax.stages.Lowered:
