@@ -5,13 +5,12 @@ transformers + PEFT's greedy tokens for a batch mixing adapters and the base mod
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from support.checkpoints import DATA, FIXTURES, reference
-from support.workers import worker_env
+from support.workers import run_device_worker
 
 BASE = "tiny-llama"  # 4 heads, 2 KV heads: tp = 4 repeats each KV head twice
 ADAPTERS = ("llama-all-r8", "llama-qv-r4", "llama-mlp-r16", "llama-attn-rslora")
@@ -20,11 +19,7 @@ TPS = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_tp") / "results.json"
-    env = worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_device_worker(__file__, tmp_path_factory.mktemp("lora_tp") / "results.json")
 
 
 def _expected() -> list[tuple[str | None, list[int], list[int]]]:

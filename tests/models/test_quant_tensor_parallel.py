@@ -7,7 +7,6 @@ a MoE whose experts' K does not split into whole Q4_0 / Q8_0 blocks is refused n
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support.checkpoints import DATA, FIXTURES, reference
 from support.hf_to_gguf import requantized, to_gguf
-from support.workers import worker_env
+from support.workers import run_device_worker
 
 from netra_jax import parallel
 from netra_jax.config import ModelConfig
@@ -119,11 +118,7 @@ def _shard(shape: tuple[int, ...], spec: P, d: int) -> tuple[slice, ...]:
 # ------------------------------------------------------------------------------------------ 2-device subprocess
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quant-tp") / "results.json"
-    env = worker_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={TP}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_device_worker(__file__, tmp_path_factory.mktemp("quant-tp") / "results.json", devices=TP)
 
 
 # online int4 and the GGUF Q4_0 file run on the MoE (experts and projections), the others on the dense model

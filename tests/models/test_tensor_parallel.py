@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.checkpoints import FIXTURES, reference
-from support.workers import worker_env
+from support.workers import run_device_worker
 
 from netra_jax import parallel
 from netra_jax.config import ConfigError, ModelConfig
@@ -104,11 +103,7 @@ def _flatten(tree):
 # ------------------------------------------------------------------------------------------ 4-device subprocess
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "results.json"
-    env = worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_device_worker(__file__, tmp_path_factory.mktemp("tp") / "results.json")
 
 
 def test_logits_match_single_device_and_reference(tp_results):

@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 from starlette.testclient import TestClient
-from support.checkpoints import DATA, FIXTURES
-from support.server import openai_client, running_server
+from support.checkpoints import FIXTURES
+from support.server import EMBEDDING_MODEL, embedding_server, openai_client
 
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.factory import build_engine
@@ -24,7 +24,7 @@ from netra_jax.serving.app import create_app
 from netra_jax.serving.embeddings import encode_embedding
 from netra_jax.serving.protocol_embeddings import EmbeddingRequest
 
-EMBED = DATA / "tiny-qwen3-embed"
+EMBED = EMBEDDING_MODEL
 MODEL = EMBED.name
 CASES = json.loads((EMBED / "reference.json").read_text())["cases"]
 TEXTS = [c for c in CASES if c["text"] is not None]
@@ -38,17 +38,7 @@ def unit(v) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(
-        "--task",
-        "embed",
-        "--max-model-len",
-        "128",
-        "--max-num-batched-tokens",
-        "128",
-        "--max-num-seqs",
-        "8",
-        model=str(EMBED),
-    ) as s:
+    with embedding_server() as s:
         yield s
 
 

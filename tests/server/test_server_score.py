@@ -20,15 +20,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from starlette.testclient import TestClient
-from support.checkpoints import DATA, FIXTURES
-from support.server import running_server
+from support.checkpoints import FIXTURES
+from support.server import EMBEDDING_MODEL, embedding_server
 
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.factory import build_engine
 from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from netra_jax.serving.app import create_app
 
-EMBED = DATA / "tiny-qwen3-embed"
+EMBED = EMBEDDING_MODEL
 MODEL = EMBED.name
 CASES = [c for c in json.loads((EMBED / "reference.json").read_text())["cases"] if c["text"] is not None]
 TEXTS = [c["text"] for c in CASES]
@@ -44,17 +44,7 @@ GENERATED_EXAMPLES = 10  # schemathesis cases per scoring operation (test_openap
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(
-        "--task",
-        "embed",
-        "--max-model-len",
-        "128",
-        "--max-num-batched-tokens",
-        "128",
-        "--max-num-seqs",
-        "8",
-        model=str(EMBED),
-    ) as s:
+    with embedding_server() as s:
         yield s
 
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
-from support.checkpoints import FIXTURES
+from support.checkpoints import DATA, FIXTURES
 
 MODEL = "tiny-qwen3"  # the default served fixture
 READY = re.compile(r"ready on (http://[\d.]+:\d+)")
@@ -128,6 +128,16 @@ def running_server(*args: str, **kw) -> Iterator[ServerProcess]:
     finally:
         s.stop()
     assert s.proc.returncode == 0, s.text()[-3000:]
+
+
+EMBEDDING_MODEL = DATA / "tiny-qwen3-embed"  # this suite's tiny embedding checkpoint (tests/fixtures)
+
+
+def embedding_server() -> contextlib.AbstractContextManager[ServerProcess]:
+    """`running_server` of the tiny embedding model with --task embed and a 128-token context, as the embedding and
+    scoring route tests use it."""
+    options = ("--max-model-len", "128", "--max-num-batched-tokens", "128", "--max-num-seqs", "8")
+    return running_server("--task", "embed", *options, model=str(EMBEDDING_MODEL))
 
 
 def openai_client(server: ServerProcess, timeout: float = 120) -> openai.OpenAI:
