@@ -3,6 +3,7 @@ behind one HTTP route: `serve run netra_jax.serving.ray_serve:build_app model=PA
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from ray import serve
@@ -11,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from netra_jax.engine_args import EngineArgs
 from netra_jax.engine_config import EngineConfig
 from netra_jax.serving.chat_output import ChatOutputConfig
+from netra_jax.serving.lora_modules import parse_lora_modules
 
 REPLICA_HEADER = "x-netra-replica"  # on every response: the id of the replica that answered
 
@@ -46,11 +48,17 @@ class NetraServer:
         api_key: str | None = None,
         chat_template: str | None = None,
         chat_output: ChatOutputConfig | None = None,
+        lora_modules: list | None = None,
     ):
         from netra_jax.engine.async_engine import AsyncEngine
         from netra_jax.engine.factory import build_engine
+        from netra_jax.serving.lora_modules import ServedAdapters
 
-        self.engine = AsyncEngine(build_engine(config))  # the replica reports healthy once this returns
+        engine = build_engine(config)
+        self.adapters = ServedAdapters()
+        for module in lora_modules or []:  # read and checked here: a bad adapter fails the replica's start
+            self.adapters.load(engine, module)
+        self.engine = AsyncEngine(engine)  # the replica reports healthy once this returns
         self.model_name, self.api_key = model_name, api_key
         self.chat_template, self.chat_output = chat_template, chat_output
 
@@ -64,6 +72,7 @@ class NetraServer:
             ready=lambda: True,
             chat_template=self.chat_template,
             chat_output=self.chat_output,
+            adapters=self.adapters,
         )
         app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
         return app
@@ -83,6 +92,7 @@ _SERVER_KEYS = frozenset(
         "enable_auto_tool_choice",
         "tool_call_parser",
         "reasoning_parser",
+        "lora_modules",
     )
 )
 
@@ -92,8 +102,10 @@ def build_app(args: dict[str, Any]) -> Any:
     of `EngineArgs` under its name (model, dtype, kv_cache_dtype, max_num_seqs, kv_cache_memory in bytes, ...; the
     command line's defaults, warmup on), and the deployment's own: api_key, replicas (default 1), num_gpus per
     replica (default 1 when the cluster has GPUs, else 0), num_cpus per replica (default 1), and the server's chat
-    flags: chat_template (a file or the Jinja source), enable_auto_tool_choice, tool_call_parser, reasoning_parser.
-    An unknown key is a ValueError naming it."""
+    flags: chat_template (a file or the Jinja source), enable_auto_tool_choice, tool_call_parser, reasoning_parser,
+    and lora_modules (with enable_lora: serve's --lora-modules entries, a list or one string of them separated by
+    spaces; every replica loads them; the runtime load and unload routes stay off, since a request reaches one
+    replica). An unknown key is a ValueError naming it."""
     import ray
 
     from netra_jax.serving.batch import served_model_name
@@ -113,6 +125,10 @@ def build_app(args: dict[str, Any]) -> Any:
 
     engine_options = {k: v for k, v in args.items() if k not in _SERVER_KEYS}
     config = EngineArgs.from_strings(engine_options).create_engine_config()
+    modules = args.get("lora_modules") or []
+    lora_modules = parse_lora_modules(shlex.split(modules) if isinstance(modules, str) else list(modules))
+    if lora_modules and config.lora is None:
+        raise ValueError("lora_modules needs enable_lora")
     if not ray.is_initialized():
         ray.init()
     gpus = opt("num_gpus", float, 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
@@ -123,4 +139,5 @@ def build_app(args: dict[str, Any]) -> Any:
         opt("api_key", str),
         load_chat_template(opt("chat_template", str)),
         chat_output,
+        lora_modules,
     )

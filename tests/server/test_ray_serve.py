@@ -1,6 +1,7 @@
 """The Ray Serve recipe on a local CPU cluster: two replicas of tiny-llama behind one route answer the `openai` client
 (completions give transformers' greedy tokens, chat renders the reference prompt and answers as the completion of that
-prompt does, streamed or not), and both replicas answer. Skipped without netra-jax[ray]; slow (Ray starts a cluster)."""
+prompt does, streamed or not), a LoRA adapter of lora_modules answers with PEFT's tokens, and both replicas answer.
+Skipped without netra-jax[ray]; slow (Ray starts a cluster)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from support.checkpoints import FIXTURES, reference
+from support.checkpoints import DATA, FIXTURES, reference
 
 ray = pytest.importorskip("ray", exc_type=ImportError)
 serve = pytest.importorskip("ray.serve", exc_type=ImportError)
@@ -22,6 +23,7 @@ from netra_jax.serving.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
 from netra_jax.tokenization.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = FIXTURES / "tiny-llama"
+LORA = DATA / "lora"
 NAME = "tiny-llama"
 REF = reference("tiny-llama")
 
@@ -68,6 +70,8 @@ def base_url():
                 "num_cpus": "1",
                 "enable_auto_tool_choice": "true",
                 "tool_call_parser": "hermes",
+                "enable_lora": "true",
+                "lora_modules": f"all={LORA / 'llama-all-r8'}",
             }
         )
         serve.run(app, name="netra", route_prefix="/")
@@ -166,3 +170,20 @@ def test_chat_flags_reach_the_replicas(base_url):
     (tool_call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls"
     assert tool_call.function.name == "get_weather" and json.loads(tool_call.function.arguments) == {"city": "Paris"}
+
+
+def test_lora_modules_reach_every_replica(base_url):
+    """`lora_modules`: /v1/models lists the adapter with the base as parent, and a request naming it gets
+    transformers + PEFT's greedy tokens from each replica."""
+    models = {m["id"]: m for m in httpx.get(f"{base_url}/models", timeout=30).json()["data"]}
+    assert models["all"]["parent"] == NAME
+    case = json.loads((LORA / "llama-all-r8" / "reference.json").read_text())["cases"][0]
+    body = {"model": "all", "prompt": case["prompt_ids"], "max_tokens": 8, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    replicas = set()
+    for _ in range(12):
+        r = httpx.post(f"{base_url}/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == case["greedy_ids"]
+        replicas.add(r.headers[REPLICA_HEADER])
+    assert len(replicas) == 2
