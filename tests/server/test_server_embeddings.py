@@ -13,14 +13,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from starlette.testclient import TestClient
-from support.checkpoints import FIXTURES
 from support.server import EMBEDDING_MODEL, embedding_server, openai_client
 
-from netra_jax.engine.async_engine import AsyncEngine
-from netra_jax.engine.factory import build_engine
-from netra_jax.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from netra_jax.serving.app import create_app
 from netra_jax.serving.embeddings import encode_embedding
 from netra_jax.serving.protocol_embeddings import EmbeddingRequest
 
@@ -139,26 +133,6 @@ def test_generation_routes_refused_other_routes_served(server, client):
     assert tok["tokens"] == TEXTS[0]["ids"]
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="hi")
-
-
-def test_generative_server_refuses_embeddings():
-    """A --task generate app answers /v1/embeddings with a 400 naming --task embed (before any device work)."""
-    config = EngineConfig(
-        model=str(FIXTURES / "tiny-qwen3"),
-        cache=CacheConfig(num_pages=16),
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-        max_model_len=64,
-        warmup=False,
-    )
-    engine = AsyncEngine(build_engine(config))
-    try:
-        with TestClient(create_app(engine, "tiny-qwen3")) as http:
-            r = http.post("/v1/embeddings", json={"input": "hello"})
-    finally:
-        engine.shutdown()
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert "--task embed" in err["message"] and err["code"] == "unsupported_task", err
 
 
 def test_base64_dtypes_and_byte_orders():

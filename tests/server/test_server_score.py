@@ -248,9 +248,9 @@ def test_unknown_model_is_a_404_and_bad_json_a_400(server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
-def test_generative_server_refuses_scoring():
-    """A --task generate app answers the scoring routes with a 400 naming the route and --task embed (before any
-    device work), after the body and model checks."""
+def test_generative_server_refuses_embeddings_and_scoring():
+    """A --task generate app answers /v1/embeddings and the scoring routes with a 400 naming the route and --task
+    embed (before any device work), after the body and model checks."""
     config = EngineConfig(
         model=str(FIXTURES / "tiny-qwen3"),
         cache=CacheConfig(num_pages=16),
@@ -264,6 +264,7 @@ def test_generative_server_refuses_scoring():
             answers = {route: http.post(route, json={"text_1": "a", "text_2": "b"}) for route in SCORE_ROUTES} | {
                 route: http.post(route, json={"query": "a", "documents": ["b"]}) for route in RERANK_ROUTES
             }
+            answers["/v1/embeddings"] = http.post("/v1/embeddings", json={"input": "hello"})
             bad_body = http.post("/v1/score", json={"text_1": "a", "txt_2": "b"})
             unknown = http.post("/v1/rerank", json={"model": "x", "query": "a", "documents": ["b"]})
     finally:
