@@ -53,7 +53,6 @@ __all__ = [
     "empty_slots",
     "init_adapter",
     "load_peft_adapter",
-    "expand_kv_heads",
     "from_device_major",
     "lora_delta",
     "slot_specs",
@@ -191,7 +190,7 @@ def load_peft_adapter(
         if target not in shapes:
             raise LoRAError(f"{weights_file}: tensor {key!r} targets layer {layer}'s MLP, a mixture of experts")
         factors.setdefault((layer, target), {})[which] = np.asarray(value, np.float32)
-        modules[(layer, target)] = f"model.layers.{layer}.{block}.{module}"
+        modules[(layer, target)] = _module_name(layer, target)  # block and module agree with target (checked)
     if not factors:
         raise LoRAError(f"{weights_file}: no LoRA factors")
     weights, rank = {}, 0
@@ -362,20 +361,6 @@ def slot_specs(slots: list[LayerLoRA]) -> list[dict[str, tuple[P, P]]]:
     the weights they modify split: column-parallel groups' B on outputs, row-parallel groups' A on inputs."""
     col, row = (P(), P(None, None, TP)), (P(TP, None, None), P())
     return [{g: col if g in COLUMN_PARALLEL else row for g in layer} for layer in slots]
-
-
-def expand_kv_heads(adapter: LoRAAdapter, head_dim: int, replicas: int) -> LoRAAdapter:
-    """`adapter` with each KV head of its k and v outputs repeated `replicas` times, as tensor parallelism repeats
-    the base model's KV heads when there are fewer than devices (`netra_jax.parallel.shard_config`)."""
-    if replicas == 1:
-        return adapter
-    weights = dict(adapter.weights)
-    for (layer, target), (a, b) in adapter.weights.items():
-        if target in ("k", "v"):
-            b = np.asarray(b)
-            heads = b.reshape(b.shape[0], -1, head_dim)  # [r, kv_heads, head_dim]
-            weights[(layer, target)] = (a, np.repeat(heads, replicas, axis=1).reshape(b.shape[0], -1))
-    return dataclasses.replace(adapter, weights=weights)
 
 
 def _layer_blocks(

@@ -24,6 +24,8 @@ query heads use, so a device stores one KV head instead of all of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -100,16 +102,32 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def _repeat_kv_heads(a, head_dim: int, r: int) -> np.ndarray:
+    """a [..., kv * head_dim] with each head repeated r times in place: [..., kv * r * head_dim] (host numpy)."""
+    a = np.asarray(a)
+    heads = a.reshape(a.shape[:-1] + (-1, head_dim))  # [..., kv, head_dim]
+    return np.repeat(heads, r, axis=-2).reshape(a.shape[:-1] + (-1,))
+
+
 def _expand_kv(lp: dict, cfg: ModelConfig, r: int) -> dict:
     """Repeat each KV head r times in wk/wv [hidden, kv*hd] and bk/bv [kv*hd] (host numpy)."""
     out = dict(lp)
-    D = cfg.head_dim
     for k in kv_params(cfg):
         if k in lp and lp[k].shape[-1] == cfg.kv_size:
-            a = np.asarray(lp[k])
-            a = a.reshape(a.shape[:-1] + (cfg.num_kv_heads, D))
-            out[k] = np.repeat(a, r, axis=-2).reshape(a.shape[:-2] + (cfg.num_kv_heads * r * D,))
+            out[k] = _repeat_kv_heads(lp[k], cfg.head_dim, r)
     return out
+
+
+def expand_adapter_kv(adapter, head_dim: int, r: int):
+    """A LoRA adapter (`models.lora.LoRAAdapter`) with each KV head of its k and v outputs (b's columns) repeated r
+    times, as `shard_params` repeats the base model's when there are fewer KV heads than devices."""
+    if r == 1:
+        return adapter
+    weights = {
+        (layer, t): (a, _repeat_kv_heads(b, head_dim, r) if t in ("k", "v") else b)
+        for (layer, t), (a, b) in adapter.weights.items()
+    }
+    return dataclasses.replace(adapter, weights=weights)
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:

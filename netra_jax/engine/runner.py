@@ -31,7 +31,7 @@ from netra_jax.engine.step_layout import (
 )
 from netra_jax.engine_config import CacheConfig, LoRAConfig
 from netra_jax.models.hooks import Hooks, HookSpec
-from netra_jax.models.lora import LoRAAdapter, empty_slots, expand_kv_heads, set_slot, slot_specs
+from netra_jax.models.lora import LoRAAdapter, empty_slots, set_slot, slot_specs
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
@@ -322,7 +322,7 @@ class ModelRunner:
         if self.lora is None:
             raise ValueError("this runner was built without LoRA slots (enable_lora)")
         if adapter is not None:  # KV heads repeated as the base model's are under tensor parallelism
-            adapter = expand_kv_heads(adapter, self.cfg.head_dim, self._kv_replicas)
+            adapter = parallel.expand_adapter_kv(adapter, self.cfg.head_dim, self._kv_replicas)
         tp = parallel.tp_size(self.mesh)
         self.lora = self._place_lora(set_slot(self.cfg, self.lora, slot, adapter, tp))
 
