@@ -219,9 +219,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
         if lora_request is not None:
-            if self.loras is None:
-                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled (enable_lora=True)")
-            self.loras.register(lora_request)
+            self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params, arrival_time, priority, prompt_logprobs_from)
         if lora_request is not None:  # the adapter's KV is its own: blocks hashed under its id
             cache_key = f"lora:{lora_request.lora_int_id}" + ("" if cache_key is None else f"|{cache_key}")
@@ -248,7 +246,7 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (LoRAError naming the problem), so that requests naming it start at once."""
         if self.loras is None:
-            raise ValueError("LoRA is not enabled (enable_lora=True)")
+            raise ValueError("a LoRA adapter was given, but LoRA is not enabled (enable_lora=True)")
         self.loras.register(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
