@@ -52,9 +52,7 @@ class _Runner:
         lora_modules: list[LoRAModule] | None = None,
     ):
         self.engine, self.model_name, self.emit, self.window = engine, model_name, emit, window
-        adapters = ServedAdapters()
-        for m in lora_modules or []:  # read and checked before the first line (LoRAError names a bad one)
-            adapters.load(engine, m)
+        adapters = ServedAdapters.loaded(engine, lora_modules)  # before the first line
         self.ctx = ServingContext.of(engine, model_name, chat_template, chat_output, adapters)
         self.jobs: dict[str, Job] = {}  # engine request id -> its job
         self.in_flight = 0

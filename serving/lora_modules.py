@@ -59,6 +59,15 @@ class ServedAdapters:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
+    @classmethod
+    def loaded(cls, engine: LLMEngine, modules: list[LoRAModule] | None) -> ServedAdapters:
+        """The adapters of `modules` (--lora-modules), each read and checked now by `load` (LoRAError names a bad
+        one)."""
+        adapters = cls()
+        for module in modules or []:
+            adapters.load(engine, module)
+        return adapters
+
     def load(self, engine: LLMEngine, module: LoRAModule) -> LoRARequest:
         """Serve `module` under its name, with a fresh id: read and checked by `engine.add_lora` first (LoRAError
         naming the problem; nothing is added then). ValueError when the name is taken."""

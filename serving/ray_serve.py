@@ -55,9 +55,7 @@ class NetraServer:
         from netra_jax.serving.lora_modules import ServedAdapters
 
         engine = build_engine(config)
-        self.adapters = ServedAdapters()
-        for module in lora_modules or []:  # read and checked here: a bad adapter fails the replica's start
-            self.adapters.load(engine, module)
+        self.adapters = ServedAdapters.loaded(engine, lora_modules)  # a bad adapter fails the replica's start
         self.engine = AsyncEngine(engine)  # the replica reports healthy once this returns
         self.model_name, self.api_key = model_name, api_key
         self.chat_template, self.chat_output = chat_template, chat_output
