@@ -6,39 +6,50 @@ Parameters of a MoE layer (see `models.transformer`): router [hidden, experts], 
 experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden] (float, or
 quantized per expert: `quant.QuantizedWeight` / `quant.GGMLWeight` with the experts as their batch axis), optional
 experts_gate_up_bias [experts, 2, moe_intermediate] and experts_down_bias [experts, hidden].
+Differentiable in forward and reverse mode and vmap-able, derivatives included (see `grouped_matmul`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 
 from netra_jax.config import ModelConfig
 from netra_jax.models.weight_map import TP, param_specs
 from netra_jax.ops import cpu_ggml_matmul, cpu_matmul, ggml_blocks
 from netra_jax.ops.grouped_matmul_triton import grouped_matmul_triton
-from netra_jax.quant import CPU_BACKENDS, GGMLWeight, QuantizedWeight
+from netra_jax.ops.invariant import tree_logsumexp, tree_softmax
+from netra_jax.quant import CPU_BACKENDS, ROW_INVARIANT, GGMLWeight, QuantizedWeight, matmul
 from netra_jax.quant.cpu_rows import ggml_int8_x
 
 MOE_KEYS = ("router", "router_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 
 
-def route(x: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str = "xla") -> tuple[jax.Array, jax.Array]:
     """Top-k routing in float32. x: [T, hidden]. Returns (weights [T, k] float32, experts [T, k] int32).
 
     The k largest router logits pick the experts (softmax is monotonic, so these are the k most probable ones);
     weights are their softmax probabilities over all experts, renormalised to sum to 1 when `cfg.norm_topk_prob`
-    (Mixtral, gpt-oss, most Qwen3-MoE) — which is the softmax over the k chosen logits, computed as such."""
-    logits = jnp.dot(x, lp["router"].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, experts]
+    (Mixtral, gpt-oss, most Qwen3-MoE) — which is the softmax over the k chosen logits, computed as such.
+    mb: the matmul backend; a batch-invariant one (`quant.ROW_INVARIANT`) runs the router's product on its kernel
+    and sums the softmax in a fixed order, so a token's routing never depends on the other tokens."""
+    if mb in ROW_INVARIANT:
+        logits = matmul(x, lp["router"], preferred_element_type=jnp.float32, backend=mb)  # [T, experts]
+    else:
+        logits = jnp.dot(x, lp["router"].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, experts]
     if "router_bias" in lp:
         logits = logits + lp["router_bias"].astype(jnp.float32)
     top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)  # [T, k], largest first
     if cfg.norm_topk_prob:
-        weights = jax.nn.softmax(top, axis=-1)
+        weights = tree_softmax(top) if mb in ROW_INVARIANT else jax.nn.softmax(top, axis=-1)
+    elif mb in ROW_INVARIANT:
+        weights = jnp.exp(top - tree_logsumexp(logits)[:, None])
     else:
         weights = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     return weights, experts.astype(jnp.int32)
@@ -55,7 +66,70 @@ def expert_activation(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.A
     raise ValueError(f"unknown expert activation {cfg.expert_act!r}")
 
 
-@jax.custom_vjp
+def _group_of_rows(rows: int, group_sizes: jax.Array) -> jax.Array:
+    """[rows] each row's group under group_sizes [G] (rows sorted by group); G for rows past the last group."""
+    ends = jnp.cumsum(group_sizes)  # [G]
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right", method="compare_all")
+
+
+def _inverse_permutation(order: jax.Array) -> jax.Array:
+    """The inverse of permutation `order` [N]: x[order][_inverse_permutation(order)] == x."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _with_batch_folded(fn: Callable[[jax.Array, Any, jax.Array], jax.Array]) -> Callable:
+    """fn(rows [R, K] sorted by group, w, group_sizes [G]) -> [R, N] (a grouped matmul, w a float or quantized
+    weight with the groups as its batch axis), with a vmap rule: a batch of row sets (each sorted by group, with its
+    own group sizes) over one w is one call of fn on all the rows, sorted by group across the batch (stable: each
+    group's rows stay in batch order), with the group sizes summed, and the result put back in place; the kernels
+    and the CPU loop have no batching rule of their own (jax has none for `jax.lax.ragged_dot`). A batch of weights
+    runs as a loop of single calls (`jax.lax.map`)."""
+    fn = jax.custom_batching.custom_vmap(fn)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, rows, w, group_sizes):
+        rows_b, w_b, sizes_b = in_batched
+        if any(jax.tree.leaves(w_b)):  # each example its own matrices
+
+            def one(i):  # example i's call
+                def take(a, batched):
+                    return a[i] if batched else a
+
+                return fn(*jax.tree.map(take, (rows, w, group_sizes), tuple(in_batched)))
+
+            return jax.lax.map(one, jnp.arange(axis_size)), True
+        B, R, K = axis_size, rows.shape[-2], rows.shape[-1]
+        rows = rows if rows_b else jnp.broadcast_to(rows, (B, R, K))  # [B, R, K]
+        sizes = group_sizes if sizes_b else jnp.broadcast_to(group_sizes, (B, *group_sizes.shape))  # [B, G]
+        group = jax.vmap(functools.partial(_group_of_rows, R))(sizes)  # [B, R]
+        order = jnp.argsort(group.reshape(-1), stable=True)  # [B * R] (group, example, row) order
+        y = fn(rows.reshape(B * R, K)[order], w, sizes.sum(0))  # [B * R, N]
+        return y[_inverse_permutation(order)].reshape(B, R, -1), True
+
+    return fn
+
+
+@jax.checkpoint
+def _grouped_matmul_masked(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """grouped_matmul as the product of every row with every group's matrix, each row masked to its own group's (a
+    [G, R, K] copy of the rows, G times the FLOPs): what `jax.lax.ragged_dot` lowers to on CPU and CUDA, in plain
+    jnp, so jax batches it (under vmap, jacfwd), transposes it and differentiates it again. The derivatives of the
+    grouped matmuls; rematerialized, so reverse mode keeps its inputs and not the masked copy. Rows past the last
+    group come out zero."""
+    G, R = w.shape[0], rows.shape[0]
+    group = _group_of_rows(R, group_sizes)  # [R]
+    mask = group[None, :] == jnp.arange(G, dtype=group.dtype)[:, None]  # [G, R]
+    masked = jnp.where(mask[:, :, None], rows[None], jnp.zeros((), rows.dtype))  # [G, R, K]
+    return jnp.einsum("grk,gkn->rn", masked, w.astype(rows.dtype)).astype(rows.dtype)
+
+
+def _grouped_matmul_platform(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.platform_dependent(
+        rows, w, group_sizes, cpu=_grouped_matmul_blocks, cuda=grouped_matmul_triton, default=jax.lax.ragged_dot
+    )
+
+
+@jax.custom_jvp
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [R, K] sorted by group, w [G, K, N], group_sizes [G] (summing to R) -> [R, N]: each row times its
     group's matrix. CPU and CUDA lower `jax.lax.ragged_dot` to one product of every row with every group's matrix,
@@ -64,25 +138,28 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
     Pallas kernel `ops.grouped_matmul_triton` (a Qwen3-30B-A3B step of 2048 tokens: 8 GiB of temporaries less);
     other platforms keep ragged_dot.
 
-    Reverse-mode differentiable in rows and w on every platform: the backward is ragged_dot's (the blocked loop's
-    data-dependent trip counts and the kernel have none), so it costs the masked product of every row with every
-    group."""
-    return jax.lax.platform_dependent(
-        rows, w, group_sizes, cpu=_grouped_matmul_blocks, cuda=grouped_matmul_triton, default=jax.lax.ragged_dot
-    )
+    Differentiable in rows and w on every platform, forward and reverse mode, to any order: the tangent is the
+    masked product `_grouped_matmul_masked` (the blocked loop's data-dependent trip counts and the kernel have no
+    derivative of their own), so derivatives cost the product of every row with every group. vmap-able, its
+    derivatives included: a batch is one call over all its rows (`_with_batch_folded`)."""
+    return _grouped_matmul_folded(rows, w, group_sizes)
 
 
-def _grouped_matmul_fwd(rows, w, group_sizes):
-    return grouped_matmul(rows, w, group_sizes), (rows, w, group_sizes)
+_grouped_matmul_folded = _with_batch_folded(_grouped_matmul_platform)
 
 
-def _grouped_matmul_bwd(res, g):
-    rows, w, group_sizes = res
-    _, vjp = jax.vjp(lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes), rows, w)
-    return (*vjp(g), None)  # the integer group sizes have no cotangent
-
-
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+@functools.partial(grouped_matmul.defjvp, symbolic_zeros=True)
+def _grouped_matmul_jvp(primals, tangents):
+    rows, w, group_sizes = primals
+    d_rows, d_w, _ = tangents  # bilinear in rows and w; the integer group sizes have no tangent
+    tangent = None
+    if not isinstance(d_rows, SymbolicZero):
+        tangent = _grouped_matmul_masked(d_rows, w, group_sizes)
+    if not isinstance(d_w, SymbolicZero):
+        d_out = _grouped_matmul_masked(rows, d_w, group_sizes)
+        tangent = d_out if tangent is None else tangent + d_out
+    out = grouped_matmul(rows, w, group_sizes)
+    return out, jnp.zeros_like(out) if tangent is None else tangent
 
 
 def _block_rows(rows: int, groups: int) -> int:
@@ -153,8 +230,35 @@ def expert_matmul(rows: jax.Array, w, group_sizes: jax.Array, expert: jax.Array,
         y = _grouped_quantized(rows, w.q, group_sizes, mb)  # [R, N]
         return y * w.scale[expert].astype(y.dtype)
     if isinstance(w, GGMLWeight):
+        if mb in ROW_INVARIANT:
+            raise ValueError(f"matmul_backend {mb!r} does not multiply GGML-quantized experts ({w.qtype})")
         return _grouped_quantized(rows, w, group_sizes, mb)
+    if mb in ROW_INVARIANT:  # float32 or bfloat16 experts read as stored
+        return grouped_matmul_invariant(rows, w, group_sizes)
     return grouped_matmul(rows, w.astype(rows.dtype), group_sizes)
+
+
+@jax.custom_jvp
+def grouped_matmul_invariant(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`grouped_matmul` for the batch-invariant backend: each block of a group's rows on `quant.matmul`'s
+    "cpu_invariant" kernel, so a row's result depends on the row and its group's matrix alone (not on how many rows
+    the groups have). w: float32 or bfloat16 [G, K, N]; the result in rows' dtype. Differentiable in rows and w (the
+    tangent is `jax.lax.ragged_dot`'s); CPU only."""
+
+    def product(g):
+        wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N]
+        return lambda x: matmul(x, wg, backend="cpu_invariant")
+
+    return _grouped_blocks(rows, group_sizes, w.shape[0], w.shape[2], product)
+
+
+@grouped_matmul_invariant.defjvp
+def _grouped_matmul_invariant_jvp(primals, tangents):
+    rows, w, group_sizes = primals
+    d_rows, d_w, _ = tangents  # bilinear in rows and w; the integer group sizes have no tangent
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes)
+    tangent = dot(d_rows, w.astype(rows.dtype)) + dot(rows, d_w.astype(rows.dtype))
+    return grouped_matmul_invariant(rows, w, group_sizes), tangent
 
 
 def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
@@ -171,6 +275,8 @@ def _group_product(w, dtype, mb: str, block: int) -> GroupProduct:
 
         def widened(g):
             wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # [K, N], only this group's
+            if mb in ROW_INVARIANT:  # the int8 / fp8 values on the batch-invariant kernel, any block size
+                return lambda x: cpu_matmul.invariant_matmul(x.astype(jnp.float32), wg).astype(x.dtype)
             if mb in CPU_BACKENDS:  # int8 values on the few-row kernel when it takes the block, else widened
                 return lambda x: cpu_matmul.rows_matmul(x, wg)
             wg = wg.astype(dtype)
@@ -200,18 +306,29 @@ def _grouped_quantized(rows: jax.Array, w, group_sizes: jax.Array, mb: str) -> j
     """rows [R, K] times each group's matrix of quantized experts w (int8/fp8 values [E, K, N] or GGML blocks with
     data [E, N, row_bytes]) on `_grouped_blocks` on every platform: only the experts that have rows are read and
     de-quantized (this is also the reference the CPU kernel's path is tested against). Differentiable in rows
-    (forward and reverse: the tangent is ragged_dot's with the de-quantized weights, linear in rows), not in w."""
-    groups = w.data.shape[0] if isinstance(w, GGMLWeight) else w.shape[0]
-    n = w.data.shape[1] if isinstance(w, GGMLWeight) else w.shape[2]
-    block = _block_rows(rows.shape[0], groups)
-    return _grouped_blocks(rows, group_sizes, groups, n, _group_product(w, rows.dtype, mb, block))
+    (forward and reverse, any order: the tangent is `_grouped_matmul_masked`'s with the de-quantized weights,
+    linear in rows), not in w; vmap-able as `grouped_matmul` is."""
+    return _quantized_blocks(mb)(rows, w, group_sizes)
+
+
+@functools.cache
+def _quantized_blocks(mb: str) -> Callable:
+    """`_grouped_quantized`'s product for matmul backend mb, with `_with_batch_folded`'s vmap rule."""
+
+    def blocks(rows, w, group_sizes):
+        groups = w.data.shape[0] if isinstance(w, GGMLWeight) else w.shape[0]
+        n = w.data.shape[1] if isinstance(w, GGMLWeight) else w.shape[2]
+        block = _block_rows(rows.shape[0], groups)
+        return _grouped_blocks(rows, group_sizes, groups, n, _group_product(w, rows.dtype, mb, block))
+
+    return _with_batch_folded(blocks)
 
 
 @_grouped_quantized.defjvp
 def _grouped_quantized_jvp(mb, primals, tangents):
     rows, w, group_sizes = primals
     dense = w.dequantize() if isinstance(w, GGMLWeight) else w  # [E, K, N]
-    tangent = jax.lax.ragged_dot(tangents[0], dense.astype(rows.dtype), group_sizes)
+    tangent = _grouped_matmul_masked(tangents[0], dense.astype(rows.dtype), group_sizes)
     return _grouped_quantized(rows, w, group_sizes, mb), tangent
 
 
@@ -230,22 +347,32 @@ def _grouped_experts(rows, expert, group_sizes, lp: dict, cfg, mb: str = "xla") 
 def _moe(x: jax.Array, lp: dict, cfg: ModelConfig, axis: str | None, mb: str = "xla") -> jax.Array:
     """moe_mlp on one device; `axis` names the mesh axis the intermediate dims are split over (None: unsplit)."""
     T, k = x.shape[0], cfg.num_experts_per_tok
-    weights, experts = route(x, lp, cfg)  # [T, k]
+    weights, experts = route(x, lp, cfg, mb)  # [T, k]
     flat = experts.reshape(-1)  # [T * k], row j = (token j // k, rank j % k)
     order = jnp.argsort(flat, stable=True)  # [T * k] sorted row -> (token, rank) row
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # [experts]
     y = _grouped_experts(x[order // k], flat[order], group_sizes, lp, cfg, mb)  # [T * k, hidden]
     # back to (token, rank) order by the inverse permutation, then each token's k outputs summed in rank order:
     # a gather and a fixed-order sum, so a token's result does not depend on the other tokens (no scatter-add race)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
-    y = y[inverse].reshape(T, k, -1).astype(jnp.float32)  # [T, k, hidden]
-    out = jnp.einsum("tk,tkh->th", weights, y)  # [T, hidden] float32
+    y = y[_inverse_permutation(order)].reshape(T, k, -1).astype(jnp.float32)  # [T, k, hidden]
+    out = _rank_sum(weights, y, mb)  # [T, hidden] float32
     if axis is not None:
         out = jax.lax.psum(out, axis)  # each device summed over its slice of the intermediate axis
     if "experts_down_bias" in lp:
         bias = lp["experts_down_bias"].astype(jnp.float32)[experts]  # [T, k, hidden]
-        out = out + jnp.einsum("tk,tkh->th", weights, bias)
+        out = out + _rank_sum(weights, bias, mb)
     return out.astype(x.dtype)
+
+
+def _rank_sum(weights: jax.Array, y: jax.Array, mb: str) -> jax.Array:
+    """sum_j weights[:, j] * y[:, j]: weights [T, k], y [T, k, hidden] -> [T, hidden]; for a batch-invariant backend
+    as k products added in rank order (each token's result its own), else one einsum."""
+    if mb not in ROW_INVARIANT:
+        return jnp.einsum("tk,tkh->th", weights, y)
+    out = weights[:, 0, None] * y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + weights[:, j, None] * y[:, j]
+    return out
 
 
 def moe_mlp(

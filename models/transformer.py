@@ -1,18 +1,22 @@
-"""Pure forward of the decoder-only families we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral,
-gpt-oss) over a flat ragged token batch and the paged KV cache; no state outside the arguments. Variant behaviour
-comes from `ModelConfig`'s flags, never from the family name.
+"""Pure forward of the decoder-only families we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Qwen3-MoE,
+Mixtral, gpt-oss, GPT-2, GPT-NeoX) over a flat ragged token batch and the paged KV cache; no state outside the
+arguments. Variant behaviour comes from `ModelConfig`'s flags, never from the family name.
 
 Parameter pytree (weights stored [in, out] so activations multiply on the left; norms in float32):
 
     embed [vocab, hidden], lm_head [hidden, vocab] (absent when loaded for embedding only), final_norm [hidden],
+    with norm_kind "layernorm": final_norm_bias [hidden] float32 (and each norm's "<norm>_bias" below),
+    with position_embedding "learned": pos_embed [max_position_embeddings, hidden] (row p added at position p),
     layers: list of dicts with
         attn_norm [hidden], wq [hidden, q_heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [q_heads*head_dim,
         hidden], optional bq/bk/bv/bo biases, optional q_norm/k_norm [head_dim], mlp_norm [hidden],
+        with norm_kind "layernorm": attn_norm_bias, mlp_norm_bias [hidden] float32,
         or, after `fuse_qkv` (the engine's layout on CPU), wqkv [hidden, (q_heads + 2 kv_heads)*head_dim] and
         optional bqkv in place of wq/wk/wv and bq/bk/bv,
         with attention_sinks: sinks [q_heads] float32 (a sink logit per head joins its softmax),
         with sandwich_norms: post_attn_norm, post_mlp_norm [hidden],
         dense MLP layers: w_gate_up [hidden, 2, intermediate], w_down [intermediate, hidden],
+        or without gated_mlp: w_up [hidden, intermediate], b_up [intermediate], w_down, b_down [hidden],
         mixture-of-experts layers (cfg.is_moe_layer(i); computed by `models.moe.moe_mlp`) instead:
             router [hidden, experts], optional router_bias [experts] float32,
             experts_gate_up [experts, hidden, 2, moe_intermediate], experts_down [experts, moe_intermediate, hidden],
@@ -21,16 +25,21 @@ The projections (wq, wk, wv, wo, w_gate_up, w_down), the expert weights, the lm_
 `netra_jax.quant` quantized weight instead of an array (int8 or fp8 with per-channel scales, or GGML blocks): the
 projections and the lm_head go through `quant.matmul`, the experts through `models.moe.expert_matmul`, the
 embedding through `quant.embedding_rows`; the router is an array.
-Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every norm here is x * rsqrt * w.
+Gemma's (1 + w) norm weights are folded to plain multipliers at load time, so every RMSNorm here is x * rsqrt * w
+(`norm`: RMSNorm, or LayerNorm (x - mean) * rsqrt(var + eps) * w + b with norm_kind "layernorm").
 
-Differentiation: `forward`, `hidden_states` and `forward_dense` are reverse-mode differentiable (`jax.grad`,
-`jax.vjp`) in the parameters and in `input_embeds`, on every attention backend: attention's backward is a dense jnp
-reference (`netra_jax.ops.attention.paged_attention_dense`, memory T x block-table keys per layer), the experts'
-grouped matmul's is `jax.lax.ragged_dot`'s (quantized experts: in the activations, not the weights). Forward
-mode (`jax.jvp`) is not provided.
+Differentiation: `forward`, `hidden_states` and `forward_dense` are differentiable in the parameters and in
+`input_embeds`, in reverse mode (`jax.grad`, `jax.vjp`) and forward mode (`jax.jvp`, `jax.linearize`, `jax.jacfwd`),
+to any order (Hessian-vector products by `jax.jvp` of `jax.grad`), on every attention backend: attention's
+derivatives are a dense jnp reference's (`netra_jax.ops.attention.paged_attention_dense`, memory T x block-table
+keys per layer), the experts' grouped matmul's a masked product of every row with every expert
+(`models.moe.grouped_matmul`; quantized experts: in the activations, not the weights).
 With matmul_backend "cpu_rows" (the CPU engine's), a step of at most 32 tokens runs its dense float32 layers as one
 C++ call each (`netra_jax.ops.cpu_decode_layer`, this module's `_layer` its reference), which is not differentiable:
-take "xla" for gradients.
+take "xla" for gradients. matmul_backend "cpu_invariant" (with attention backend "cpu_invariant": the batch-invariant
+engine and `netra_jax.rl.sequence_logprobs`) keeps activations in float32, multiplies every row on the in-order CPU
+kernel and sums norms and expert outputs in a fixed order: a row's result never depends on the other rows, and it is
+differentiable.
 """
 
 from __future__ import annotations
@@ -43,8 +52,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig
-from netra_jax.models.head_parallel import head_parallel
-from netra_jax.models.hooks import HookContext, Hooks, HookSpec, LayerHooks, apply_point, layer_inputs
+from netra_jax.models.head_parallel import auto_axes_layer, forward_mesh, head_parallel
+from netra_jax.models.hooks import (
+    MODEL_LAYER,
+    HookContext,
+    Hooks,
+    HookSpec,
+    LayerGroups,
+    StepHooks,
+    apply_point,
+    layer_inputs,
+    step_hooks,
+)
 from netra_jax.models.lora import LayerLoRA, from_device_major, lora_delta
 from netra_jax.models.moe import moe_mlp
 from netra_jax.models.rope import rope, rope_tables
@@ -57,8 +76,10 @@ from netra_jax.ops.attention import (
     write_kv,
 )
 from netra_jax.ops.attention.paged_batch import build_batch
+from netra_jax.ops.attention.pattern import attend_probs, attention_probs
+from netra_jax.ops.invariant import tree_mean
 from netra_jax.ops.kv_quant import Pages, empty_pages
-from netra_jax.quant import embedding_rows, matmul
+from netra_jax.quant import ROW_INVARIANT, embedding_rows, matmul
 
 
 @flax.struct.dataclass
@@ -91,11 +112,42 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, result in x's dtype. x: [..., dim]; w: [dim]."""
+def _mean(x: jax.Array, invariant: bool) -> jax.Array:
+    """The mean over the last axis, keeping it: XLA's reduce, or (invariant) summed in a fixed order."""
+    return tree_mean(x)[..., None] if invariant else jnp.mean(x, axis=-1, keepdims=True)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, invariant: bool = False) -> jax.Array:
+    """RMSNorm in float32, result in x's dtype. x: [..., dim]; w: [dim]. invariant: sum in a fixed order
+    (`netra_jax.ops.invariant`; the batch-invariant backends), so a row's result never depends on the other rows."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * jax.lax.rsqrt(_mean(xf * xf, invariant) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array | None, eps: float, invariant: bool = False) -> jax.Array:
+    """LayerNorm in float32 (centred, divided by the standard deviation, times w plus b), result in x's dtype.
+    x: [..., dim]; w, b: [dim] (b None: no bias). invariant: as `rms_norm`'s."""
+    xf = x.astype(jnp.float32)
+    xc = xf - _mean(xf, invariant)
+    y = xc * jax.lax.rsqrt(_mean(xc * xc, invariant) + eps) * w.astype(jnp.float32)
+    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def norm(x: jax.Array, p: dict, name: str, cfg: ModelConfig, mb: str = "xla") -> jax.Array:
+    """The model's norm `name` of parameter dict p (a layer's, or the whole pytree for final_norm) applied to x
+    [..., hidden]: `rms_norm` with p[name], or with cfg.norm_kind "layernorm" `layer_norm` with p[name] and its bias
+    p[name + "_bias"] when present. mb: the matmul backend; a batch-invariant one (`quant.ROW_INVARIANT`) sums the
+    norm in a fixed order too."""
+    invariant = mb in ROW_INVARIANT
+    if cfg.norm_kind == "layernorm":
+        return layer_norm(x, p[name], p.get(f"{name}_bias"), cfg.rms_norm_eps, invariant)
+    return rms_norm(x, p[name], cfg.rms_norm_eps, invariant)
+
+
+def _activation(x: jax.Array, name: str) -> jax.Array:
+    """The MLP's activation `name` (`netra_jax.config.ACTIVATIONS`): silu, gelu (exact) or gelu_tanh."""
+    return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=name == "gelu_tanh")
 
 
 def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax.Array:
@@ -119,37 +171,56 @@ def _tp(mesh) -> int:
     return 1 if mesh is None else mesh.shape[TP]
 
 
-def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, mesh=None) -> jax.Array:
+def _no_point(name: str, x: jax.Array) -> jax.Array:
+    return x  # a layer without hooks
+
+
+def _ungated_mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, mesh=None, point=_no_point):
+    """The MLP without a gate (cfg.gated_mlp False: GPT-2, GPT-NeoX): act(x @ w_up + b_up) @ w_down + b_down,
+    x [T, hidden] -> [T, hidden]; hook points mlp_pre (the pre-activation [T, intermediate]) and mlp_post (the
+    neurons). An adapter slot's up delta (the second half of its gate_up group) adds to the pre-activation."""
+    pre = _linear(x, lp["w_up"], lp.get("b_up"), mb)  # [T, intermediate]
+    if lora is not None:
+        inter = pre.shape[1]
+        d = from_device_major(lora_delta(x, lora[0]["gate_up"], lora[1], mb), [inter, inter], _tp(mesh))
+        pre = pre + d[:, inter:]
+    h = point("mlp_post", _activation(point("mlp_pre", pre), cfg.hidden_act))
+    return _with_lora(_linear(h, lp["w_down"], lp.get("b_down"), mb), h, lora, "down", mb)
+
+
+def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, mesh=None, point=_no_point) -> jax.Array:
+    """The dense MLP: x [T, hidden] -> [T, hidden]; `point(name, value)` runs the hook points mlp_pre (the gate's
+    pre-activation [T, intermediate]) and mlp_post (the neurons act(gate) * up [T, intermediate])."""
+    if not cfg.gated_mlp:
+        return _ungated_mlp(x, lp, cfg, mb, lora, mesh, point)
     gu = matmul(x, lp["w_gate_up"], "th,hki->tki", backend=mb)  # [T, 2, intermediate]
     if lora is not None:  # the gate and up deltas in one pair of matmuls (B device-major under tensor parallelism)
         T, _, inter = gu.shape
         d = from_device_major(lora_delta(x, lora[0]["gate_up"], lora[1], mb), [inter, inter], _tp(mesh))
         gu = (gu.reshape(T, 2 * inter) + d).reshape(T, 2, inter)
-    gate, up = gu[:, 0], gu[:, 1]
-    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    h = act * up
+    gate, up = point("mlp_pre", gu[:, 0]), gu[:, 1]
+    act = _activation(gate, cfg.hidden_act)
+    h = point("mlp_post", act * up)
     return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down", mb)
+
+
+def _masking(cfg: ModelConfig, i: int) -> dict:
+    """Layer i's softmax scale, sliding window and logit soft-cap, as the attention ops take them."""
+    return {"scale": cfg.attn_scale, "sliding_window": cfg.layer_window(i), "soft_cap": cfg.attn_logit_softcap}
 
 
 def _write_and_attend(q, k, v, kp, vp, md, sinks, *, cfg: ModelConfig, i: int, backend: str):
     kp, vp = write_kv(kp, vp, k, v, md.slot_mapping)
-    o = attention(
-        q,
-        kp,
-        vp,
-        md,
-        scale=cfg.attn_scale,
-        sliding_window=cfg.layer_window(i),
-        soft_cap=cfg.attn_logit_softcap,
-        sinks=sinks,
-        backend=backend,
-    )  # [T, q_heads, head_dim]
+    o = attention(q, kp, vp, md, **_masking(cfg, i), sinks=sinks, backend=backend)  # [T, q_heads, head_dim]
     return o, kp, vp
 
 
-def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh, mb: str, lora=None):
+def _attention_heads(
+    x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, backend: str, mesh, mb: str, lora=None, point=_no_point
+):
     """Attention of layer i before its output projection: x [T, hidden] -> (each head's output [T, q_heads,
-    head_dim], K pages, V pages)."""
+    head_dim], K pages, V pages, the queries attention read [T, q_heads, head_dim]). `point(name, value)` runs the
+    hook points q, k, v (the projections' outputs) and q_rot, k_rot (after q/k-norm and RoPE)."""
     T = x.shape[0]
     if "wqkv" in lp:  # the three projections as one matmul (fuse_qkv)
         qkv = _linear(x, lp["wqkv"], lp.get("bqkv"), mb)  # [T, q_size + 2 kv_size]
@@ -161,21 +232,23 @@ def _attention_heads(x, lp, cfg: ModelConfig, i: int, positions, kp, vp, md, bac
         d = from_device_major(d, [cfg.q_size, cfg.kv_size, cfg.kv_size], _tp(mesh))
         dq, dk, dv = jnp.split(d, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
         q, k, v = q + dq, k + dk, v + dv
-    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q = point("q", q.reshape(T, cfg.num_heads, cfg.head_dim))
+    k = point("k", k.reshape(T, cfg.num_kv_heads, cfg.head_dim))
+    v = point("v", v.reshape(T, cfg.num_kv_heads, cfg.head_dim))
     if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    rc = cfg.layer_rope(i)
-    q, k = rope(q, positions, rc, cfg.rotary_dim), rope(k, positions, rc, cfg.rotary_dim)
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, mb in ROW_INVARIANT)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, mb in ROW_INVARIANT)
+    if cfg.position_embedding == "rope":
+        rc = cfg.layer_rope(i)
+        q, k = rope(q, positions, rc, cfg.rotary_dim), rope(k, positions, rc, cfg.rotary_dim)
+    q, k = point("q_rot", q), point("k_rot", k)
     fn = functools.partial(_write_and_attend, cfg=cfg, i=i, backend=backend)
     if mesh is not None:  # tensor parallel: each device attends with its own heads and KV pages
         fn = head_parallel(fn, mesh)
-    return fn(q, k, v, kp, vp, md, lp.get("sinks"))
+    return (*fn(q, k, v, kp, vp, md, lp.get("sinks")), q)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh", "hooks", "matmul_backend"))
+@functools.partial(jax.jit, static_argnames=("cfg", "i", "backend", "mesh", "hooks", "pattern_keys", "matmul_backend"))
 def _layer(
     x,
     lp,
@@ -191,13 +264,15 @@ def _layer(
     i: int,
     backend: str,
     mesh,
-    hooks: LayerHooks | None = None,
+    hooks: LayerGroups | None = None,
+    pattern_keys: int | None = None,
     matmul_backend: str = "xla",
 ):
     """One decoder layer, shaped as layer i: x [T, hidden] -> (x, its K and V pages, recorded activations). A
     nested jit, so a model's alike layers are traced and lowered once per step variant instead of once each
     (start-up time); XLA inlines the calls, and the compiled step is the one the unrolled loop gives. `hooks`: this
-    layer's hook points (see `netra_jax.models.hooks`), run with `hook_ctx` and their traced inputs `hook_in`.
+    layer's hook points of every hook set of the step (see `netra_jax.models.hooks`), run with `hook_ctx` and their
+    traced inputs `hook_in`; pattern_keys: the keys a hooked attention pattern spans (None: the block table's).
     lora: (this layer's adapter slots, each token's slot [T]) or None (see `netra_jax.models.lora`)."""
     records: dict[str, jax.Array] = {}
 
@@ -206,20 +281,36 @@ def _layer(
 
     T = x.shape[0]
     x = point("resid_pre", x)
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    x_in = x  # the MLP's input too with cfg.parallel_residual
+    h = norm(x, lp, "attn_norm", cfg, matmul_backend)
     mb = matmul_backend
-    o, kp, vp = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb, lora)  # [T, q_heads, hd]
+    o, kp, vp, q = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb, lora, point)
+    if hooks is not None and hooks.touches("pattern"):  # o: [T, q_heads, head_dim]
+        o = _pattern_point(o, q, kp, vp, md, lp.get("sinks"), cfg, i, hooks, hook_ctx, pattern_keys, point)
     o = point("attn_heads", o).reshape(T, cfg.q_size)
     h = _with_lora(_linear(o, lp["wo"], lp.get("bo"), mb), o, lora, "o", mb)
     if cfg.sandwich_norms:
-        h = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
+        h = norm(h, lp, "post_attn_norm", cfg, matmul_backend)
     x = point("resid_mid", x + point("attn_out", h))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb, lora, mesh)
+    h = norm(x_in if cfg.parallel_residual else x, lp, "mlp_norm", cfg, matmul_backend)
+    h = moe_mlp(h, lp, cfg, mesh, mb) if cfg.is_moe_layer(i) else _mlp(h, lp, cfg, mb, lora, mesh, point)
     if cfg.sandwich_norms:
-        h = rms_norm(h, lp["post_mlp_norm"], cfg.rms_norm_eps)
+        h = norm(h, lp, "post_mlp_norm", cfg, matmul_backend)
     x = point("resid_post", x + point("mlp_out", h))
     return x, kp, vp, records
+
+
+def _pattern_point(o, q, kp, vp, md, sinks, cfg: ModelConfig, i: int, hooks: LayerGroups, ctx, num_keys, point):
+    """The `pattern` hook point of layer i: the probabilities of queries q [T, q_heads, head_dim] over the keys in
+    kp (`netra_jax.ops.attention.pattern`), through the hooks; rows of a hook set that edits the pattern take
+    attention recomputed from the edited probabilities instead of the kernel's output o [T, q_heads, head_dim]."""
+    probs = attention_probs(q, kp, md, **_masking(cfg, i), sinks=sinks, num_keys=num_keys)  # [T, q_heads, K]
+    probs = point("pattern", probs)
+    editing = [g for g, lh in hooks.groups if lh.edit_fn("pattern") is not None]
+    if not editing:
+        return o
+    edited = jnp.isin(ctx.group, jnp.asarray(editing, jnp.int32))[:, None, None]  # [T, 1, 1]
+    return jnp.where(edited, attend_probs(probs, vp, md).astype(o.dtype), o)
 
 
 def fuse_qkv(params: dict) -> dict:
@@ -279,9 +370,10 @@ def hidden_states(
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
     input_embeds: jax.Array | None = None,
-    hooks: Hooks | HookSpec | None = None,
+    hooks: Hooks | HookSpec | StepHooks | None = None,
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
+    hook_group: jax.Array | None = None,
     matmul_backend: str = "xla",
     lora: list[LayerLoRA] | None = None,
     lora_slots: jax.Array | None = None,
@@ -290,26 +382,31 @@ def hidden_states(
     pool. Arguments as `forward`'s; rows: [S] int32 rows wanted (all rows if None).
     Returns (final-normed hidden states [S or T, hidden] in the parameters' dtype, updated kv cache), and with
     `hooks` the recorded activations as a third element."""
+    mesh = forward_mesh(mesh)  # None: an Explicit-axis mesh set by jax.set_mesh
     x = _inputs(params, cfg, token_ids, input_embeds)  # [T, hidden]
+    if matmul_backend in ROW_INVARIANT:  # activations in float32 (weights and KV pages as stored): no bfloat16
+        x = x.astype(jnp.float32)  # intermediate whose rounding XLA may keep or elide depending on the program
+    if cfg.position_embedding == "learned":  # each position's row of the table (positions past it: the last row)
+        x = x + jnp.take(params["pos_embed"], positions, axis=0, mode="clip").astype(x.dtype)
     md = with_token_layout(md, x.shape[0])  # once per step, not per layer (unused by kernels: removed by XLA)
-    if isinstance(hooks, Hooks):  # the whole set: its spec and its arrays
-        hooks.check(cfg.num_layers, cfg.num_heads)
-        hooks, hook_arrays = hooks.spec, hooks.arrays
     ctx = None
     if hooks is not None:
-        valid = md.layout.valid  # [T]
-        request = jnp.where(valid, 0, -1) if hook_request is None else hook_request  # [T] int32
-        ctx = HookContext(positions=positions, valid=valid, request=request)
+        if isinstance(hooks, Hooks):
+            hooks.check(cfg)
+        hooks, hook_arrays = step_hooks(hooks, hook_arrays)
+        ctx = _hook_context(md, positions, hook_request, hook_group)
     new_k, new_v = [], []
     records: dict[str, jax.Array] = {}
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
     if (lora is None) != (lora_slots is None):
         raise ValueError("lora and lora_slots go together: the adapter slots and each token's slot [T]")
-    one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and hooks is None and mesh is None
+    one_call = matmul_backend in ("cpu_rows", "cpu_rows_q8") and backend == "cpu" and mesh is None
     tables: dict = {}  # RoPE tables per rope setting, for the layers run as one kernel call
     for i, lp in enumerate(params["layers"]):
         layer_lora = None if lora is None else (lora[i], lora_slots)
-        if one_call and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0], None if lora is None else lora[i]):
+        lh = None if hooks is None else hooks.at(i)  # a layer without hooks may still run as one kernel call
+        layer_lora_slots = None if lora is None else lora[i]
+        if one_call and lh is None and cpu_decode_layer.takes(lp, cfg, i, kv.k[i], x.shape[0], layer_lora_slots):
             rc = cfg.layer_rope(i)
             if rc not in tables:
                 tables[rc] = rope_tables(positions, rc, cfg.rotary_dim)
@@ -332,8 +429,8 @@ def hidden_states(
             new_v.append(vp)
             continue
         like = first_of_kind.setdefault((cfg.layer_window(i), cfg.layer_rope(i), cfg.is_moe_layer(i)), i)
-        lh = None if hooks is None else hooks.for_layer(i)
-        x, kp, vp, rec = _layer(
+        layer = auto_axes_layer(_layer, mesh, kv.k[i], kv.v[i])  # on an Explicit-axis mesh: as on an Auto one
+        x, kp, vp, rec = layer(
             x,
             lp,
             kv.k[i],
@@ -348,21 +445,36 @@ def hidden_states(
             backend=backend,
             mesh=mesh,
             hooks=lh,
+            pattern_keys=None if hooks is None else hooks.pattern_keys,
             matmul_backend=matmul_backend,
         )
         new_k.append(kp)
         new_v.append(vp)
         records.update(rec)
-    if rows is not None:
-        x = x[rows]
-    out = rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
+    top = None if hooks is None else hooks.at(MODEL_LAYER)  # the model-level points, final_norm and logits
+    if top is not None and top.touches("final_norm"):  # every row through the hook, then the rows wanted
+        x = norm(x, params, "final_norm", cfg, matmul_backend)
+        x = apply_point(x, "final_norm", top, ctx, layer_inputs(hook_arrays, top), records)
+        normed = x if rows is None else x[rows]
+    else:
+        normed = norm(x if rows is None else x[rows], params, "final_norm", cfg, matmul_backend)
+    out = normed, KVCache(k=new_k, v=new_v)
     return out if hooks is None else (*out, records)
+
+
+def _hook_context(md: AttentionMetadata, positions, request=None, group=None) -> HookContext:
+    """The per-row context of the hooks: request [T] each row's request index (default 0) and group [T] its hook
+    set (default 0); both -1 on padding rows."""
+    valid = md.layout.valid  # [T]
+    request = jnp.where(valid, 0, -1) if request is None else request  # [T] int32
+    group = jnp.where(valid, 0, -1) if group is None else group  # [T] int32
+    return HookContext(positions=positions, valid=valid, request=request, group=group)
 
 
 def unembed(params: dict, cfg: ModelConfig, x: jax.Array, *, matmul_backend: str = "xla") -> jax.Array:
     """Logits of hidden states: the final norm's output x [N, hidden] -> [N, vocab] float32 (lm_head, then the final
     soft-cap). With `final_norm` applied first, the logit lens of any residual stream: unembed(params, cfg,
-    rms_norm(resid, params["final_norm"], cfg.rms_norm_eps))."""
+    norm(resid, params, "final_norm", cfg))."""
     logits = matmul(x, params["lm_head"], preferred_element_type=jnp.float32, backend=matmul_backend)  # [N, vocab]
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
@@ -372,7 +484,7 @@ def unembed(params: dict, cfg: ModelConfig, x: jax.Array, *, matmul_backend: str
 def logit_lens(params: dict, cfg: ModelConfig, resid: jax.Array) -> jax.Array:
     """What the model would predict from residual stream `resid` [N, hidden] (e.g. a recorded
     "layers.{i}.resid_post"): final norm, lm_head and soft-cap, as after the last layer. Returns [N, vocab] float32."""
-    return unembed(params, cfg, rms_norm(resid, params["final_norm"], cfg.rms_norm_eps))
+    return unembed(params, cfg, norm(resid, params, "final_norm", cfg))
 
 
 def forward(
@@ -387,9 +499,10 @@ def forward(
     backend: str = "reference",
     mesh: jax.sharding.Mesh | None = None,
     input_embeds: jax.Array | None = None,
-    hooks: Hooks | HookSpec | None = None,
+    hooks: Hooks | HookSpec | StepHooks | None = None,
     hook_arrays: dict | None = None,
     hook_request: jax.Array | None = None,
+    hook_group: jax.Array | None = None,
     matmul_backend: str = "xla",
     lora: list[LayerLoRA] | None = None,
     lora_slots: jax.Array | None = None,
@@ -398,20 +511,31 @@ def forward(
 
     token_ids, positions: [T] int32 (token_ids None when input_embeds is given). logits_indices: [S] int32 rows whose
     logits are wanted (all rows if None). mesh: a tensor-parallel ("tp",) mesh when params and pages are sharded as
-    `netra_jax.parallel` lays them out. input_embeds: [T, hidden] the embedding layer's output in place of token ids,
-    as Hugging Face's `inputs_embeds` (Gemma 3's sqrt(hidden) scale already applied; see `embed_tokens`).
+    `netra_jax.parallel` lays them out, its axis Auto or Explicit (None: an Explicit one set by `jax.set_mesh`, see
+    `models.head_parallel.forward_mesh`). input_embeds: [T, hidden] the embedding layer's output in place of token ids,
+    as Hugging Face's `inputs_embeds` (Gemma's sqrt(hidden) scale already applied, see `embed_tokens`; GPT-2's
+    learned position rows are added here, as transformers adds them to `inputs_embeds`).
     hooks: a `Hooks` set, or its static spec (`Hooks.spec`) with its traced inputs in hook_arrays (`Hooks.arrays`),
-    hook_request [T] int32 each token's request index for `HookContext.request` (default 0, -1 for padding): see
-    `netra_jax.models.hooks`. Recorded activations are [T, ...] over all rows (padding included).
+    or a step's `StepHooks` (several sets) with a tuple of arrays, one per set; hook_request [T] int32 each token's
+    request index for `HookContext.request` (default 0), hook_group [T] int32 each token's hook set (default 0; -1:
+    none), both -1 for padding: see `netra_jax.models.hooks`. Recorded activations are [T, ...] over all rows
+    (padding included); with a `logits` hook every row's logits are computed, then logits_indices' rows returned.
     matmul_backend: "xla" (jnp's dot), or "cpu_rows" to run float32 matmuls of decode-sized batches on the CPU kernel
-    of `netra_jax.ops.cpu_matmul` and, with the "cpu" attention backend and no hooks, the dense float32 layers of a
-    step of at most 32 tokens as one call each of `netra_jax.ops.cpu_decode_layer` (what the engine runs on CPU;
-    unsharded parameters only, lowers for CPU only, not differentiable).
+    of `netra_jax.ops.cpu_matmul` and, with the "cpu" attention backend, the dense float32 layers without hooks of
+    a step of at most 32 tokens as one call each of `netra_jax.ops.cpu_decode_layer` (what the engine runs on CPU;
+    unsharded parameters only, lowers for CPU only, not differentiable); "cpu_invariant" for batch-invariant rows
+    (see the module docstring).
     lora, lora_slots: LoRA adapter slots (per layer {group: (a [in, S, Rg], b [S, Rg, out])}, `lora.empty_slots`)
     and each token's slot [T] int32 (-1: the base model), see `netra_jax.models.lora`; differentiable in the factors.
     Returns (logits [S or T, vocab] float32, updated kv cache), and with hooks a third element, the recorded
     activations {hook name: array}.
     """
+    if hooks is not None:
+        if isinstance(hooks, Hooks):
+            hooks.check(cfg)
+        hooks, hook_arrays = step_hooks(hooks, hook_arrays)
+    top = None if hooks is None else hooks.at(MODEL_LAYER)
+    hook_logits = top is not None and top.touches("logits")  # every row's logits through the hook
     out = hidden_states(
         params,
         cfg,
@@ -419,18 +543,24 @@ def forward(
         positions,
         kv,
         md,
-        logits_indices,
+        None if hook_logits else logits_indices,
         backend=backend,
         mesh=mesh,
         input_embeds=input_embeds,
         hooks=hooks,
         hook_arrays=hook_arrays,
         hook_request=hook_request,
+        hook_group=hook_group,
         matmul_backend=matmul_backend,
         lora=lora,
         lora_slots=lora_slots,
     )
     logits = unembed(params, cfg, out[0], matmul_backend=matmul_backend)  # [S or T, vocab]
+    if hook_logits:
+        md = with_token_layout(md, logits.shape[0])
+        ctx = _hook_context(md, positions, hook_request, hook_group)
+        logits = apply_point(logits, "logits", top, ctx, layer_inputs(hook_arrays, top), out[2])
+        logits = logits if logits_indices is None else logits[logits_indices]
     return (logits, *out[1:])
 
 
@@ -454,15 +584,16 @@ def forward_dense(
     matmul_backend: str = "xla",
     lora: list[LayerLoRA] | None = None,
     lora_slot: int | jax.Array | None = None,
-) -> jax.Array:
+    hooks: Hooks | None = None,
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Logits at every position of one sequence, without a cache argument: `forward` on a scratch paged cache
     that holds just this sequence (positions 0..T-1). For training-style use.
 
-    Jittable (with cfg and backend static), reverse-mode differentiable in params and in x when x holds embeddings
-    (attention's backward is dense, see `netra_jax.ops.attention`), and, for models without mixture-of-experts
-    layers, vmap-able over a leading batch axis of x, gradients included (sequences of one length; the cache and
-    metadata are shared constants, so the loops' trip counts stay unbatched). MoE layers do not vmap (jax has no
-    batching rule for their `jax.lax.ragged_dot`): map over a batch with `jax.lax.map` instead.
+    Jittable (with cfg and backend static), differentiable (reverse and forward mode, any order) in params and in x
+    when x holds embeddings (attention's derivatives are dense, see `netra_jax.ops.attention`), and vmap-able over a
+    leading batch axis of x, derivatives included (sequences of one length; the cache and metadata are shared
+    constants, so the loops' trip counts stay unbatched; a MoE layer runs the batch's tokens as one set of grouped
+    matmuls, see `models.moe.grouped_matmul`).
 
     Args:
         params: the parameter pytree (see the module docstring).
@@ -475,9 +606,12 @@ def forward_dense(
         lora: LoRA adapter slots (`netra_jax.models.lora.empty_slots` / `set_slot`); differentiable in their
             factors.
         lora_slot: The slot the whole sequence uses with `lora` (-1 or None: the base model).
+        hooks: A `Hooks` set (see `netra_jax.models.hooks`) run in the forward, the same points and names as the
+            engine's; differentiable through the edits and in `hooks.data` (pass data as an argument of the
+            function you differentiate).
 
     Returns:
-        logits [T, vocab] float32.
+        logits [T, vocab] float32; with hooks, (logits, the recorded activations {name: [T, ...]}).
     """
     ids = jnp.issubdtype(x.dtype, jnp.integer)
     if (x.ndim, ids) not in ((1, True), (2, False)) or x.shape[0] == 0:
@@ -485,13 +619,15 @@ def forward_dense(
             f"x must be token ids [T] (integer) or embeddings [T, hidden] (float), T > 0; got {x.dtype} {x.shape}"
         )
     T = x.shape[0]
+    if hooks is not None:
+        hooks.check(cfg)
     kv, md = _scratch_sequence(cfg, T, params["embed"].dtype)
     positions = jnp.arange(T, dtype=jnp.int32)
     token_ids, embeds = (x, None) if ids else (None, x)
     slots = None
     if lora is not None:
         slots = jnp.full((T,), -1 if lora_slot is None else lora_slot, jnp.int32)
-    logits, _ = forward(
+    out = forward(
         params,
         cfg,
         token_ids,
@@ -503,5 +639,7 @@ def forward_dense(
         matmul_backend=matmul_backend,
         lora=lora,
         lora_slots=slots,
+        hooks=None if hooks is None else StepHooks((hooks.spec,), pattern_keys=T),  # patterns over the T keys
+        hook_arrays=None if hooks is None else (hooks.arrays,),
     )
-    return logits
+    return out[0] if hooks is None else (out[0], out[2])

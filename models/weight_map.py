@@ -39,19 +39,23 @@ TP = "tp"  # the mesh axis parameters are split over
 VOCAB = "vocab"  # in a spec: split on TP when the vocabulary divides by it, else replicated
 
 # transforms (models.weight_reads)
-COPY, NORM, F32, LINEAR = "copy", "norm", "f32", "linear"
+COPY, NORM, F32, LINEAR, CONV1D = "copy", "norm", "f32", "linear", "conv1d"
 GATE_UP, EXPERTS_GATE_UP, EXPERTS_DOWN, DEINTERLEAVE = "gate_up", "experts_gate_up", "experts_down", "deinterleave"
 # the parameters kept quantized: a GGUF file's GGML blocks, a quantized checkpoint's weights (read through
 # quant.matmul, embedding_rows, models.moe)
 KEPT_IN_BLOCKS = (*QUANTIZABLE, "lm_head", "embed")
 # which layers an entry belongs to
 ALL, DENSE, MOE = "all", "dense", "moe"
+# layouts of a tensor holding q, k and v side by side along its outputs (`Entry.fused`)
+QKV = "qkv"  # q, then k, then v (GPT-2's c_attn)
+QKV_HEADS = "qkv_heads"  # per head [heads, 3, head_dim]: each head's q, k and v (GPT-NeoX's query_key_value)
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter. `hf`: its HF tensor name pattern(s) ("{L}" = "model.layers.<i>.", "{e}" = expert index);
-    `shape`: symbolic shape of each HF tensor (see `_dims`); `spec`: partition spec of the parameter."""
+    """One parameter. `hf`: its HF tensor name pattern(s) ("{L}" = "model.layers.<i>.", "{i}" = the layer index
+    <i> itself, "{e}" = expert index); `shape`: symbolic shape of each HF tensor (see `_dims`); `spec`: partition
+    spec of the parameter."""
 
     param: str
     hf: tuple[str, ...]
@@ -62,6 +66,11 @@ class Entry:
     kv: bool = False  # its output axis is KV heads (repeated when num_kv_heads < tp)
     optional: bool = False  # loaded when the checkpoint has it (attention biases)
     tied: str | None = None  # read this tensor instead when cfg.tie_word_embeddings (lm_head)
+    fused: tuple[str, int] | None = None  # (layout, part): the part (0 q, 1 k, 2 v) of a fused q/k/v tensor
+
+    @property
+    def per_layer(self) -> bool:
+        return "{L}" in self.hf[0] or "{i}" in self.hf[0]
 
 
 def _e(param, hf, shape, transform, spec=(), **kw) -> Entry:
@@ -155,16 +164,80 @@ GPT_OSS_EXPERTS = (  # fused expert tensors, already [in, out]; gate_up interlea
     _e("experts_down_bias", "{L}mlp.experts.down_proj_bias", ("experts", "hidden"), COPY, layers=MOE),
 )
 
+
+def fused_qkv(
+    weight: str, bias: str, shape: tuple[str, str], transform: str, layout: str, **bias_kw
+) -> tuple[Entry, ...]:
+    """wq, wk, wv and bq, bk, bv read from one tensor holding q, k and v along its outputs (and one bias), laid out as
+    `layout`; `shape`: the weight's stored shape, [out, in] (LINEAR) or [in, out] (CONV1D)."""
+    parts = ("q", "k", "v")
+    return tuple(
+        _e("w" + t, weight, shape, transform, (None, TP), kv=k > 0, fused=(layout, k)) for k, t in enumerate(parts)
+    ) + tuple(
+        _e("b" + t, bias, ("qkv",), COPY, (TP,), kv=k > 0, fused=(layout, k), **bias_kw) for k, t in enumerate(parts)
+    )
+
+
+GPT2 = (  # Conv1D weights (stored [in, out]), learned positions, LayerNorms with biases, lm_head tied to wte
+    _e("embed", "transformer.wte.weight", ("vocab", "hidden"), COPY, (VOCAB, None)),
+    _e("pos_embed", "transformer.wpe.weight", ("positions", "hidden"), COPY),
+    _e("lm_head", "lm_head.weight", ("vocab", "hidden"), LINEAR, (None, VOCAB), tied="transformer.wte.weight"),
+    _e("final_norm", "transformer.ln_f.weight", ("hidden",), NORM),
+    _e("final_norm_bias", "transformer.ln_f.bias", ("hidden",), F32),
+    _e("attn_norm", "transformer.h.{i}.ln_1.weight", ("hidden",), NORM),
+    _e("attn_norm_bias", "transformer.h.{i}.ln_1.bias", ("hidden",), F32),
+    *fused_qkv(
+        "transformer.h.{i}.attn.c_attn.weight", "transformer.h.{i}.attn.c_attn.bias", ("hidden", "qkv"), CONV1D, QKV
+    ),
+    _e("wo", "transformer.h.{i}.attn.c_proj.weight", ("q", "hidden"), CONV1D, (TP, None)),
+    _e("bo", "transformer.h.{i}.attn.c_proj.bias", ("hidden",), COPY),
+    _e("mlp_norm", "transformer.h.{i}.ln_2.weight", ("hidden",), NORM),
+    _e("mlp_norm_bias", "transformer.h.{i}.ln_2.bias", ("hidden",), F32),
+    _e("w_up", "transformer.h.{i}.mlp.c_fc.weight", ("hidden", "inter"), CONV1D, (None, TP)),
+    _e("b_up", "transformer.h.{i}.mlp.c_fc.bias", ("inter",), COPY, (TP,)),
+    _e("w_down", "transformer.h.{i}.mlp.c_proj.weight", ("inter", "hidden"), CONV1D, (TP, None)),
+    _e("b_down", "transformer.h.{i}.mlp.c_proj.bias", ("hidden",), COPY),
+)
+_NEOX = "gpt_neox.layers.{i}."
+GPT_NEOX = (  # per-head fused q/k/v, partial rotary, LayerNorms with biases; attention_bias false drops q/k/v/o's
+    _e("embed", "gpt_neox.embed_in.weight", ("vocab", "hidden"), COPY, (VOCAB, None)),
+    _e("lm_head", "embed_out.weight", ("vocab", "hidden"), LINEAR, (None, VOCAB), tied="gpt_neox.embed_in.weight"),
+    _e("final_norm", "gpt_neox.final_layer_norm.weight", ("hidden",), NORM),
+    _e("final_norm_bias", "gpt_neox.final_layer_norm.bias", ("hidden",), F32),
+    _e("attn_norm", _NEOX + "input_layernorm.weight", ("hidden",), NORM),
+    _e("attn_norm_bias", _NEOX + "input_layernorm.bias", ("hidden",), F32),
+    *fused_qkv(
+        _NEOX + "attention.query_key_value.weight",
+        _NEOX + "attention.query_key_value.bias",
+        ("qkv", "hidden"),
+        LINEAR,
+        QKV_HEADS,
+        optional=True,
+    ),
+    _e("wo", _NEOX + "attention.dense.weight", ("hidden", "q"), LINEAR, (TP, None)),
+    _e("bo", _NEOX + "attention.dense.bias", ("hidden",), COPY, optional=True),
+    _e("mlp_norm", _NEOX + "post_attention_layernorm.weight", ("hidden",), NORM),
+    _e("mlp_norm_bias", _NEOX + "post_attention_layernorm.bias", ("hidden",), F32),
+    _e("w_up", _NEOX + "mlp.dense_h_to_4h.weight", ("inter", "hidden"), LINEAR, (None, TP)),
+    _e("b_up", _NEOX + "mlp.dense_h_to_4h.bias", ("inter",), COPY, (TP,)),
+    _e("w_down", _NEOX + "mlp.dense_4h_to_h.weight", ("hidden", "inter"), LINEAR, (TP, None)),
+    _e("b_down", _NEOX + "mlp.dense_4h_to_h.bias", ("hidden",), COPY),
+)
+
 LLAMA = GLOBALS + ATTENTION + MLP_NORM + DENSE_MLP
+GEMMA = GLOBALS + ATTENTION + SANDWICH_NORMS + DENSE_MLP
 TABLES: dict[str, tuple[Entry, ...]] = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": LLAMA + QK_NORMS,
-    "gemma3": GLOBALS + ATTENTION + QK_NORMS + SANDWICH_NORMS + DENSE_MLP,
+    "gemma2": GEMMA,
+    "gemma3": GEMMA + QK_NORMS,
     "qwen3_moe": LLAMA + QK_NORMS + linear_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "mixtral": GLOBALS + ATTENTION + MLP_NORM + linear_experts("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "gpt_oss": GLOBALS + ATTENTION + SINKS + MLP_NORM + GPT_OSS_EXPERTS,
+    "gpt2": GPT2,
+    "gpt_neox": GPT_NEOX,
 }
 
 
@@ -181,6 +254,8 @@ def _dims(cfg: ModelConfig) -> dict[str, int]:
         "inter": cfg.intermediate_size,
         "q": cfg.q_size,
         "kv": cfg.kv_size,
+        "qkv": cfg.q_size + 2 * cfg.kv_size,
+        "positions": cfg.max_position_embeddings,
         "head_dim": cfg.head_dim,
         "heads": cfg.num_heads,
         "experts": cfg.num_experts,
@@ -197,18 +272,36 @@ def hf_names(entry: Entry, cfg: ModelConfig, layer: int | None) -> list[list[str
     """HF names of each pattern of the entry: one per expert for "{e}" patterns, else one."""
     prefix = "" if layer is None else f"model.layers.{layer}."
     experts = range(cfg.num_experts)
-    return [[p.format(L=prefix, e=e) for e in experts] if "{e}" in p else [p.format(L=prefix)] for p in entry.hf]
+    return [
+        [p.format(L=prefix, i=layer, e=e) for e in experts] if "{e}" in p else [p.format(L=prefix, i=layer)]
+        for p in entry.hf
+    ]
+
+
+def fused_columns(layout: str, part: int, cfg: ModelConfig) -> np.ndarray:
+    """Source output index of each output of part `part` (0 q, 1 k, 2 v) of a fused q/k/v tensor in `layout`."""
+    sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+    if layout == QKV:
+        return sum(sizes[:part]) + np.arange(sizes[part])
+    if layout != QKV_HEADS:
+        raise ValueError(f"unknown fused q/k/v layout {layout!r}")
+    if cfg.num_kv_heads != cfg.num_heads:
+        raise WeightError(
+            f"a per-head fused q/k/v tensor needs as many KV heads as query heads, not {cfg.num_kv_heads}"
+        )
+    head, j = np.divmod(np.arange(cfg.q_size), cfg.head_dim)
+    return (3 * head + part) * cfg.head_dim + j
 
 
 def _entries(cfg: ModelConfig):
     """(entry, layer or None) for every parameter of the model: the globals, then each layer's."""
     tab = table(cfg)
     for entry in tab:
-        if "{L}" not in entry.hf[0]:
+        if not entry.per_layer:
             yield entry, None
     for i in range(cfg.num_layers):
         for entry in tab:
-            if "{L}" in entry.hf[0] and _in_layer(entry, cfg, i):
+            if entry.per_layer and _in_layer(entry, cfg, i):
                 yield entry, i
 
 
@@ -312,7 +405,10 @@ class WeightReader:
                 "head, such as an embedding checkpoint, is served with --task embed)"
             )
         src = [[self._source(n, entry.shape) for n in group] for group in names]
-        out_map = kv_map if entry.kv else None
+        out_map = kv_map if entry.kv else None  # source output of each output (None: the same one)
+        if entry.fused is not None:
+            part = fused_columns(*entry.fused, cfg)
+            out_map = part if out_map is None else part[out_map]
         one = src[0][0]
         t = entry.transform
         if self.keep_quantized and out_map is None and (kept := self._kept(entry, src)) is not None:
@@ -325,6 +421,8 @@ class WeightReader:
             return rd.copy(one, self.reads, f32)
         if t == LINEAR:
             return rd.linear(one, self.reads, dt, out_map)
+        if t == CONV1D:
+            return rd.conv1d(one, self.reads, dt, out_map)
         if t == GATE_UP:
             return rd.gate_up(one, src[1][0], self.reads, dt)
         if t == EXPERTS_GATE_UP:

@@ -143,6 +143,18 @@ def linear(src: Source, reads: Reads, dtype, out_map=None) -> Leaf:
     return Leaf(shape, np.dtype(dtype), read, block_axis=1)  # blocks of source rows
 
 
+def conv1d(src: Source, reads: Reads, dtype, out_map=None) -> Leaf:
+    """A weight stored [in, out] already (GPT-2's Conv1D), as it is; `out_map[j]` = source column of our column j."""
+    n_in, n_out = src.a.shape
+    shape = (n_in, n_out if out_map is None else len(out_map))
+
+    def read(idx: Index) -> np.ndarray:
+        i, o = idx
+        return reads.take(src.name, src.a, (i, _rows(o, out_map))).astype(dtype)
+
+    return Leaf(shape, np.dtype(dtype), read)  # blocks of source rows
+
+
 def gate_up(gate: Source, up: Source, reads: Reads, dtype) -> Leaf:
     """Two Linear weights [I, hidden] -> [hidden, 2, I] (gate first)."""
     inter, hidden = gate.a.shape

@@ -17,7 +17,8 @@ from netra_jax.engine_config import (
 from netra_jax.inputs import PromptType, TextPrompt, TokensPrompt
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.lora_request import LoRARequest
-from netra_jax.models.hooks import HookContext, Hooks
+from netra_jax.models.hooks import HookContext, Hooks, patch
+from netra_jax.patching import CachedRun, PatchingSweep, patching_sweep
 from netra_jax.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from netra_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from netra_jax.scoring import ContinuationScore
@@ -39,6 +40,10 @@ __all__ = [
     "Hooks",
     "HookContext",
     "HookedOutput",
+    "CachedRun",
+    "PatchingSweep",
+    "patch",
+    "patching_sweep",
     "ParamsUpdate",
     "LoRARequest",
     "LoRAConfig",

@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,9 @@ from netra_jax.engine_args import EngineArgs
 from netra_jax.engine_config import PoolerConfig, SpeculativeConfig
 from netra_jax.interventions import HookedOutput, ParamsUpdate
 from netra_jax.lora_request import LoRARequest
-from netra_jax.models.hooks import Hooks
+from netra_jax.models.frozen_params import FrozenParams
+from netra_jax.models.hooks import Hooks, hook_points
+from netra_jax.patching import CachedRun
 from netra_jax.pooling import (
     NOT_AN_EMBEDDING_ENGINE,
     EmbeddingOutput,
@@ -112,6 +114,11 @@ class LLM:
             no running request.
         max_lora_rank: The largest adapter rank served (every device slot is padded to it).
         max_cpu_loras: Adapters kept read in host memory (None: max_loras); others are read again when needed.
+        batch_invariant: Run every step on the batch-invariant CPU kernels (vLLM's batch-invariant mode): a
+            request's logits, sampled tokens and logprobs do not depend on what else is in the batch, on chunked
+            prefill, prefix-cache hits or preemption, and each sampled token's `raw_logprobs` /
+            `processed_logprobs` equal `netra_jax.rl.sequence_logprobs`' bit for bit (float32 activations, bfloat16
+            weights and KV cache read as stored). Slower (see docs/research.md); CPU only, one device, no LoRA.
         **engine_options: Any other option of `netra_jax.engine_args.EngineArgs` (max_waiting,
             align_chunks_to_buckets, served_model_name); every option has the default EngineArgs gives it, except
             warmup (False here).
@@ -156,6 +163,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        batch_invariant: bool = False,
         **engine_options: Any,
     ):
         if model is not None and not Path(model).exists():
@@ -195,6 +203,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            batch_invariant=batch_invariant,
             **engine_options,
         )
         self.config = args.create_engine_config()
@@ -211,17 +220,23 @@ class LLM:
         return self.engine.model_config
 
     @property
-    def params(self):
-        """The live parameter pytree the engine runs (layout: `netra_jax.models.transformer`). Read it freely;
-        change the weights through `update_params`, which keeps what was derived from them consistent."""
-        return self.engine.params
+    def params(self) -> FrozenParams:
+        """A read-only view of the live parameter pytree the engine runs (layout: `netra_jax.models.transformer`):
+        read it, pass it to the pure forward, `jax.grad` or optax (trees of the same kind come back); assigning into
+        it raises TypeError. Change the weights through `update_params` (with a tree mapped over this one, or
+        `params.unfreeze()` edited), which keeps what was derived from them consistent. The same object while the
+        weights do not change. While the weights sleep (`sleep(level=2)`), their host copy."""
+        return self.engine.frozen_params()
 
     def update_params(self, params) -> ParamsUpdate:
-        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `LLM.params`; e.g.
-        a modified copy; or `load_model`'s layout, q, k and v apart, which a CPU engine joins as it holds them).
-        The prefix cache, computed with the old weights, is dropped, so no later request reuses stale KV; compiled
-        programs are reused. Used as a context manager (`with llm.update_params(new): ...`),
-        the previous weights come back on exit.
+        """Swap the model's weights for `params`: a tree of the structure and shapes of `LLM.params` (e.g.
+        `jax.tree.map` over it, a trainer's copy updated by optax, `params.unfreeze()` edited) or `load_model`'s
+        layout, q, k and v apart, which a CPU engine joins as it holds them. Arrays that already have the live
+        weights' dtype and placement are referenced, not copied (only the joined q/k/v weights of a CPU engine are
+        concatenated); float arrays of another dtype are cast, others moved to the device. The prefix cache,
+        computed with the old weights, is dropped, so no later request reuses stale KV; compiled programs are
+        reused. Allowed while the engine sleeps (the new weights are then awake). Used as a context manager
+        (`with llm.update_params(new): ...`), the previous weights come back on exit.
 
         Returns:
             A ParamsUpdate (its `restore()` puts the previous weights back).
@@ -233,6 +248,29 @@ class LLM:
         previous = self.engine.params
         self.engine.update_params(params)
         return ParamsUpdate(self.engine, previous)
+
+    # ------------------------------------------------------------------ sleep mode (vLLM's)
+    def sleep(self, level: int = 1) -> None:
+        """Free the accelerator for something else, e.g. a trainer between rollouts (vLLM's LLM.sleep). Level 1
+        deletes the KV cache's device arrays; level 2 also moves the weights to host memory (their device arrays are
+        released: freed once nothing else holds them). The prefix cache is dropped. Until `wake_up`, requests (and
+        `logits`, `run_with_hooks`, `embed`) raise RuntimeError; `update_params` is allowed.
+
+        Raises:
+            ValueError: A level other than 1 or 2.
+            RuntimeError: Requests are running.
+        """
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep` (vLLM's LLM.wake_up): the weights back on the device, the KV cache allocated again and
+        zeroed. tags: "weights" and / or "kv_cache" to wake one part (None: both), e.g. the weights first to update
+        them, then the KV cache. Generation afterwards is what it was before sleeping."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the KV cache or the weights sleep."""
+        return self.engine.is_sleeping()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's LLM.reset_prefix_cache), e.g. between benchmark runs or after
@@ -267,6 +305,52 @@ class LLM:
         if not isinstance(hooks, Hooks):
             raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
         return HookedOutput(*self.engine.prompt_forward(prompt, hooks))
+
+    def hook_points(self) -> dict[str, tuple]:
+        """Every hook point of the model: {name: shape}, "T" standing for the token rows and "K" for the keys an
+        attention pattern spans (see `netra_jax.models.hooks`). The same names run in `forward`, `forward_dense`,
+        `run_with_hooks`, `run_with_cache` and `generate`."""
+        return hook_points(self.engine.model_config)
+
+    def run_with_cache(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        names: Iterable[str] | None = None,
+        hooks: Hooks | Sequence[Hooks | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CachedRun]:
+        """Record activations of many prompts in one batched pass through the engine (TransformerLens's
+        run_with_cache, ragged: each prompt at its own length).
+
+        Each prompt is a request prefilled by the engine's compiled steps beside the others (as many per step as
+        `max_num_batched_tokens` allows; prompts of every length share the programs), recording `names`, with the
+        edits of `hooks` applied (one set for all prompts or one per prompt; `HookContext.request` is the prompt's
+        index), e.g. `netra_jax.patch` writing activations cached from another run. Values are those of
+        `run_with_hooks` on each prompt alone, to float32 rounding.
+
+        Args:
+            prompts: One prompt or a list: text, token ids, or a prompt dict.
+            names: The hook names to record (default: every point `hook_points` lists; "logits" is [T, vocab] per
+                prompt, patterns [T, heads, T]: name only what you need for long prompts).
+            hooks: Edits (and head masks, data) to run; their own `record` names are recorded too.
+            use_tqdm: Show a progress bar.
+
+        Returns:
+            One CachedRun per prompt, in order: its token ids and {name: [len(prompt), ...]} float arrays.
+        """
+        prompts, _ = self._normalize(prompts, None)
+        cfg = self.engine.model_config
+        names = list(hook_points(cfg)) if names is None else list(names)
+        per_prompt = self._per_prompt(hooks, len(prompts), "hook sets")
+        recording: dict[int, Hooks] = {}  # one recording set per distinct user set (one compiled spec each)
+        for h in per_prompt:
+            if id(h) not in recording:
+                base = h or Hooks()
+                record = [*names, *(n for n in base.record if n not in names)]
+                recording[id(h)] = Hooks(edit=base.edit, record=record, head_mask=base.head_mask, data=base.data)
+        one_token = SamplingParams(max_tokens=1, temperature=0.0)
+        outs = self.generate(prompts, one_token, use_tqdm, hooks=[recording[id(h)] for h in per_prompt])
+        return [CachedRun(out.prompt_token_ids, out.activations or {}) for out in outs]
 
     def score_continuations(
         self,
@@ -372,13 +456,14 @@ class LLM:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
-        hooked: bool = False,
         lora_request: LoRARequest | None = None,
+        hooks: Hooks | None = None,
+        hook_index: int = 0,
     ) -> str:
         rid = str(next(self._ids))
-        # a hooked request's KV depends on its hooks: its prefix-cache key is its own, so it shares no block
-        key = f"hooked:{id(self)}:{rid}" if hooked else None
-        self.engine.add_request(rid, prompt, params, priority=priority, cache_key=key, lora_request=lora_request)
+        self.engine.add_request(
+            rid, prompt, params, priority=priority, lora_request=lora_request, hooks=hooks, hook_index=hook_index
+        )
         return rid
 
     def _normalize(self, prompts, params) -> tuple[list[PromptType], list[SamplingParams]]:
@@ -400,7 +485,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
-        hooks: Hooks | None = None,
+        hooks: Hooks | Sequence[Hooks | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for all prompts at once through the batching engine; outputs in prompt order.
@@ -411,12 +496,14 @@ class LLM:
             use_tqdm: Show a progress bar.
             priority: One per prompt, smaller served first (needs scheduling_policy="priority" unless all are 0),
                 as in vLLM.
-            hooks: Interventions run in every step of this call (`netra_jax.Hooks`; `HookContext.request` is the
-                prompt's index in `prompts`). Recorded activations come back per request in
-                `RequestOutput.activations`: {name: [positions, ...]}, row p for the token at position p of prompt
-                + output (the last output token never runs through the model), padding removed. Hooked requests
-                share no prefix-cache block with any other request; n must be 1; not with speculative decoding;
-                nothing else may run in the engine meanwhile.
+            hooks: Interventions (`netra_jax.Hooks`) run on the prompts' tokens in every step: one set for all
+                prompts, or one per prompt (None: that prompt runs unhooked); `HookContext.request` is the prompt's
+                index in `prompts`. Requests with other hooks, or none, share the steps (an edit changes only its
+                own requests' rows). Recorded activations come back in `RequestOutput.activations` (and, for each
+                of n samples, `CompletionOutput.activations`): {name: [positions, ...]}, row p for the token at
+                position p of prompt + output (the last output token never runs through the model), padding
+                removed. Hooked requests share no prefix-cache block with any other request; not with
+                speculative decoding.
             lora_request: The LoRA adapter of every prompt, or one per prompt (None: the base model), as in vLLM;
                 needs enable_lora. A bad adapter raises LoRAError (a ValueError naming the file or tensor).
 
@@ -428,8 +515,7 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
-        if hooks is not None:
-            self._check_hooked(hooks, plist)
+        hook_sets = self._per_prompt(hooks, len(prompts), "hooks")
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
         else:
@@ -438,37 +524,22 @@ class LLM:
                 raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp, prio, lora in zip(prompts, plist, priority, loras, strict=True):
-                ids.append(self._add(p, sp, prio, hooked=hooks is not None, lora_request=lora))
-            if hooks is None:
-                return self._run(ids, use_tqdm)
-            self.engine.set_hooks(hooks, {rid: i for i, rid in enumerate(ids)})
-            outputs = self._run(ids, use_tqdm)
-            if hooks.record:
-                for out in outputs:
-                    n = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-                    out.activations = self.engine.pop_activations(out.request_id, n)
-            return outputs
+            for i, (p, sp, prio, lora, h) in enumerate(zip(prompts, plist, priority, loras, hook_sets, strict=True)):
+                ids.append(self._add(p, sp, prio, lora_request=lora, hooks=h, hook_index=i))
+            return self._run(ids, use_tqdm)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        finally:
-            if hooks is not None:
-                self.engine.set_hooks(None)
 
-    def _check_hooked(self, hooks: Hooks, plist: list[SamplingParams]) -> None:
-        """ValueError / RuntimeError for a hooked call the engine cannot run as asked."""
-        if not isinstance(hooks, Hooks):
-            raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
-        cfg = self.engine.model_config
-        hooks.check(cfg.num_layers, cfg.num_heads)
-        if any(sp.n != 1 for sp in plist):
-            raise ValueError("hooks need n=1 (one sample per prompt)")
-        if self.engine.speculation is not None:
-            raise ValueError("hooks are not supported together with speculative decoding")
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("hooks apply to every running request: finish or abort the running ones first")
+    @staticmethod
+    def _per_prompt(value, n: int, what: str) -> list:
+        """One value for every prompt, or a sequence of one per prompt (ValueError on a length mismatch)."""
+        if value is None or not isinstance(value, Sequence):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"{len(value)} {what} for {n} prompts")
+        return list(value)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> (our model family, variant flags)
+# HF `architectures` entry -> our model family (which weight map reads it)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GPT2LMHeadModel": "gpt2",
+    "GPTNeoXForCausalLM": "gpt_neox",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
@@ -26,7 +29,34 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3Model": "qwen3",
 }
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # gelu: exact (erf); gelu_tanh: its tanh approximation
+NORM_KINDS = ("rmsnorm", "layernorm")
+POSITION_EMBEDDINGS = ("rope", "learned")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# HF activation names -> ours (gelu_new, GPT-2's, is the tanh approximation)
+_HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+# config.json keys -> the names some families give them (GPT-2's, GPT-NeoX's older ones), read when the key is absent
+_KEY_ALIASES = {
+    "hidden_size": ("n_embd",),
+    "num_hidden_layers": ("n_layer",),
+    "num_attention_heads": ("n_head",),
+    "max_position_embeddings": ("n_positions",),
+    "intermediate_size": ("n_inner",),
+    "hidden_act": ("activation_function",),
+    "rms_norm_eps": ("layer_norm_eps", "layer_norm_epsilon"),
+    "rope_theta": ("rotary_emb_base",),
+    "partial_rotary_factor": ("rotary_pct",),
+}
+_GEMMA = ("gemma2", "gemma3")  # (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, query_pre_attn_scalar
+_GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}  # every period-th layer full attention, the others sliding
+_LAYERNORM = ("gpt2", "gpt_neox")  # LayerNorm with bias, an up -> activation -> down MLP with biases
 
 
 class ConfigError(ValueError):
@@ -114,7 +144,7 @@ class ModelConfig:
     reads it); the forward never branches on it, only on the behaviour flags below."""
 
     architecture: str  # HF architecture name, e.g. "LlamaForCausalLM"
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | qwen3_moe | mixtral | gpt_oss
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | qwen3_moe | mixtral | gpt_oss | gpt2 | gpt_neox
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -122,10 +152,14 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # every norm's epsilon (LayerNorm's too)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    hidden_act: str = "silu"  # silu | gelu_tanh
+    hidden_act: str = "silu"  # one of ACTIVATIONS: the MLP's (its gate's when gated_mlp)
+    norm_kind: str = "rmsnorm"  # rmsnorm: x * rsqrt(mean(x^2) + eps) * w | layernorm: centred, * w + bias
+    position_embedding: str = "rope"  # rope: rotate q and k | learned: a table of rows added to the embeddings (GPT-2)
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x)), both blocks reading the layer input
+    gated_mlp: bool = True  # act(x @ gate) * (x @ up) -> down | False: act(x @ up + b_up) @ down + b_down (GPT-2, NeoX)
     layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
     sliding_window: int | None = None
     rope_full: RopeConfig = field(default_factory=RopeConfig)
@@ -158,6 +192,13 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown expert activation {self.expert_act!r}; supported: {', '.join(EXPERT_ACTIVATIONS)}"
             )
+        for name, value, allowed in (
+            ("activation", self.hidden_act, ACTIVATIONS),
+            ("norm kind", self.norm_kind, NORM_KINDS),
+            ("position embedding", self.position_embedding, POSITION_EMBEDDINGS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"unknown {name} {value!r}; supported: {', '.join(allowed)}")
 
     @property
     def q_size(self) -> int:
@@ -227,20 +268,26 @@ class ModelConfig:
                 "is supported natively: pass trust_remote_code=True (--trust-remote-code) to load it with the "
                 "native implementation, ignoring the auto_map"
             )
+        d = _with_common_keys(d)
+        _check_supported(d)
         try:
             hidden = int(d["hidden_size"])
             n_heads = int(d["num_attention_heads"])
             n_layers = int(d["num_hidden_layers"])
             vocab = int(d["vocab_size"])
+            if family == "gpt2" and d.get("intermediate_size") is None:  # GPT-2's n_inner None: 4 * hidden
+                d["intermediate_size"] = 4 * hidden
             inter = int(d["intermediate_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from e
         head_dim = int(d.get("head_dim") or hidden // n_heads)
         n_kv = int(d.get("num_key_value_heads") or n_heads)
-        gemma = family == "gemma3"
+        gemma = family in _GEMMA
         rope_dict = d.get("rope_parameters") or {}
         rope_dict = rope_dict.get("full_attention") or rope_dict  # per layer type: the full-attention layers'
         partial = rope_dict.get("partial_rotary_factor", d.get("partial_rotary_factor"))  # as transformers: dict wins
+        if partial is None and family == "gpt_neox":  # GPTNeoXConfig's default rotary_pct
+            partial = 0.25
         rotary_dim = int(head_dim * float(partial or 1.0))
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ConfigError(f"partial_rotary_factor gives {rotary_dim} rotary dims of {head_dim}; need an even count")
@@ -250,7 +297,8 @@ class ModelConfig:
         layer_types = d.get("layer_types")
         if gemma:
             if not layer_types:
-                pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+                period = _GEMMA_SLIDING_PERIOD[family]
+                pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", period)))
                 layer_types = [
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
                 ]
@@ -264,7 +312,7 @@ class ModelConfig:
                 ]
             if window is None:
                 layer_types = ["full_attention"] * n_layers
-        else:  # llama / mistral / mixtral / gpt-oss (layer_types given): one window for every layer when set
+        else:  # llama / mistral / mixtral / gpt-oss (layer_types given) / gpt2 / gpt_neox: one window for all when set
             if not layer_types:
                 layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
         if len(layer_types) != n_layers:
@@ -287,17 +335,19 @@ class ModelConfig:
                 rp or d.get("rope_scaling"), d.get("rope_theta"), original_max_position_embeddings=orig, **lengths
             )
             rope_sliding = rope_full
-            if gemma and not rp:
+            if family == "gemma3" and not rp:  # Gemma 2's sliding layers rotate as its full ones
                 rope_sliding = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
 
         if gemma:
             scale = float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5
+        elif not d.get("scale_attn_weights", True):  # GPT-2 without the 1/sqrt(head_dim) scale
+            scale = 1.0
         else:
             scale = head_dim**-0.5
-        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-        act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+        hf_act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = _HF_ACTIVATIONS.get(hf_act)
         if act is None:
-            raise ConfigError(f"unsupported activation {d.get('hidden_act') or d.get('hidden_activation')!r}")
+            raise ConfigError(f"unsupported activation {hf_act!r}; supported: {', '.join(_HF_ACTIVATIONS)}")
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         moe = _moe_fields(d, family, n_layers, inter)
@@ -311,10 +361,14 @@ class ModelConfig:
             num_heads=n_heads,
             num_kv_heads=n_kv,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if family in _LAYERNORM else 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma or family == "gpt2")),
             hidden_act=act,
+            norm_kind="layernorm" if family in _LAYERNORM else "rmsnorm",
+            position_embedding="learned" if family == "gpt2" else "rope",
+            parallel_residual=family == "gpt_neox" and bool(d.get("use_parallel_residual", True)),
+            gated_mlp=family not in _LAYERNORM,
             layer_types=tuple(layer_types),
             sliding_window=int(window) if window else None,
             rope_full=rope_full,
@@ -332,6 +386,28 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **moe,
         )
+
+
+def _with_common_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of config dict d with each common key (`_KEY_ALIASES`) it lacks, or has as null, read from the first of
+    its other names that d has (GPT-2's n_embd for hidden_size, ...)."""
+    out = dict(d)
+    for key, aliases in _KEY_ALIASES.items():
+        alias = next((a for a in aliases if d.get(a) is not None), None)
+        if out.get(key) is None and alias is not None:
+            out[key] = d[alias]
+    return out
+
+
+def _check_supported(d: dict[str, Any]) -> None:
+    """ConfigError for settings of a supported architecture that the forward does not implement."""
+    unsupported = {
+        "scale_attn_by_inverse_layer_idx": "GPT-2's attention scaled by 1 / (layer + 1)",
+        "add_cross_attention": "cross-attention layers",
+    }
+    for key, what in unsupported.items():
+        if d.get(key):
+            raise ConfigError(f"{key}: {what} is not supported")
 
 
 def _moe_fields(d: dict[str, Any], family: str, n_layers: int, intermediate: int) -> dict[str, Any]:

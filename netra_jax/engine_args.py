@@ -75,6 +75,7 @@ class EngineArgs:
     max_loras: int = 1  # adapters on the device at once
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
+    batch_invariant: bool = False  # every step on the row-invariant CPU kernels (netra_jax/rl.py's numerics)
 
     @classmethod
     def from_strings(cls, options: dict[str, Any]) -> EngineArgs:
@@ -107,6 +108,7 @@ class EngineArgs:
             raise ValueError(
                 "enforce_eager=True compiles nothing ahead of time; it cannot be combined with warmup=True"
             )
+        attention_backend, matmul_backend = self.kernel_backends()
         return EngineConfig(
             model=str(self.model) if self.model else "",
             tokenizer=str(self.tokenizer) if self.tokenizer is not None else None,
@@ -128,9 +130,9 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 align_chunks_to_buckets=self.align_chunks_to_buckets,
             ),
-            attention_backend=self.attention_backend,
+            attention_backend=attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
-            matmul_backend=self.matmul_backend,
+            matmul_backend=matmul_backend,
             quantization=self.quantization,
             seed=self.seed,
             served_model_name=self.served_model_name,
@@ -144,6 +146,25 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             lora=self.lora_config(),
         )
+
+    def kernel_backends(self) -> tuple[str, str]:
+        """(attention backend, matmul backend): as given, or with batch_invariant the batch-invariant CPU kernels
+        ("cpu_invariant" both), under which a request's logits, and so its sampled tokens' raw and processed
+        logprobs, do not depend on the batch around it, on chunked prefill, prefix-cache hits or preemption, and equal
+        `netra_jax.rl.sequence_logprobs`' bit for bit. ValueError for options it cannot honour."""
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if not self.batch_invariant:
+            return self.attention_backend, self.matmul_backend
+        for name in ("attention_backend", "matmul_backend"):
+            if getattr(self, name) not in ("auto", "cpu_invariant"):
+                raise ValueError(
+                    f"batch_invariant runs the 'cpu_invariant' kernels; {name}={getattr(self, name)!r} conflicts "
+                    "(leave it 'auto')"
+                )
+        if self.tensor_parallel_size != 1 or self.enable_lora:
+            raise ValueError("batch_invariant runs one unsplit model on CPU, without LoRA adapters")
+        return "cpu_invariant", "cpu_invariant"
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA options as a LoRAConfig when enable_lora, else None (the other LoRA options then unused)."""
@@ -291,6 +312,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.async_scheduling,
         help="schedule and pack step N+1 while step N runs on the device (hides the host's work per step)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="run every step on the row-invariant CPU kernels: a request's logits and logprobs do not depend on its "
+        "batch, chunking, prefix-cache hits or preemption, and equal netra_jax.rl.sequence_logprobs bit for bit "
+        "(slower; CPU only)",
     )
     p.add_argument(
         "--load-format",

@@ -1,5 +1,6 @@
 """Interventions through the Python API: a weight swap that can be undone as a context manager, and what a hooked
-forward of one prompt returns. The hook points themselves are `netra_jax.models.hooks`."""
+forward of one prompt returns. The hook points themselves are `netra_jax.models.hooks`, the read-only view of the
+live weights `netra_jax.models.frozen_params`."""
 
 from __future__ import annotations
 

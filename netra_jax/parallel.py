@@ -44,7 +44,9 @@ LEAVES = (Leaf, BlocksLeaf, KeptLeaf)  # what a reader's pytree holds: floats re
 # ------------------------------------------------------------------------------------------ mesh and config
 def make_mesh(tp: int, devices=None) -> Mesh:
     """A ("tp",) mesh over the first `tp` devices (in `jax.devices()` order, so device 0 is the one the sampler and
-    other single-device code use), automatic axis type so XLA propagates shardings through the forward."""
+    other single-device code use), automatic axis type so XLA propagates shardings through the forward. The forward
+    also takes parameters and pages placed on a mesh whose "tp" axis is Explicit (`jax.make_mesh(...,
+    axis_types=(AxisType.Explicit,))`): it runs its layers there as on an Auto one (`models.head_parallel`)."""
     devices = list(devices if devices is not None else jax.devices())
     if tp < 1 or tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} available")

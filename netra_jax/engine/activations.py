@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -18,8 +19,11 @@ class ActivationRecorder:
     def __init__(self) -> None:
         self._parts: dict[str, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = defaultdict(list)
 
-    def collect(self, sched: SchedulerOutput, batch: PackedBatch, records: dict) -> None:
-        """Take one step's records ({hook name: [T, ...]} device arrays) apart by request."""
+    def collect(
+        self, sched: SchedulerOutput, batch: PackedBatch, records: dict, wanted: Callable[[str], Iterable[str]]
+    ) -> None:
+        """Take one step's records ({hook name: [T, ...]} device arrays) apart by request: of each scheduled request
+        the names `wanted(request_id)` lists (its own hook set's; none for a request without hooks)."""
         if not records:
             return
         host = {name: np.asarray(a) for name, a in records.items()}
@@ -27,23 +31,38 @@ class ActivationRecorder:
         qsl = lay.view(batch.host, "query_start_loc")
         positions = lay.view(batch.host, "positions")
         for s, sr in enumerate(sched.scheduled):
+            names = [n for n in wanted(sr.request_id) if n in host]
             lo, hi = int(qsl[s]), int(qsl[s + 1])
-            rows = {name: a[lo:hi] for name, a in host.items()}
-            self._parts[sr.request_id].append((positions[lo:hi].copy(), rows))
+            if names and hi > lo:
+                rows = {name: host[name][lo:hi] for name in names}
+                self._parts[sr.request_id].append((positions[lo:hi].copy(), rows))
 
-    def pop(self, request_id: str, num_positions: int) -> dict[str, np.ndarray]:
-        """The request's activations {hook name: [num_positions, ...]}, row p for the token at position p (the
-        prompt, then every output token but the last, which the model never ran on); forgets them.
-        RuntimeError if a position was never computed."""
-        parts = self._parts.pop(request_id, [])
-        if not parts:
-            raise RuntimeError(f"no activations were recorded for request {request_id!r}")
+    def pop_samples(self, request_ids: list[str], prompt_len: int, num_positions: list[int]) -> list[dict]:
+        """The activations of the samples of one request (same prompt, same hooks), each {hook name:
+        [num_positions[i], ...]}: row p for the token at position p (the prompt, then every output token but the
+        last, which the model never ran on); forgets them. A prompt position one sample took from another's cached
+        blocks comes from the sample that computed it. An attention pattern's key axis is cut or zero-padded to
+        the sample's positions (key j: position j), whatever each step spanned. RuntimeError if a position was never
+        computed."""
+        parts = {rid: self._parts.pop(rid, []) for rid in request_ids}
+        shared = [(pos, rows) for ps in parts.values() for pos, rows in ps]  # the prompt rows of any sample
+        out = []
+        for rid, n in zip(request_ids, num_positions, strict=True):
+            prompt = [(pos, rows) for pos, rows in shared if (pos < prompt_len).any()]
+            out.append(self._assemble(rid, [*prompt, *parts[rid]], prompt_len, n))
+        return out
+
+    @staticmethod
+    def _assemble(request_id: str, parts: list, prompt_len: int, num_positions: int) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         seen = np.zeros(num_positions, bool)
         for positions, rows in parts:
             keep = positions < num_positions  # a step run after the request had finished
             seen[positions[keep]] = True
             for name, r in rows.items():
+                if name.endswith(".pattern"):  # [rows, heads, keys]: keys past the sequence are zero
+                    r = r[..., :num_positions]
+                    r = np.pad(r, ((0, 0), (0, 0), (0, num_positions - r.shape[-1])))
                 if name not in out:
                     out[name] = np.zeros((num_positions, *r.shape[1:]), r.dtype)
                 out[name][positions[keep]] = r[keep]

@@ -18,6 +18,7 @@ from typing import Any
 from netra_jax.engine.engine import LLMEngine, PromptType
 from netra_jax.engine.outputs import RequestOutput
 from netra_jax.lora_request import LoRARequest
+from netra_jax.models.hooks import Hooks
 from netra_jax.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class _Cmd:
     fn: Callable[[LLMEngine], Any] | None = None
     priority: int = 0
     lora_request: LoRARequest | None = None
+    hooks: Hooks | None = None
 
 
 class AsyncEngine:
@@ -114,12 +116,14 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        hooks: Hooks | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come. `priority` (vLLM's): smaller is served first under
         `--scheduling-policy priority`; a non-zero value under fcfs is a ValueError, as any bad input.
-        `lora_request`: the LoRA adapter it runs with (see `LLMEngine.add_request`)."""
+        `lora_request`: the LoRA adapter it runs with; `hooks`: interventions on its tokens, run beside the other
+        requests (see `LLMEngine.add_request`)."""
         out_q: asyncio.Queue = asyncio.Queue()
-        await self.submit(prompt, params, request_id, out_q.put_nowait, priority, lora_request)
+        await self.submit(prompt, params, request_id, out_q.put_nowait, priority, lora_request, hooks)
         finished = False
         try:
             while True:
@@ -142,6 +146,7 @@ class AsyncEngine:
         sink: Sink,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         """Admit a request whose outputs go to `sink(output)`, called in this event loop's thread, in order; then,
         if the engine fails before the request finishes, `sink(EngineDeadError)`. Returns once the engine took the
@@ -153,7 +158,16 @@ class AsyncEngine:
             if self.dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(f"engine is not running: {self.dead!r}")
             cmd = _Cmd(
-                "add", request_id, prompt, params, reply, sink, loop, priority=priority, lora_request=lora_request
+                "add",
+                request_id,
+                prompt,
+                params,
+                reply,
+                sink,
+                loop,
+                priority=priority,
+                lora_request=lora_request,
+                hooks=hooks,
             )
             self._send(cmd)
         try:
@@ -210,7 +224,12 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(
-                    cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority, lora_request=cmd.lora_request
+                    cmd.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    priority=cmd.priority,
+                    lora_request=cmd.lora_request,
+                    hooks=cmd.hooks,
                 )
             except Exception as e:  # bad input: the caller gets the exception, the engine is unchanged
                 self._post(cmd.loop, _set_exc, cmd.reply, e)

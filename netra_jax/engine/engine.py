@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig
@@ -32,6 +33,8 @@ from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
 from netra_jax.engine.warmup import WarmupReport, warm_up
 from netra_jax.engine_config import EngineConfig
 from netra_jax.lora_request import LoRARequest
+from netra_jax.models.frozen_params import FrozenParams, freeze, unfreeze
+from netra_jax.models.hooks import Hooks
 from netra_jax.models.transformer import fuse_qkv
 from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
@@ -153,8 +156,11 @@ class LLMEngine:
             config.max_logprobs,
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
-        self.activations = ActivationRecorder()  # what the runner's hooks record, per request (see set_hooks)
+        self.activations = ActivationRecorder()  # what hooked requests' hooks record (see add_request's hooks)
         self._live_params = self.runner.params  # the weights the prefix cache was computed with
+        self._kv_asleep: list | None = None  # while asleep (`sleep`): each runner's KV cache layout
+        self._weights_asleep: list | None = None  # level 2: each runner's (host weights, their device layout)
+        self._frozen: tuple | None = None  # (params, their read-only view), see frozen_params
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # scheduler request id -> its sample
         self._in_flight: _Step | None = None
@@ -174,12 +180,14 @@ class LLMEngine:
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's storage type, e.g. "float32", "int8", "float8_e4m3fn"."""
-        return str(self.runner.kv.k[0].dtype)
+        kv = self.runner.kv if self._kv_asleep is None else self._kv_asleep[0]  # (asleep: its layout)
+        return str(kv.k[0].dtype)
 
     def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
         """Compile every program a request can need (the reachable step buckets, sampler variants, proposer; task
         "embed": the embedding buckets) in `workers` threads, reporting each to `progress` (see
         `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled."""
+        self._check_awake()
         self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
         self.warmup_report = warm_up(
             self.runner,
@@ -203,6 +211,8 @@ class LLMEngine:
         cache_key: str | None = None,
         prompt_logprobs_from: int = 1,
         lora_request: LoRARequest | None = None,
+        hooks: Hooks | None = None,
+        hook_index: int = 0,
     ) -> None:
         """Validate and queue a request (n samples become n scheduler requests sharing the prompt's blocks).
         `cache_key`: mixed into its prefix-cache hashes, so it shares cached blocks only with requests of the same
@@ -212,12 +222,21 @@ class LLMEngine:
         the tokens before it are context only, so prefix-cache hits may cover them (scoring continuations).
         `lora_request`: the LoRA adapter it runs with (the engine needs `config.lora`); read and checked on first use,
         a bad one raises LoRAError (a ValueError naming the problem). Its prefix-cache blocks are its adapter's own.
+        `hooks`: interventions run on this request's tokens in every step (`netra_jax.models.hooks`; every sample of
+        n), beside requests with other hooks or none; its tokens show `hook_index` as `HookContext.request`. Its KV
+        depends on the hooks, so it shares no prefix-cache block (unless `cache_key` says otherwise); what the hooks
+        record comes back on the finished output (`RequestOutput.activations`, each `CompletionOutput.activations`).
+        Not with speculative decoding (ValueError).
         Raises ValueError for bad input before anything reaches the device; the engine state is unchanged."""
         if self.embedder is not None:
             raise ValueError("this engine serves embeddings (task 'embed'); text generation needs task 'generate'")
+        self._check_awake()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler.scheduling_policy)
+        if hooks is not None:
+            self._check_hooks(hooks)
+            cache_key = cache_key or f"hooked:{id(self)}:{request_id}"
         if lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params, arrival_time, priority, prompt_logprobs_from)
@@ -240,7 +259,19 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in state.samples:
             self._sample_of[sample.request.request_id] = (state, sample)
+            if hooks is not None:
+                self.runner.add_hooked(sample.request.request_id, hooks, hook_index)
         self.num_requests += 1
+
+    def _check_hooks(self, hooks: Hooks) -> None:
+        if not isinstance(hooks, Hooks):
+            raise ValueError(f"hooks must be a netra_jax.Hooks, got {type(hooks).__name__}")
+        if self.speculation is not None:
+            raise ValueError(
+                "hooks are not supported together with speculative decoding (draft proposals would run unhooked "
+                "and rejected tokens be recorded): build the engine without speculative_config to run hooks"
+            )
+        hooks.check(self.model_config)
 
     # ------------------------------------------------------------------ LoRA adapters (vLLM's add/remove/list)
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -289,17 +320,28 @@ class LLMEngine:
             self.scheduler.abort_request(sample.request.request_id)
             self._sample_of.pop(sample.request.request_id, None)
             self.activations.discard(sample.request.request_id)
+            self.runner.drop_hooked(sample.request.request_id)
         return True
 
     @property
     def params(self):
-        """The parameter pytree the steps run (swap it through `update_params`)."""
-        return self.runner.params
+        """The parameter pytree the steps run (swap it through `update_params`); while the weights sleep, their host
+        copy."""
+        return self.runner.params if self._weights_asleep is None else self._weights_asleep[0][0]
+
+    def frozen_params(self) -> FrozenParams:
+        """`params` as a read-only view (`models.frozen_params.FrozenParams`, what `LLM.params` gives), the same
+        object while the weights do not change."""
+        live = self.params
+        if self._frozen is None or self._frozen[0] is not live:
+            self._frozen = (live, freeze(live))
+        return self._frozen[1]
 
     def prompt_forward(self, prompt: PromptType, hooks=None) -> tuple[list[int], np.ndarray, dict | None]:
         """One forward over a whole prompt (text, token ids or a prompt dict) on a scratch cache, the serving pages
         untouched: (its token ids, logits [T, vocab] float32, the hooks' recorded activations {name: [T, ...]} or
         None without hooks). ValueError for a bad prompt or one longer than the model's context."""
+        self._check_awake()
         ids = self.inputs.prompt_ids(prompt)[1]
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
@@ -308,16 +350,27 @@ class LLMEngine:
         logits, activations = self.runner.prompt_logits(ids, hooks)
         return ids, logits, activations
 
-    def pop_activations(self, request_id: str, num_positions: int) -> dict:
-        """The activations the hooks recorded for a finished request, its first `num_positions` positions, handed
-        over once (see `set_hooks`)."""
-        return self.activations.pop(request_id, num_positions)
+    def _attach_activations(self, state: RequestState, out: RequestOutput) -> None:
+        """A finished request's recorded activations onto its output: each sample's on its CompletionOutput
+        ({name: [positions, ...]}, prompt and output but the last token, which never ran through the model), the
+        first sample's also as `RequestOutput.activations`."""
+        samples = [s for s in state.samples if self.runner.hook_records(s.request.request_id)]
+        if not samples:
+            return
+        completions = {c.index: c for c in out.outputs}
+        P = len(out.prompt_token_ids)
+        lengths = [P + len(completions[s.index].token_ids) - 1 for s in samples]
+        found = self.activations.pop_samples([s.request.request_id for s in samples], P, lengths)
+        for sample, acts in zip(samples, found, strict=True):
+            completions[sample.index].activations = acts
+        out.activations = completions[min(completions)].activations
 
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
         """Pooled final hidden states of whole prompts (checked token ids, each within max_model_len), not yet
         truncated or normalized (`pooling.finish_embeddings`): [len(prompts), hidden] float32. Task "embed" only."""
         if self.embedder is None:
             raise ValueError(NOT_AN_EMBEDDING_ENGINE)
+        self._check_awake()
         return self.embedder.embed(prompts)
 
     def has_unfinished_requests(self) -> bool:
@@ -340,14 +393,19 @@ class LLMEngine:
         return True
 
     def update_params(self, params) -> None:
-        """Swap the model's weights for `params` (same pytree structure, shapes and dtypes as `runner.params`, or
-        `load_model`'s with q, k and v apart for an engine holding them joined), placed as the current ones; the
-        prefix cache, computed with the old weights, is dropped. Compiled steps are reused
-        (the weights are arguments). RuntimeError while requests run; ValueError for a mismatched pytree."""
+        """Swap the model's weights for `params` (same pytree structure and shapes as `runner.params`, its dicts and
+        lists as any mappings and sequences, e.g. `LLM.params`' frozen view or a tree mapped over it; or `load_model`'s
+        layout with q, k and v apart for an engine holding them joined), placed as the current ones; the prefix cache,
+        computed with the old weights, is dropped. No copy where a leaf already has the current one's dtype and
+        sharding (the engine then runs the caller's arrays); a float leaf of another float dtype is cast, one on
+        another device moved, and an engine holding q, k and v joined joins the caller's (the one concatenation).
+        Compiled steps are reused (the weights are arguments). Also while the engine sleeps: the new weights go to
+        the device and count as awake. RuntimeError while requests run; ValueError for a mismatched pytree."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot update the weights while requests are running; finish or abort them first")
-        old = self.runner.params
+        old = self.runner.params if self._weights_asleep is None else self._weights_asleep[0][1]  # (its layout)
         old_leaves, treedef = jax.tree.flatten_with_path(old)
+        params = unfreeze(params)
         new_leaves, new_def = jax.tree.flatten_with_path(params)
         joined = any("wqkv" in lp for lp in old.get("layers", ()))
         if new_def != treedef and joined and isinstance(params, dict) and isinstance(params.get("layers"), list):
@@ -357,15 +415,83 @@ class LLMEngine:
             raise ValueError(f"new params do not have the structure of the model's pytree: {new_def} vs {treedef}")
         placed = []
         for (path, a), (_, b) in zip(old_leaves, new_leaves, strict=True):
-            if np.shape(b) != a.shape or np.dtype(getattr(b, "dtype", None)) != a.dtype:
+            dtype = np.dtype(getattr(b, "dtype", None))
+            floats = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(a.dtype, jnp.floating)
+            if np.shape(b) != a.shape or (dtype != a.dtype and not floats):
                 name = jax.tree_util.keystr(path)
                 raise ValueError(
                     f"params{name}: expected {a.dtype}{list(a.shape)}, got {getattr(b, 'dtype', type(b).__name__)}"
                     f"{list(np.shape(b))}"
                 )
-            placed.append(jax.device_put(b, a.sharding))
+            placed.append(jax.device_put(b, a.sharding).astype(a.dtype))  # both no-ops when they agree
         self.runner.params = self._live_params = jax.tree.unflatten(treedef, placed)
+        self._frozen = None  # (its view would keep the old weights alive)
+        if self._weights_asleep is not None:  # the new weights are on the device: awake (a draft model's too)
+            self._wake_weights()
         self.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep (vLLM's sleep mode)
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of the KV cache (level 1), and also move the weights to host memory (level 2),
+        e.g. while a trainer shares the accelerator; the prefix cache is dropped. Requests are refused
+        (RuntimeError) until `wake_up`. The KV cache's arrays are deleted; the weights' device arrays are released
+        (freed once nothing else, e.g. a trainer that gave them through update_params, holds them). Sleeping deeper
+        than now adds level 2's part. RuntimeError while requests run; ValueError for another level."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot sleep while requests are running; finish or abort them first")
+        self.pool.reset_prefix_cache()
+        runners = self._runners()
+        if self._kv_asleep is None:
+            self._kv_asleep = [_layout(r.kv) for r in runners]
+            for r in runners:
+                for a in jax.tree.leaves(r.kv):
+                    a.delete()
+                r.kv = None
+        if level == 2 and self._weights_asleep is None:
+            self._weights_asleep = [(jax.device_get(r.params), _layout(r.params)) for r in runners]
+            for r in runners:
+                r.params = None
+            self._live_params = self._frozen = None
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep`: "weights" back on the device as they were placed, "kv_cache" allocated again, zeroed (None:
+        both; vLLM's tags, so that weights can be woken and updated before the KV cache is allocated). Waking
+        something awake does nothing. ValueError for an unknown tag."""
+        tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: 'weights', 'kv_cache'")
+        if "weights" in tags and self._weights_asleep is not None:
+            for r, (host, layout) in zip(self._runners(), self._weights_asleep, strict=True):
+                r.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, layout)
+            self._live_params = self.runner.params
+            self._wake_weights()
+        if "kv_cache" in tags and self._kv_asleep is not None:
+            for r, layout in zip(self._runners(), self._kv_asleep, strict=True):
+                r.kv = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), layout)
+            self._kv_asleep = None
+        self.pool.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        """Whether the KV cache or the weights sleep (vLLM's `is_sleeping`)."""
+        return self._kv_asleep is not None or self._weights_asleep is not None
+
+    def _wake_weights(self) -> None:
+        """The weights count as awake: the main model's are on the device; a draft model's come back too."""
+        for r, (host, layout) in list(zip(self._runners(), self._weights_asleep, strict=True))[1:]:
+            r.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, layout)
+        self._weights_asleep = self._frozen = None
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep (sleep()): call wake_up() before sending requests")
+
+    def _runners(self) -> list[ModelRunner]:
+        """The model runners whose KV cache and weights sleep: the engine's, and a draft model's."""
+        draft = getattr(self.speculation.proposer, "draft", None) if self.speculation is not None else None
+        return [self.runner] + ([draft] if isinstance(draft, ModelRunner) else [])
 
     def _params_replaced(self) -> None:
         """The runner's weights were assigned directly, not through update_params: no cached prefix may be reused
@@ -373,16 +499,6 @@ class LLMEngine:
         log.warning("the model's weights were replaced without update_params; dropping the prefix cache")
         self.pool.reset_prefix_cache()
         self._live_params = self.runner.params
-
-    def set_hooks(self, hooks, request_index: dict[str, int] | None = None) -> None:
-        """Run `hooks` (a `netra_jax.models.hooks.Hooks`, or None) in every step from now on; request_index maps
-        request ids to `HookContext.request`. Recorded activations collect per request (`activations.pop`).
-        ValueError with speculative decoding (proposals that are rejected would be recorded too)."""
-        if hooks is not None and self.speculation is not None:
-            raise ValueError("hooks are not supported together with speculative decoding")
-        self.runner.set_hooks(hooks, request_index)
-        if hooks is None:
-            self.activations.clear()
 
     def spec_stats(self) -> dict | None:
         """Speculative decoding counters (see `spec.SpecStats.as_dict`); None when speculation is off."""
@@ -485,7 +601,7 @@ class LLMEngine:
         rows = sampling_rows(step.sched.scheduled, self._state_of)
         batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_rows, self.vocab_size)
         out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
-        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, *(step.run.prompt_logprobs or ())):
+        for a in (*out, *(step.run.prompt_logprobs or ())):
             if a is not None:
                 a.copy_to_host_async()
         step.rows, step.batch, step.sampled = rows, batch, out
@@ -507,7 +623,7 @@ class LLMEngine:
         lps = (
             None
             if so.logprobs is None
-            else (np.asarray(so.logprobs), np.asarray(so.top_ids), np.asarray(so.top_logprobs))
+            else tuple(np.asarray(a) for a in (so.logprobs, so.top_ids, so.top_logprobs, so.processed_logprobs))
         )
         row_start = step.run.batch.row_start
         sampled = {}
@@ -523,7 +639,7 @@ class LLMEngine:
                 sampled[s.request_id] = [int(ids[r])]
         self._record_prompt_logprobs(step)
         if step.run.records:
-            self.activations.collect(sched, step.run.batch, step.run.records)
+            self.activations.collect(sched, step.run.batch, step.run.records, self.runner.hook_records)
         self.scheduler.update_from_output(sched, sampled)
         changed: dict[str, RequestState] = {}
         for i, s in enumerate(sched.scheduled):  # first every sample's tokens, then one output per request
@@ -536,7 +652,7 @@ class LLMEngine:
             new = req.num_output_tokens - sample.tokens_emitted  # 0: skipped (finished or aborted meanwhile)
             for j, token in enumerate(req.output_token_ids[req.num_output_tokens - new :]):
                 k = int(step.batch.num_logprobs[r + j])
-                row_lps = None if lps is None or k < 0 else (lps[0][r + j], lps[1][r + j], lps[2][r + j], k)
+                row_lps = None if lps is None or k < 0 else (*(a[r + j] for a in lps), k)
                 if self.outputs.append_token(sample, token, row_lps, last=j == new - 1) and j < new - 1:
                     req.truncate_output(req.num_output_tokens - new + j + 1)  # a stop string ended it here
                     sample.tokens_emitted = req.num_output_tokens
@@ -547,6 +663,7 @@ class LLMEngine:
         for state in changed.values():
             out = self.outputs.output(state)
             if out.finished:
+                self._attach_activations(state, out)
                 self._forget(state)
             outputs.append(out)
         return outputs
@@ -571,3 +688,10 @@ class LLMEngine:
         self._states.pop(state.request_id, None)
         for sample in state.samples:
             self._sample_of.pop(sample.request.request_id, None)
+            self.runner.drop_hooked(sample.request.request_id)
+            self.activations.discard(sample.request.request_id)
+
+
+def _layout(tree):
+    """Each array of `tree` as a ShapeDtypeStruct with its sharding (what it takes to place or allocate it again)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)

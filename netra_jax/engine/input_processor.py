@@ -87,6 +87,8 @@ class InputProcessor:
                 detok,
                 logprobs=[] if want_logprobs else None,
                 cumulative_logprob=0.0 if want_logprobs else None,
+                raw_logprobs=[] if want_logprobs else None,
+                processed_logprobs=[] if want_logprobs else None,
             )
             sample.grammar = grammar.copy() if grammar is not None and i else grammar
             state.samples.append(sample)

@@ -1,5 +1,6 @@
 """Output processor: turns a step's sampled tokens into user-visible results: grammar advance, incremental
-detokenization, stop strings, sample and prompt logprobs, and vLLM-shaped RequestOutputs with deltas and metrics."""
+detokenization, stop strings, sample (raw and processed) and prompt logprobs, and vLLM-shaped RequestOutputs with
+deltas and metrics."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class OutputProcessor:
 
     def append_token(self, sample: SampleState, token: int, logprobs: tuple | None, last: bool = True) -> bool:
         """A token the scheduler appended to `sample`: advance its grammar, detokenize it, record its logprobs
-        (logprobs: (lp, top ids [K], top logprobs [K], k) when the request asked) and apply stop strings.
+        (logprobs: (raw lp, top ids [K], top raw logprobs [K], processed lp, k) when the request asked) and apply
+        stop strings.
         `last`: the newest of the tokens the scheduler appended this step (a verified proposal appends several; only
         the newest can be the one that ended the request). Returns True when a stop string or the grammar ended the
         request at this token (the caller drops any later tokens of the step)."""
@@ -62,9 +64,11 @@ class OutputProcessor:
         if req.is_finished and (last or ended_here):
             new_text += sample.detok.flush()
         if logprobs is not None and sample.logprobs is not None:
-            lp, top_ids, top_lps, k = logprobs
+            lp, top_ids, top_lps, processed, k = logprobs
             sample.logprobs.append(self._logprob_entry(token, lp, None, top_ids, top_lps, k))
             sample.cumulative_logprob += float(lp)
+            sample.raw_logprobs.append(float(lp))  # float32 values, exactly
+            sample.processed_logprobs.append(float(processed))
         sample.text += new_text
         if sp.stop and self._check_stop_strings(sample, len(new_text), already_finished=req.is_finished):
             return True
@@ -141,6 +145,8 @@ class OutputProcessor:
             token_ids=list(req.output_token_ids),
             cumulative_logprob=sample.cumulative_logprob,
             logprobs=sample.logprobs,
+            raw_logprobs=None if sample.raw_logprobs is None else list(sample.raw_logprobs),
+            processed_logprobs=None if sample.processed_logprobs is None else list(sample.processed_logprobs),
             finish_reason=req.finish_reason if done else None,
             stop_reason=req.stop_reason if done else None,
             delta_text=delta,

@@ -29,6 +29,14 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""  # text added since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    # with SamplingParams.logprobs set (0 is enough), per output token the sampled token's log-probability under the
+    # raw distribution (log_softmax of the model's logits: the value in `logprobs`) and under the processed one it was
+    # drawn from (after bias, penalties, temperature, min-p, top-k, top-p; greedy: after bias and penalties),
+    # float32 values; `netra_jax.rl.sequence_logprobs` recomputes both bit for bit on a batch-invariant engine
+    raw_logprobs: list[float] | None = None
+    processed_logprobs: list[float] | None = None
+    # with hooks that record: {hook name: [positions, ...]} of this sample (see RequestOutput.activations)
+    activations: dict[str, Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -70,7 +78,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
     # with hooks that record (LLM.generate(..., hooks=...)): {hook name: [positions, ...]}, row p the activation at
-    # the token in position p of prompt + output (the last output token never ran through the model)
+    # the token in position p of prompt + output (the last output token never ran through the model); the first
+    # sample's (with n > 1 each CompletionOutput has its own)
     activations: dict[str, Any] | None = None
 
     @property

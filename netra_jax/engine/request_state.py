@@ -24,6 +24,8 @@ class SampleState:
     tokens_emitted: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    raw_logprobs: list[float] | None = None  # each output token's logprob, raw and processed (with logprobs)
+    processed_logprobs: list[float] | None = None
     grammar: GrammarMatcher | None = None  # structured output: masks each step, ends the request when complete
 
 

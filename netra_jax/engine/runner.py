@@ -30,7 +30,7 @@ from netra_jax.engine.step_layout import (
     unpack,
 )
 from netra_jax.engine_config import CacheConfig, LoRAConfig
-from netra_jax.models.hooks import Hooks, HookSpec
+from netra_jax.models.hooks import Hooks, HookSpec, StepHooks
 from netra_jax.models.lora import LoRAAdapter, empty_slots, set_slot, slot_specs
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
@@ -47,17 +47,19 @@ def _step(
     hook_request=None,
     lora=None,
     lora_slots=None,
+    hook_group=None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
     backend: str,
     mesh=None,
-    hooks: HookSpec | None = None,
+    hooks: StepHooks | None = None,
     matmul_backend: str = "xla",
 ):
     """One forward over the packed batch. prev_ids [max_seqs_bucket]: the previous step's sampled ids, gathered
-    into placeholder slots (None: every token is known). hooks: a hook spec with its arrays and each token's
-    request index [T] (see `netra_jax.models.hooks`). lora, lora_slots: the LoRA adapter slots and each token's slot
+    into placeholder slots (None: every token is known). hooks: the hook sets of the step's hooked requests with
+    their arrays (one per set), each token's request index [T] and hook set [T] (-1: none; see
+    `netra_jax.models.hooks`). lora, lora_slots: the LoRA adapter slots and each token's slot
     [T] (-1: the base model; see `netra_jax.models.lora`). Returns (logits [R, vocab] float32 of the sampled rows, kv,
     prompt logprobs of the P prompt rows or None, recorded activations {name: [T, ...]} or None)."""
     x = unpack(packed, shape)
@@ -78,6 +80,7 @@ def _step(
         hooks=hooks,
         hook_arrays=hook_arrays,
         hook_request=hook_request,
+        hook_group=hook_group,
         matmul_backend=matmul_backend,
         lora=lora,
         lora_slots=lora_slots,
@@ -210,6 +213,18 @@ def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int
 
 
 @dataclass
+class _HookSet:
+    """A hook set some running requests use: the set, its static spec, its arrays on the device, the order it
+    was registered in (a step lists its sets in that order) and how many requests run it."""
+
+    hooks: Hooks
+    spec: HookSpec
+    arrays: dict
+    serial: int
+    users: int = 0
+
+
+@dataclass
 class StepResult:
     """A dispatched step: device arrays (not waited for) and the host-side pack they came from."""
 
@@ -302,10 +317,10 @@ class ModelRunner:
         self._widen = jax.jit(functools.partial(_widen_ids, size=self.max_seqs_bucket))
         self._no_ids = self._place_ids(jnp.zeros(self.max_seqs_bucket, jnp.int32))
         self.num_steps = 0
-        self.hooks: Hooks | None = None  # interventions run by every step (see `set_hooks`)
-        self._hook_spec: HookSpec | None = None  # the hooks' static part, derived once per set_hooks
-        self._hook_arrays = None
-        self._hook_index: dict[str, int] = {}
+        # per-request interventions (see `add_hooked`): the live hook sets and each hooked request's (set, index)
+        self._hook_sets: dict[int, _HookSet] = {}
+        self._hooked: dict[str, tuple[_HookSet, int]] = {}
+        self._hook_serial = 0
         # LoRA adapter slots (models/lora.py), written by `set_lora_slot`; every step with an adapter's token takes
         # them (one program for every mix of adapters; steps of base requests alone run the program without them)
         # (under tensor parallelism split as the weights they modify: `models.lora.slot_specs`)
@@ -343,17 +358,59 @@ class ModelRunner:
         return slots
 
     # ------------------------------------------------------------------ interventions
-    def set_hooks(self, hooks: Hooks | None, request_index: dict[str, int] | None = None) -> None:
-        """Run `hooks` in every step from now on (None: none). request_index maps a scheduler request id to the
-        index its tokens show in `HookContext.request` (others: 0). Steps with hooks compile once per hook spec, on
-        first use."""
-        if hooks is not None:
-            hooks.check(self.cfg.num_layers, self.cfg.num_heads)
-            self._hook_spec, self._hook_arrays = hooks.spec, self._place(hooks.arrays)
-        else:
-            self._hook_spec = self._hook_arrays = None
-        self.hooks = hooks
-        self._hook_index = dict(request_index or {})
+    def add_hooked(self, request_id: str, hooks: Hooks, index: int = 0) -> None:
+        """Run `hooks` on request `request_id`'s tokens in every step that schedules it, until `drop_hooked`;
+        `index` is what its tokens show as `HookContext.request`. Requests of other hook sets, or none, share the
+        steps: each row runs its own set's functions (see `netra_jax.models.hooks`). A step compiles once per
+        combination of hook specs it holds, on first use. ValueError for hooks the model cannot run."""
+        hs = self._hook_sets.get(id(hooks))
+        if hs is None:
+            hooks.check(self.cfg)
+            self._hook_serial += 1
+            hs = _HookSet(hooks, hooks.spec, self._place(hooks.arrays), self._hook_serial)
+            self._hook_sets[id(hooks)] = hs
+        hs.users += 1
+        self._hooked[request_id] = (hs, index)
+
+    def drop_hooked(self, request_id: str) -> None:
+        """Stop running hooks on the request (finished or aborted); a set without requests is forgotten."""
+        entry = self._hooked.pop(request_id, None)
+        if entry is not None:
+            hs = entry[0]
+            hs.users -= 1
+            if not hs.users:
+                self._hook_sets.pop(id(hs.hooks), None)
+
+    def hook_records(self, request_id: str) -> tuple[str, ...]:
+        """The hook names recorded for the request (empty when it has no hooks)."""
+        entry = self._hooked.get(request_id)
+        return () if entry is None else entry[0].spec.records
+
+    def _step_hooks(self, out: SchedulerOutput, pb: PackedBatch) -> dict:
+        """The step's hook arguments: the specs of the hook sets its requests run (in registration order), their
+        arrays, each token's request index and hook set [T] (-1: none), and the keys a hooked pattern spans (the
+        longest hooked sequence, rounded up to a power of two); {} when no scheduled request has hooks."""
+        entries = [self._hooked.get(sr.request_id) for sr in out.scheduled]
+        sets = sorted({id(e[0]): e[0] for e in entries if e is not None}.values(), key=lambda h: h.serial)
+        if not sets:
+            return {}
+        group_of = {id(h): g for g, h in enumerate(sets)}
+        lay = pb.shape.layout
+        qsl, positions = lay.view(pb.host, "query_start_loc"), lay.view(pb.host, "positions")
+        group = np.full(pb.shape.num_tokens, -1, np.int32)
+        request = np.full(pb.shape.num_tokens, -1, np.int32)
+        longest = 0
+        for s, e in enumerate(entries):
+            lo, hi = int(qsl[s]), int(qsl[s + 1])
+            if e is not None and hi > lo:
+                group[lo:hi], request[lo:hi] = group_of[id(e[0])], e[1]
+                longest = max(longest, int(positions[hi - 1]) + 1)
+        spec = StepHooks(tuple(h.spec for h in sets))
+        if spec.wants_pattern:
+            keys = max(self.page_size, 1 << (longest - 1).bit_length())
+            spec = StepHooks(spec.sets, min(keys, self.max_pages * self.page_size))
+        arrays = tuple(h.arrays for h in sets)
+        return {"hooks": spec, "hook_arrays": arrays, "hook_request": request, "hook_group": group}
 
     def _place(self, tree):
         """Arrays placed as the parameters are (replicated over the mesh under tensor parallelism; for a compile-only
@@ -364,14 +421,6 @@ class ModelRunner:
         if self.mesh is not None:
             return jax.device_put(tree, parallel.replicated(self.mesh))
         return jax.device_put(tree, jax.devices()[0])
-
-    def _hook_request(self, out: SchedulerOutput, pb: PackedBatch) -> np.ndarray:
-        """[T] int32 each token's request index for the hooks (-1: padding)."""
-        req = np.full(pb.shape.num_tokens, -1, np.int32)
-        qsl = pb.shape.layout.view(pb.host, "query_start_loc")
-        for s, sr in enumerate(out.scheduled):
-            req[qsl[s] : qsl[s + 1]] = self._hook_index.get(sr.request_id, 0)
-        return req
 
     # ------------------------------------------------------------------ shapes
     def set_prompt_logprob_buckets(self, fine: bool) -> None:
@@ -426,9 +475,9 @@ class ModelRunner:
         wants_plp = any(prompt_logprob_positions(s) for s in out.scheduled)
         shape = self.shape_for(out.num_batched_tokens, wants_plp)
         pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
-        hook_request = None if self.hooks is None else self._hook_request(out, pb)
+        hooked = self._step_hooks(out, pb)
         lora_tokens = None if self.lora is None else self._lora_tokens(out, pb, lora_slot_of)
-        logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hook_request, lora_tokens)
+        logits, plp, records = self._dispatch(pb.host, shape, prev_ids, hooked, lora_tokens)
         self.num_steps += 1
         return StepResult(logits, plp, pb, records)
 
@@ -437,7 +486,7 @@ class ModelRunner:
         host: np.ndarray,
         shape: BatchShape,
         prev_ids: jax.Array | None,
-        hook_request: np.ndarray | None = None,
+        hooked: dict | None = None,
         lora_tokens: np.ndarray | None = None,
         force_lora: bool = False,
     ):
@@ -447,10 +496,7 @@ class ModelRunner:
             prev_ids = self._no_ids if prev_ids is None else prev_ids
         elif prev_ids is not None:
             raise ValueError("prev_ids given to a runner built without overlap")
-        hooked = {}
-        if self.hooks is not None:
-            hooked = {"hook_arrays": self._hook_arrays, "hook_request": hook_request, "hooks": self._hook_spec}
-        hooked |= self._lora_args(shape, lora_tokens, force=force_lora)
+        hooked = dict(hooked or {}) | self._lora_args(shape, lora_tokens, force=force_lora)
         logits, self.kv, plp, records = self._jit(
             self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
         )  # host: numpy, moved by the call (one host->device copy)
@@ -491,7 +537,7 @@ class ModelRunner:
         batch = paged.build_batch([n], [n], [range(pages)], page_size=self.page_size, num_pages=pages, num_tokens=T)
         hooked = {}
         if hooks is not None:
-            hooks.check(self.cfg.num_layers, self.cfg.num_heads)
+            hooks.check(self.cfg)
             hooked = {"hook_arrays": self._place(hooks.arrays), "hooks": hooks.spec}
         logits, records = _all_logits(
             self.params,
@@ -509,7 +555,8 @@ class ModelRunner:
         logits = np.asarray(logits[: len(ids)])
         if hooks is None:
             return logits
-        return logits, {name: np.asarray(a[: len(ids)]) for name, a in records.items()}
+        records = {name: np.asarray(a[:n]) for name, a in records.items()}
+        return logits, {name: a[..., :n] if name.endswith(".pattern") else a for name, a in records.items()}
 
     def lower_step(self, shape: BatchShape, lora: bool = False) -> jax.stages.Lowered:
         """Trace and lower one step variant with the arguments `run` passes it (compiling the result is what the

@@ -3,13 +3,14 @@ its request's parameters and state give it (`ops.sampling.RowSampling`), specula
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.sched_output import ScheduledRequest
 from netra_jax.ops import sampling
+from netra_jax.sampling_params import SamplingParams
 
-__all__ = ["sampling_row", "sampling_rows"]
+__all__ = ["row_sampling", "sampling_row", "sampling_rows"]
 
 
 def sampling_rows(
@@ -39,12 +40,25 @@ def sampling_row(sample: SampleState, drafts: Sequence[int] = (), mask=None) -> 
     draws, bias, penalties and grammar mask (`mask`, computed along the proposals) that token would get in a lone
     decode step after those tokens."""
     req = sample.request
-    sp = req.sampling_params
-    num_output = req.num_output_tokens + len(drafts)
+    outputs = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
+    row = row_sampling(req.sampling_params, req.prompt_token_ids, outputs, req.eos_token_ids)
+    if sample.grammar is not None:
+        row.allowed = sample.grammar.mask() if mask is None else mask
+    return row
+
+
+def row_sampling(
+    sp: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int], eos_token_ids: Collection[int] = ()
+) -> sampling.RowSampling:
+    """The sampling row of the token that follows `output_ids` after `prompt_ids` under `sp`, a grammar's mask
+    aside: its temperature and filters, the seed and step of its draw, its logit bias (with EOS and the stop tokens
+    banned while fewer than `sp.min_tokens` tokens are out) and its penalty history. What the engine's step samples
+    with and what `netra_jax.rl.sequence_logprobs` recomputes each output token's logprobs with."""
+    num_output = len(output_ids)
     bias = dict(sp.logit_bias) if sp.logit_bias else None
     if num_output < sp.min_tokens:  # EOS and stop tokens may not end it yet
         bias = bias or {}
-        for t in (*req.eos_token_ids, *sp.stop_token_ids):
+        for t in (*eos_token_ids, *sp.stop_token_ids):
             bias[t] = float("-inf")
     row = sampling.RowSampling(
         temperature=sp.temperature,
@@ -55,13 +69,11 @@ def sampling_row(sample: SampleState, drafts: Sequence[int] = (), mask=None) -> 
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         logit_bias=bias,
-        seed=sp.seed,
+        seed=0 if sp.seed is None else sp.seed,  # (the engine gives every sample one)
         step=num_output,
         num_logprobs=sp.logprobs,
     )
     if row.uses_penalties:
-        row.prompt_ids = req.prompt_token_ids
-        row.output_ids = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
-    if sample.grammar is not None:
-        row.allowed = sample.grammar.mask() if mask is None else mask
+        row.prompt_ids = prompt_ids
+        row.output_ids = output_ids
     return row

@@ -88,8 +88,11 @@ def _lower_sampler(num_rows: int, vocab_size: int, key: sampling.SamplingKey) ->
 
 
 def _lower_logprobs(num_rows: int, vocab_size: int) -> jax.stages.Lowered:
-    """The logprob program as the engine calls it: a step's logits and the token program's output."""
-    return sampling.token_logprobs.trace(*sampling.example_inputs(num_rows, vocab_size)).lower()
+    """The logprob program as the engine calls it: a step's logits, the token program's output and the rows'
+    parameters (no bias, penalty or mask)."""
+    key = sampling.logprob_key(sampling.SamplingKey(False, 0, 0, True))
+    arrays = jax.device_put(sampling.dummy_arrays(key, num_rows, vocab_size))
+    return sampling.token_logprobs.trace(*sampling.example_inputs(num_rows, vocab_size), arrays, key=key).lower()
 
 
 def engine_variants(

@@ -17,7 +17,10 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "gptneox": "GPTNeoXForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
@@ -31,6 +34,13 @@ GGUF_ARCHITECTURES = {
 # the other sizes; llama.cpp reads no key for it, `attention.scale` overrides it here when a file has one.
 _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_SWA_THETA = 10000.0
+# Gemma 2 (llama_model::load_hparams, case LLM_ARCH_GEMMA2): set_swa_pattern(2), even layers sliding, every layer
+# rotating with rope.freq_base; the query scale 1/sqrt(hidden / heads) for the 27B (46 layers), else 1/sqrt(head_dim).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": _GEMMA3_SWA_PATTERN}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# the MLP activation of each architecture (the file names none): llama.cpp's GPT-NeoX graph runs ggml's tanh GELU,
+# the checkpoints it converts were trained with the exact one (transformers' "gelu"), which is what is read here
+_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "gpt2": "gelu_new", "gptneox": "gelu"}
 
 
 def _llama3_rope_from_factors(factors: np.ndarray, theta: float, rotary_dim: int, meta_orig: int | None) -> dict:
@@ -160,23 +170,25 @@ def gguf_to_hf_config(
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", key("attention.layer_norm_epsilon", 1e-6))),
         "max_position_embeddings": int(key("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
-        "hidden_act": "silu",
+        "hidden_act": _ACTIVATIONS.get(arch, "silu"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids,
     }
     if rotary_dim != head_dim:
         d["partial_rotary_factor"] = _partial_rotary_factor(rotary_dim, head_dim)
     d.update(_mixture_of_experts(key, arch, n_layers, tensor_shapes))
-    if arch != "gemma3":
+    if arch == "gptneox":
+        d["use_parallel_residual"] = bool(key("use_parallel_residual", True))
+    if arch not in _GEMMA_SWA_PATTERN:
         d["rope_theta"] = theta
         d["rope_scaling"] = rope or None
         return d
 
     window = key("attention.sliding_window", None)
-    pattern = key("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+    pattern = key("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch])
     if isinstance(pattern, list):  # per layer: true = sliding window
         if len(pattern) != n_layers:
             raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
@@ -190,14 +202,14 @@ def gguf_to_hf_config(
     if scale is not None:
         pre_attn = float(scale) ** -2
     else:
-        pre_attn = hidden // n_heads if n_layers == 62 else head_dim
+        pre_attn = hidden // n_heads if n_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    sliding_theta = float(key("rope.freq_base_swa", _GEMMA3_SWA_THETA if arch == "gemma3" else theta))
     d.update(
-        hidden_activation="gelu_pytorch_tanh",
         sliding_window=int(window) if window else None,
         layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
         rope_parameters={
             "full_attention": {"rope_theta": theta, "rope_type": "default", **rope},
-            "sliding_attention": {"rope_theta": float(key("rope.freq_base_swa", _GEMMA3_SWA_THETA))},
+            "sliding_attention": {"rope_theta": sliding_theta},
         },
         query_pre_attn_scalar=pre_attn,
         attn_logit_softcapping=key("attn_logit_softcapping", None),

@@ -9,7 +9,9 @@ are split per expert for families storing one Linear per expert (Qwen3-MoE, Mixt
 (gpt-oss, whose gate and up halves are handed to the weight map as `weight_reads.Interleaved`, the interleaved
 `gate_up_proj` they stand for, read without building it); a fused `ffn_gate_up_exps` holds the gate rows then the
 up rows; old Mixtral files store `blk.N.ffn_gate.<expert>.weight` per expert; Llama-arch
-Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted.
+Q/K rows are un-permuted (llama.cpp's interleaved-pair RoPE); Gemma's norms, stored as 1 + w, get 1 subtracted;
+GPT-2's Conv1D weights, stored [out, in] like every Linear, are transposed back to [in, out]; a fused q/k/v
+tensor (`attn_qkv`) holds q, k and v one after another, which GPT-NeoX's checkpoints interleave per head.
 
 A 2-D tensor in a GGML block format the runtime keeps quantized (`ops.ggml_blocks.FORMATS`) also offers its raw
 rows (`LazyTensor.blocks`), through the row permutations and halves above (whole rows of blocks move unchanged), so
@@ -32,14 +34,20 @@ from netra_jax.models.weight_reads import Interleaved
 from netra_jax.ops.ggml_blocks import FORMATS
 
 FUSED = -1  # a gate_up tensor holding both parts: gate rows, then up rows
-# llama.cpp tensor -> (parameters it may feed: the first one the family's table has, part of that parameter)
+# llama.cpp tensor -> (parameters it may feed: the first one the family's table has, part of that parameter, or one
+# part per parameter)
 _GLOBAL = {
     "token_embd.weight": (("embed",), 0),
+    "position_embd.weight": (("pos_embed",), 0),
     "output_norm.weight": (("final_norm",), 0),
+    "output_norm.bias": (("final_norm_bias",), 0),
     "output.weight": (("lm_head",), 0),
 }
 _BLOCK = {
     "attn_norm.weight": (("attn_norm",), 0),
+    "attn_norm.bias": (("attn_norm_bias",), 0),
+    "attn_qkv.weight": (("wq",), 0),  # q, k and v rows one after another: the fused tensor wq, wk and wv read
+    "attn_qkv.bias": (("bq",), 0),
     "attn_q.weight": (("wq",), 0),
     "attn_k.weight": (("wk",), 0),
     "attn_v.weight": (("wv",), 0),
@@ -52,11 +60,14 @@ _BLOCK = {
     "attn_k_norm.weight": (("k_norm",), 0),
     "attn_sinks.weight": (("sinks",), 0),
     "ffn_norm.weight": (("mlp_norm",), 0),  # the pre-MLP norm (Gemma 3's pre_feedforward_layernorm)
+    "ffn_norm.bias": (("mlp_norm_bias",), 0),
     "post_attention_norm.weight": (("post_attn_norm", "mlp_norm"), 0),  # gpt-oss: its pre-MLP norm
     "post_ffw_norm.weight": (("post_mlp_norm",), 0),
     "ffn_gate.weight": (("w_gate_up",), 0),
-    "ffn_up.weight": (("w_gate_up",), 1),
+    "ffn_up.weight": (("w_gate_up", "w_up"), (1, 0)),
     "ffn_down.weight": (("w_down",), 0),
+    "ffn_up.bias": (("b_up",), 0),
+    "ffn_down.bias": (("b_down",), 0),
     "ffn_gate_inp.weight": (("router",), 0),
     "ffn_gate_inp.bias": (("router_bias",), 0),
     "ffn_gate_exps.weight": (("experts_gate_up",), 0),
@@ -88,9 +99,13 @@ class LazyTensor:
     blocks: Callable[[slice], np.ndarray] | None = None
     qtype: str | None = None
 
-    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
-        """`idx`: a step-1 slice of the leading axis (as the weight map's readers take), then any index of the rest."""
+    def __getitem__(self, idx: tuple[slice | np.ndarray, ...]) -> np.ndarray:
+        """`idx`: a step-1 slice of the leading axis (as the weight map's readers take) or an index array (a fused
+        tensor's part: the range covering it is read), then any index of the rest."""
         lead, rest = idx[0], idx[1:]
+        if isinstance(lead, np.ndarray) and lead.ndim == 1 and lead.size:
+            lo = int(lead.min())
+            return self.make(slice(lo, int(lead.max()) + 1))[(lead - lo, *rest)]
         if not isinstance(lead, slice) or lead.step not in (None, 1):
             raise TypeError(f"a lazy GGUF tensor reads step-1 slices of its leading axis, not {lead!r}")
         start, stop, _ = lead.indices(self.shape[0])
@@ -163,6 +178,27 @@ def _unpermuted(t: LazyTensor, n_heads: int) -> LazyTensor:
     return _on_rows(t, op)
 
 
+def _transposed(t: LazyTensor) -> LazyTensor:
+    """A 2-D tensor [out, in] as [in, out] (GPT-2's Conv1D layout): a range of its rows is columns of the file's
+    tensor, read whole for it."""
+
+    def make(rows: slice) -> np.ndarray:
+        return np.ascontiguousarray(t.make(slice(0, t.shape[0]))[:, rows].T)
+
+    return LazyTensor((t.shape[1], t.shape[0]), make)
+
+
+def _per_head_qkv(t: LazyTensor, cfg: ModelConfig) -> LazyTensor:
+    """A fused q/k/v tensor (rows, or a bias) stored q, k, v one after another, in GPT-NeoX's per-head order
+    [heads, 3, head_dim]; its rows gathered from the whole tensor."""
+    source = np.empty(t.shape[0], np.int64)  # file row of each per-head row
+    for part in range(3):
+        source[weight_map.fused_columns(weight_map.QKV_HEADS, part, cfg)] = weight_map.fused_columns(
+            weight_map.QKV, part, cfg
+        )
+    return LazyTensor(t.shape, lambda rows: t.make(slice(0, t.shape[0]))[source[rows]])
+
+
 class _Routes:
     """The GGUF tensors of each (parameter, layer, expert): part -> tensor name (FUSED: both parts)."""
 
@@ -179,9 +215,10 @@ class _Routes:
                 layer, expert, params = int(m.group(1)), int(m.group(3)), (param,)
             else:
                 continue  # e.g. rope_freqs: read by the config, not a parameter
-            param = next((p for p in params if p in table), None)
-            if param is not None:  # else a tensor this family's forward does not read
-                self.parts.setdefault((param, layer, expert), {})[part] = name
+            k = next((k for k, p in enumerate(params) if p in table), None)
+            if k is not None:  # else a tensor this family's forward does not read
+                part = part[k] if isinstance(part, tuple) else part
+                self.parts.setdefault((params[k], layer, expert), {})[part] = name
 
 
 def _halves(t: LazyTensor, axis: int) -> tuple[LazyTensor, LazyTensor]:
@@ -215,6 +252,10 @@ def hf_view(gf: GGUFFile, cfg: ModelConfig):
             t = _swap_last(t)
         if permuted and entry.param in heads:
             t = _unpermuted(t, heads[entry.param])
+        if entry.transform == weight_map.CONV1D and len(t.shape) == 2:
+            t = _transposed(t)
+        if entry.fused is not None and entry.fused[0] == weight_map.QKV_HEADS:
+            t = _per_head_qkv(t, cfg)
         if entry.transform == weight_map.NORM and cfg.norm_weight_offset:
             t = _apply(t, lambda a: a - np.float32(1.0))
         return t

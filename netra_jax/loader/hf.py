@@ -56,6 +56,8 @@ def release_pages(mm: mmap.mmap) -> None:
 
 
 _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# the base model's prefix in a task model's tensor names (Llama-style, GPT-2, GPT-NeoX), absent from a base model's
+_BASE_PREFIXES = ("model.", "transformer.", "gpt_neox.")
 
 
 def stored_float_dtype(model_dir: str | Path) -> str | None:
@@ -165,12 +167,16 @@ class HFCheckpoint:
         return name not in self._where and f"{name}_blocks" in self._where and f"{name}_scales" in self._where
 
     def _stored(self, name: str) -> str:
-        """`name`, or `name` without its `model.` prefix when only that is stored: a base model saved on its own
-        (Qwen3-Embedding's Qwen3Model weights are `embed_tokens.weight`, `layers.0. ...`, `norm.weight`)."""
-        bare = name.removeprefix("model.")
-        if name in self._where or bare == name or (bare not in self._where and not self._mxfp4(bare)):
+        """`name`, or `name` without its base model's prefix when only that is stored: a base model saved on its own
+        (Qwen3-Embedding's Qwen3Model weights are `embed_tokens.weight`, `layers.0. ...`, `norm.weight`; GPT-2's
+        published checkpoint `wte.weight`, `h.0. ...`)."""
+        if name in self._where:
             return name
-        return bare
+        for prefix in _BASE_PREFIXES:
+            bare = name.removeprefix(prefix)
+            if bare != name and (bare in self._where or self._mxfp4(bare)):
+                return bare
+        return name
 
     def has(self, name: str) -> bool:
         name = self._stored(name)

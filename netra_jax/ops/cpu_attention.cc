@@ -11,9 +11,10 @@
 // by the chunks' softmax statistics. A token's result depends on its own position and keys only (its chunks are
 // fixed by its positions): the same alone or in any batch.
 //
-// The pages are float32, or int8 / fp8 (e4m3fn, e5m2) with one float32 scale per (slot, KV head): each stored
-// element is widened in the dot products' loops (fp8 through a 256-entry table) and the row's scale applied to the
-// finished score (q . (s k) = s (q . k)) and to the probability weighting its value row.
+// The pages are float32, bfloat16 (widened in the loops, no scale), or int8 / fp8 (e4m3fn, e5m2) with one float32
+// scale per (slot, KV head): each stored element is widened in the dot products' loops (fp8 through a 256-entry
+// table) and the row's scale applied to the finished score (q . (s k) = s (q . k)) and to the probability weighting
+// its value row.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -57,6 +58,8 @@ ffi::DataType FormatType(int64_t kv_format) {
       return ffi::DataType::F8E4M3FN;
     case kE5M2:
       return ffi::DataType::F8E5M2;
+    case kBF16:
+      return ffi::DataType::BF16;
     default:
       return ffi::DataType::F32;
   }
@@ -71,11 +74,11 @@ ffi::Error TokenAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (qd.size() != 3 || kd.size() != 4 || rd.size() != 2 || kd[3] != qd[2] || qd[1] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("netra_token_attention_f32: q [T, H, D], pages [N, P, KH, D], H % KH == 0");
   }
-  if (kv_format < kF32 || kv_format > kE5M2 || k.element_type() != FormatType(kv_format) ||
+  if (kv_format < kF32 || kv_format > kBF16 || k.element_type() != FormatType(kv_format) ||
       v.element_type() != FormatType(kv_format)) {
     return ffi::Error::InvalidArgument("netra_token_attention_f32: pages' element type does not match kv_format");
   }
-  if (kv_format != kF32 && (static_cast<int64_t>(k_scale.element_count()) != kd[0] * kd[1] * kd[2] ||
+  if (kv_format != kF32 && kv_format != kBF16 && (static_cast<int64_t>(k_scale.element_count()) != kd[0] * kd[1] * kd[2] ||
                             static_cast<int64_t>(v_scale.element_count()) != kd[0] * kd[1] * kd[2])) {
     return ffi::Error::InvalidArgument("netra_token_attention_f32: scales must be [N, P, KH] for quantized pages");
   }

@@ -16,7 +16,7 @@
 namespace netra::attention {
 
 // The pages' storage formats (the `kv_format` attribute).
-enum KvFormat : int64_t { kF32 = 0, kI8 = 1, kE4M3 = 2, kE5M2 = 3 };
+enum KvFormat : int64_t { kF32 = 0, kI8 = 1, kE4M3 = 2, kE5M2 = 3, kBF16 = 4 };
 
 // float value of every fp8 bit pattern: e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias 15, IEEE-like)
 struct Fp8Table {
@@ -50,6 +50,10 @@ struct I8Elems {
   using T = int8_t;
   static float at(const T* r, int64_t d) { return static_cast<float>(r[d]); }
 };
+struct BF16Elems {  // unscaled, as float32 pages
+  using T = netra::rows::BF16;
+  static float at(const T* r, int64_t d) { return netra::rows::to_float(r[d]); }
+};
 template <const Fp8Table& TABLE>
 struct Fp8Elems {
   using T = uint8_t;
@@ -58,7 +62,7 @@ struct Fp8Elems {
 
 struct Problem {
   const float* q;        // [T, H, D]
-  const void* k;         // [num_pages, P, KH, D] float32, int8 or fp8 (kv_format)
+  const void* k;         // [num_pages, P, KH, D] float32, bfloat16, int8 or fp8 (kv_format)
   const void* v;         // [num_pages, P, KH, D]
   const float* k_scale;  // [num_pages, P, KH] (quantized formats only)
   const float* v_scale;  // [num_pages, P, KH]
@@ -270,7 +274,7 @@ void attend(const Problem& p, const Item& it, const Partial& partial, std::vecto
   const int32_t* row = p.rows + t * p.max_pages;
   const int64_t stride = p.KH * D;  // between consecutive keys of a page
 
-  const bool scaled = p.kv_format != kF32;
+  const bool scaled = p.kv_format != kF32 && p.kv_format != kBF16;
 
   // calls f(j, key or value row of key j, its scale) for j = lo .. pos in order, a page at a time
   auto for_keys = [&](const void* pages, const float* scales, auto&& f) {
@@ -387,6 +391,9 @@ inline void attend_any(const Problem& p, const Item& it, const Partial& partial,
       break;
     case kE5M2:
       attend<Fp8Elems<kE5M2Table>>(p, it, partial, s);
+      break;
+    case kBF16:
+      attend<BF16Elems>(p, it, partial, s);
       break;
     default:
       attend<F32Elems>(p, it, partial, s);

@@ -15,7 +15,7 @@ import numpy as np
 
 from netra_jax.ops.kv_quant import Pages, QuantizedPages, page_operands
 
-__all__ = ["KV_FORMATS", "TARGET", "takes", "token_attention"]
+__all__ = ["KV_FORMATS", "TARGET", "reads_pages", "takes", "token_attention"]
 
 TARGET = "netra_token_attention_f32"
 
@@ -26,6 +26,7 @@ KV_FORMATS = {
     np.dtype(jnp.int8): 1,
     np.dtype(jnp.float8_e4m3fn): 2,
     np.dtype(jnp.float8_e5m2): 3,
+    np.dtype(jnp.bfloat16): 4,  # read as they are by the batch-invariant backend (`takes` keeps them on jnp)
 }
 
 
@@ -34,6 +35,11 @@ def takes(q: jax.Array, k_pages: Pages) -> bool:
     if q.dtype != jnp.float32:
         return False
     return isinstance(k_pages, QuantizedPages) or k_pages.dtype == jnp.float32
+
+
+def reads_pages(k_pages: Pages) -> bool:
+    """Whether the kernel reads pages of this kind: float32 or bfloat16 arrays, or quantized pages."""
+    return isinstance(k_pages, QuantizedPages) or np.dtype(k_pages.dtype) in KV_FORMATS
 
 
 def token_attention(
@@ -54,8 +60,8 @@ def token_attention(
 ) -> jax.Array:
     """Attention of the tokens tokens[:count] (entries >= T are skipped), zeros for every other row.
 
-    q: [T, H, D] float32; k_pages, v_pages: [num_pages, page_size, KH, D] float32 or `QuantizedPages` (already
-    holding this step's keys);
+    q: [T, H, D] float32; k_pages, v_pages: [num_pages, page_size, KH, D] float32 or bfloat16, or `QuantizedPages`
+    (already holding this step's keys);
     tokens: [N] int32; count: [] int32; positions, valid: [T] each token's absolute position and whether it is real;
     rows: [T, max_pages] int32 each token's block-table row; sinks: [H] float32 attention-sink logits or None.
     target: the FFI target to call (another registered build of the kernel). Returns [T, H, D] float32."""

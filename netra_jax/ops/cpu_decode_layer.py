@@ -38,8 +38,11 @@ def _f32(a) -> bool:
 def takes(lp: dict, cfg: ModelConfig, i: int, k_pages, num_tokens: int, lora: LayerLoRA | None = None) -> bool:
     """Whether layer i with parameters lp, pages k_pages and adapter slots lora runs as one kernel call for a step of
     num_tokens: a dense layer of float32 arrays in the joined-qkv layout, float32 pages and adapter factors,
-    1..ROWS_MAX tokens, and the kernels built."""
+    1..ROWS_MAX tokens, and the kernels built. The kernel's layer is the sequential RMSNorm one with a gated MLP and
+    RoPE: LayerNorm, parallel-residual, learned-position and ungated-MLP models run the jnp layer."""
     if not 0 < num_tokens <= ROWS_MAX or cfg.is_moe_layer(i) or not _f32(k_pages):
+        return False
+    if cfg.norm_kind != "rmsnorm" or cfg.parallel_residual or cfg.position_embedding != "rope" or not cfg.gated_mlp:
         return False
     if lora is not None and not all(_f32(f) for pair in lora.values() for f in pair):
         return False

@@ -43,6 +43,7 @@ TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
     "netra_small_matmul_i8": "NetraSmallMatmulI8",
     "netra_small_matmul_e4m3": "NetraSmallMatmulE4M3",
+    "netra_small_matmul_bf16": "NetraSmallMatmulBF16",
     "netra_token_attention_f32": "NetraTokenAttentionF32",
     "netra_ggml_matmul_f32": "NetraGgmlMatmulF32",
     "netra_decode_layer_f32": "NetraDecodeLayerF32",

@@ -1,6 +1,6 @@
 // Few-row matmuls for CPU, XLA FFI handlers: y[M, N] = x[M, K] @ w[K, N] (w row-major, [in, out]) with float32 x
-// and y, and w in float32, int8 or float8 e4m3fn (converted to float in registers; the caller applies a quantized
-// weight's scales). The kernel itself is in cpu_matmul.h (shared with the fused decode layer).
+// and y, and w in float32, bfloat16, int8 or float8 e4m3fn (converted to float in registers; the caller applies a
+// quantized weight's scales). The kernel itself is in cpu_matmul.h (shared with the fused decode layer).
 // Built on first use with the host's compiler for the host's CPU (netra_jax/ops/cpu_kernels.py builds and loads it).
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is a stream of
@@ -31,6 +31,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using netra::rows::BF16;
 using netra::rows::E4M3;
 using netra::rows::NV;
 using netra::rows::Problem;
@@ -97,6 +98,14 @@ ffi::Error SmallMatmulE4M3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return SmallMatmul<E4M3>("netra_small_matmul_e4m3", pool, x, w, y);
 }
 
+ffi::Error SmallMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("netra_small_matmul_bf16 takes bfloat16 weights");
+  }
+  return SmallMatmul<BF16>("netra_small_matmul_bf16", pool, x, w, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulF32, SmallMatmulF32,
@@ -118,4 +127,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulE4M3, SmallMatmulE4M3,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()  // float8_e4m3fn weights
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraSmallMatmulBF16, SmallMatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // bfloat16 weights
                                   .Ret<ffi::Buffer<ffi::F32>>());

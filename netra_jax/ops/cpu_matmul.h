@@ -1,5 +1,6 @@
 // The few-row matmul's core, shared by the FFI matmul (cpu_matmul.cc) and the fused decode layer
-// (cpu_decode_layer.cc): y[:, n0:n1] = x [M, K] @ w [K, N] for a range of columns, w float32, int8 or fp8 e4m3.
+// (cpu_decode_layer.cc): y[:, n0:n1] = x [M, K] @ w [K, N] for a range of columns, w float32, bfloat16, int8 or fp8
+// e4m3.
 //
 // Every output is summed over k in order, one fused multiply-add at a time, whichever of the two walks runs (the
 // register tiles for many rows, the row stream for few), so a row's result does not depend on how many rows share
@@ -61,12 +62,23 @@ struct E4M3 {
   uint8_t bits;
 };
 
+// bfloat16, as stored: the high half of a float32's bits.
+struct BF16 {
+  uint16_t bits;
+};
+
 inline float to_float(float w) { return w; }
 inline float to_float(int8_t w) { return static_cast<float>(w); }
 inline float to_float(E4M3 w) {
   const int e = (w.bits >> 3) & 15, m = w.bits & 7;
   const float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
   return w.bits & 0x80 ? -v : v;
+}
+inline float to_float(BF16 w) {
+  const uint32_t bits = static_cast<uint32_t>(w.bits) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
 }
 
 // VW e4m3 weights widened to float. Sign-extended to 16 bits and shifted left by 7, a byte's sign lands in bits 15
@@ -85,6 +97,21 @@ inline vf load(const E4M3* p) {
   const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i h = _mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
   const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  for (int i = 0; i < VW; ++i) out[i] = to_float(p[i]);
+#endif
+  return out;
+}
+
+// VW bfloat16 weights widened to float (exact): each one's 16 bits moved to the top of a 32-bit lane.
+inline vf load(const BF16* p) {
+  vf out;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
   std::memcpy(&out, &v, sizeof(out));
 #else
   for (int i = 0; i < VW; ++i) out[i] = to_float(p[i]);

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from netra_jax.ops import token_mask
+from netra_jax.ops.invariant import tree_sum
 from netra_jax.ops.sampling_batch import (  # noqa: F401 (re-exported: callers use sampling.<name>)
     BIAS_BUCKETS,
     GREEDY_EPS,
@@ -44,7 +45,10 @@ _ONE_BITS = 0x3F800000  # float32 bits of 1.0: weights lie in [0, 1]
 #   counter mode, vectorised numpy: no device RNG to compile), and takes a two-level inverse CDF (a block of _BLOCK
 #   tokens, then a token inside it) over its filtered weights in vocabulary order. A row's token depends only on its
 #   own logits, parameters, seed and step: never on the bucket size, its position, its companions or the variant.
-# - Logprobs follow vLLM's default ("raw"): log_softmax of the model logits before bias, penalties and temperature.
+# - Logprobs follow vLLM's default ("raw"): log_softmax of the model logits before bias, penalties and temperature;
+#   the sampled token's also under the processed distribution it was drawn from (vLLM's "processed_logprobs").
+#   Their sums, and the top-p mass, run in a fixed order (`ops.invariant.tree_sum`): a row's values do not depend
+#   on the rows beside it.
 # - Rows whose processed logits are unusable still get a valid id: +inf -> the first +inf token, all -inf -> 0,
 #   NaN -> some id in range.
 # - Penalty histories longer than HIST_BUCKETS[-1]: see _history (exact unless a request has more distinct prompt ids
@@ -76,7 +80,8 @@ def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[Sampling
         for k in keys:
             jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s, vocab_size)), key=k))
             n += 1
-        jax.block_until_ready(token_logprobs(logits, tokens))
+        lk = logprob_key(SamplingKey(False, 0, 0, True))  # the common one: no bias, penalty or mask
+        jax.block_until_ready(token_logprobs(logits, tokens, jax.device_put(dummy_arrays(lk, s, vocab_size)), key=lk))
         n += 1
     return n
 
@@ -143,13 +148,13 @@ def _thresholds(e: jax.Array, a: SamplingArrays, active: jax.Array) -> jax.Array
 
     tau_k = lax.cond(need_k.any(), exact_k, lambda: tau_k)
     tau0 = jnp.maximum(a.min_p, tau_k)[:, None]  # [S, 1]
-    target = p * jnp.sum(jnp.where(e >= tau0, e, 0.0), -1)  # [S] top_p share of the surviving mass
+    target = p * tree_sum(jnp.where(e >= tau0, e, 0.0))  # [S] top_p share of the surviving mass (fixed order)
     hit = jnp.cumsum(cand, -1) >= target[:, None]  # [S, C]; the survivors are a prefix of cand
     tau_p = jnp.where(p < 1.0, jnp.take_along_axis(cand, _argmax(hit)[:, None], 1)[:, 0], 0.0)  # [S]
     need_p = active & (p < 1.0) & ~hit[:, -1]
 
     def exact_p():
-        mass = lambda t: jnp.sum(jnp.where((e >= _as_float(t)) & (e >= tau0), e, 0.0), -1)
+        mass = lambda t: tree_sum(jnp.where((e >= _as_float(t)) & (e >= tau0), e, 0.0))
         bits = _bisect(lambda t: mass(t) >= target, lo, hi, 30)
         return jnp.where(need_p, _as_float(bits)[:, 0], tau_p)
 
@@ -187,7 +192,7 @@ def _draw(w: jax.Array, u: jax.Array) -> jax.Array:
     s, v = w.shape
     nb = -(-v // _BLOCK)
     wb = jnp.pad(w, ((0, 0), (0, nb * _BLOCK - v))).reshape(s, nb, _BLOCK)  # [S, nb, BLOCK]
-    blk = _search(wb.sum(-1), u[:, 0])  # [S]
+    blk = _search(tree_sum(wb), u[:, 0])  # [S] (block masses summed in a fixed order)
     inner = jnp.take_along_axis(wb, blk[:, None, None], 1)[:, 0]  # [S, BLOCK]
     return blk * _BLOCK + _search(inner, u[:, 1])
 
@@ -201,25 +206,73 @@ def sample_tokens(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> 
     return jnp.minimum(_draw(*_weights(x, a)), x.shape[1] - 1)  # [S], in range even for NaN rows
 
 
-@jax.jit
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """vLLM's default ("raw") logprobs of the sampled tokens [S] and the top MAX_LOGPROBS ids [S, K] and logprobs
-    [S, K]: log_softmax of the model logits [S, V], before bias, penalties and temperature."""
+def _raw_lse(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The model logits in float32 [S, V] and their log-sum-exp [S, 1], summed in a fixed order."""
     raw = logits.astype(jnp.float32)  # [S, V]
-    m = jnp.max(raw, -1, keepdims=True)
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m), -1, keepdims=True))  # [S, 1]
+    m = lax.stop_gradient(jnp.max(raw, -1, keepdims=True))  # [S, 1]
+    return raw, m + jnp.log(tree_sum(jnp.exp(raw - m)))[:, None]
+
+
+def _processed_logprobs(x: jax.Array, tokens: jax.Array, a: SamplingArrays) -> jax.Array:
+    """Each row's token's log-probability [S] under the distribution the row draws from: the processed logits x
+    [S, V] (`_process`) over the temperature, renormalised over the min-p / top-k / top-p survivors (-inf for a token
+    outside them), as `_weights` filters them. Greedy rows: the log-softmax of x itself (vLLM's processed logprobs at
+    temperature 1, no filter). The filter is held constant under differentiation."""
+    greedy = a.temperature <= 0.0  # [S]
+    z = x / jnp.where(greedy, 1.0, a.temperature)[:, None]  # [S, V]
+    m = lax.stop_gradient(jnp.max(z, -1, keepdims=True))  # [S, 1]
+    hot = greedy | ~jnp.isfinite(m[:, 0])  # [S]
+    e = jnp.exp(z - m)  # [S, V], as `_weights` computes it
+    held = lax.stop_gradient(e)
+    filtered = ~hot & ((a.top_k > 0) | (a.top_p < 1.0))  # [S]
+    tau = lax.cond(filtered.any(), lambda: _thresholds(held, a, ~hot), lambda: a.min_p[:, None])  # [S, 1]
+    keep = hot[:, None] | (held >= tau)  # [S, V] the survivors
+    lse = jnp.log(tree_sum(jnp.where(keep, e, 0.0)))  # [S]
+    lp = jnp.take_along_axis(z - m, tokens[:, None], 1)[:, 0] - lse
+    return jnp.where(jnp.take_along_axis(keep, tokens[:, None], 1)[:, 0], lp, -jnp.inf)
+
+
+def sampled_logprobs(
+    logits: jax.Array, tokens: jax.Array, a: SamplingArrays, *, key: SamplingKey
+) -> tuple[jax.Array, jax.Array]:
+    """The log-probabilities of tokens [S] under each row's raw distribution (log_softmax of the model logits [S, V],
+    vLLM's default logprobs) and its processed one (after mask, bias and penalties, temperature, min-p, top-k and
+    top-p: what the row was drawn from, vLLM's "processed_logprobs"), [S] float32 each. Its sums run in a fixed
+    order, so a row's values never depend on the other rows or the program it is traced in: the engine's logprob
+    program and `netra_jax.rl.sequence_logprobs` give the same bits. Differentiable in logits."""
+    raw, lse = _raw_lse(logits)
     lp = jnp.take_along_axis(raw, tokens[:, None], 1)[:, 0] - lse[:, 0]  # [S]
+    return lp, _processed_logprobs(_process(logits, a, key), tokens, a)
+
+
+@partial(jax.jit, static_argnames=("key",))
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, a: SamplingArrays, *, key: SamplingKey
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The sampled tokens' raw and processed logprobs [S] (`sampled_logprobs`), and the top MAX_LOGPROBS ids [S, K]
+    and raw logprobs [S, K] (vLLM's default: log_softmax of the model logits, before bias, penalties and
+    temperature). Compiled per row count and per key less `all_greedy` and `want_logprobs` (`logprob_key`)."""
+    lp, processed = sampled_logprobs(logits, tokens, a, key=key)
+    raw, lse = _raw_lse(logits)
     top_vals, top_ids = lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[1]))  # [S, K]
-    return lp, top_ids.astype(jnp.int32), top_vals - lse
+    return lp, processed, top_ids.astype(jnp.int32), top_vals - lse
+
+
+def logprob_key(key: SamplingKey) -> SamplingKey:
+    """The key the logprob program compiles for: only the processing's variant (bias, penalties, mask) matters."""
+    return key._replace(all_greedy=False, want_logprobs=True)
 
 
 def sample(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> SamplerOutput:
     """Sample a batch: the token program of `key`, then the logprob program when `key.want_logprobs` (both dispatched
-    asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call)."""
+    asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call, once)."""
+    if key.want_logprobs:
+        a = jax.device_put(a)  # read by both programs
     tokens = sample_tokens(logits, a, key=key._replace(want_logprobs=False))  # [S]
     if not key.want_logprobs:
         return SamplerOutput(tokens, None, None, None)
-    return SamplerOutput(tokens, *token_logprobs(logits, tokens))
+    lp, processed, top_ids, top_lps = token_logprobs(logits, tokens, a, key=logprob_key(key))
+    return SamplerOutput(tokens, lp, top_ids, top_lps, processed)
 
 
 @partial(jax.jit, static_argnames=("key",))

@@ -52,7 +52,8 @@ class RowSampling:
 
 class SamplingKey(NamedTuple):
     """Static part of a batch. The token program compiles once per distinct key less `want_logprobs` (and row count
-    S); logprobs are a second program, one per row count, run only when some row wants them."""
+    S); logprobs are a second program, one per row count and processing variant (bias, penalties, mask), run only
+    when some row wants them."""
 
     all_greedy: bool  # every real row is greedy: one argmax, no draw
     bias_size: int  # B, from BIAS_BUCKETS (0: no row has a logit_bias)
@@ -92,6 +93,7 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array | None  # [S] float32 raw logprob of the sampled token; None unless key.want_logprobs
     top_ids: jax.Array | None  # [S, MAX_LOGPROBS] int32, most likely first; None unless key.want_logprobs
     top_logprobs: jax.Array | None  # [S, MAX_LOGPROBS] float32
+    processed_logprobs: jax.Array | None = None  # [S] float32 the sampled token's under the processed distribution
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:

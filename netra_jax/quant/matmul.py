@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from netra_jax.quant import gpu, repack
-from netra_jax.quant.cpu_rows import cpu_rows_matmul, cpu_rows_q8_matmul
+from netra_jax.quant.cpu_rows import cpu_invariant_matmul, cpu_rows_matmul, cpu_rows_q8_matmul
 from netra_jax.quant.reference import reference_matmul
 from netra_jax.quant.weights import PermutedWeight, is_quantized
 
@@ -19,19 +19,25 @@ Kernel = Callable[..., jax.Array | None]
 # Backend name -> its kernels, tried in order before the reference. "xla": the reference alone (XLA's dot over
 # weights de-quantized in jnp); "cpu_rows": the CPU few-row FFI kernels for decode-sized float32 products;
 # "cpu_rows_q8": the same with GGML Q4_0 ... Q8_0, Q4_K and Q5_K products on int8 activations (llama.cpp's
-# arithmetic); "gpu": the Pallas W4A16 / W8A16 kernel for PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights
-# (CUDA GPUs with fp8, sm89+); "gpu_sm80": the Pallas kernel, fp8 weights as W8A16 (the reference); "gpu_interpret":
-# the Pallas kernel in the interpreter (CPU tests).
+# arithmetic); "cpu_invariant": every product on the CPU kernels whatever the number of rows, each output summed in
+# order (batch-invariant; ValueError for weights they do not read); "gpu": the Pallas W4A16 / W8A16 kernel for
+# PackedIntWeight and W8A8 on XLA's fp8 dot for fp8 weights (CUDA GPUs with fp8, sm89+); "gpu_sm80": the Pallas
+# kernel, fp8 weights as W8A16 (the reference); "gpu_interpret": the Pallas kernel in the interpreter (CPU tests).
 BACKENDS: dict[str, tuple[Kernel, ...]] = {
     "xla": (),
     "cpu_rows": (cpu_rows_matmul,),
     "cpu_rows_q8": (cpu_rows_q8_matmul,),
+    "cpu_invariant": (cpu_invariant_matmul,),
     "gpu": (gpu.packed_matmul, gpu.fp8_w8a8_matmul),
     "gpu_sm80": (gpu.packed_matmul,),
     "gpu_interpret": (gpu.packed_matmul_interpret,),
 }
 GPU_BACKENDS = ("gpu", "gpu_sm80")  # the backends whose kernels need a CUDA GPU
-CPU_BACKENDS = ("cpu_rows", "cpu_rows_q8")  # the backends whose kernels are the CPU FFI library's
+CPU_BACKENDS = ("cpu_rows", "cpu_rows_q8", "cpu_invariant")  # the backends whose kernels are the CPU FFI library's
+# Batch-invariant backends: a row's result never depends on the other rows of the call, and the forward sums its
+# norms and mixture-of-experts outputs in a fixed order too (`netra_jax.ops.invariant`): the engine's option
+# batch_invariant and `netra_jax.rl.sequence_logprobs` run it.
+ROW_INVARIANT = ("cpu_invariant",)
 MATMULS = tuple(BACKENDS)
 # Backend name -> the layout its kernels read a weight in (a function of one parameter, returning it as it is when
 # it needs nothing), applied once at load (`leaf_layout` as each parameter is placed, `weight_layout` over a tree);

@@ -17,7 +17,17 @@ from netra_jax.quant.weights import GGMLWeight, QuantizedWeight, is_quantized, s
 # parameter -> leading axes before its input axis: the experts (experts_gate_up [E, hidden, 2, I], experts_down
 # [E, I, hidden]) have one, so their scales and blocks are per expert (scales [E, *out], applied after the grouped
 # matmul in models/moe.py). The router stays in float.
-BATCH_DIMS = {"wq": 0, "wk": 0, "wv": 0, "wo": 0, "w_gate_up": 0, "w_down": 0, "experts_gate_up": 1, "experts_down": 1}
+BATCH_DIMS = {
+    "wq": 0,
+    "wk": 0,
+    "wv": 0,
+    "wo": 0,
+    "w_gate_up": 0,
+    "w_up": 0,
+    "w_down": 0,
+    "experts_gate_up": 1,
+    "experts_down": 1,
+}
 QUANTIZABLE = tuple(BATCH_DIMS)
 METHODS = ("int8", "int4", "fp8")
 _CHANNEL_FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # storage dtype, largest value

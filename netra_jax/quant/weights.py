@@ -195,8 +195,14 @@ def is_quantized(w) -> bool:
 
 def embedding_rows(table, ids: jax.Array) -> jax.Array:
     """table[ids] of an embedding table [vocab, hidden], float or GGML blocks (only the rows of `ids` are
-    de-quantized)."""
-    return table.rows(ids) if isinstance(table, GGMLWeight) else table[ids]
+    de-quantized). A float table split over an Explicit-axis mesh (`jax.sharding.AxisType.Explicit`, which wants a
+    gather's output sharding spelled out) gives its rows replicated over that mesh."""
+    if isinstance(table, GGMLWeight):
+        return table.rows(ids)
+    mesh = jax.typeof(table).sharding.mesh
+    if not mesh.explicit_axes:
+        return table[ids]
+    return table.at[ids].get(out_sharding=jax.sharding.NamedSharding(mesh, P()))
 
 
 def concatenate_outputs(parts: list, shape: tuple[int, ...]):

@@ -4,9 +4,10 @@ attends to each sequence's pages through its block table.
 
 Modules: `entry` (`attention`, differentiated as `dense.paged_attention_dense`), `registry` (`BACKENDS`,
 `auto_backend`), `reference` (the jnp reference), `cpu` (the reference with the C++ kernel), `dense` (the
-loop-free reference whose VJP is every backend's backward), `metadata` (`AttentionMetadata`), `work` (the host-side
-work lists), `write` (`write_kv`); the Pallas kernels are `netra_jax.ops.paged_attention_mosaic` and
-`netra_jax.ops.paged_attention_triton`, an int8 / fp8 cache's storage `netra_jax.ops.kv_quant`."""
+loop-free reference whose derivatives, forward and reverse mode, are every backend's), `metadata`
+(`AttentionMetadata`), `work` (the host-side work lists), `write` (`write_kv`); the Pallas kernels are
+`netra_jax.ops.paged_attention_mosaic` and `netra_jax.ops.paged_attention_triton`, an int8 / fp8 cache's storage
+`netra_jax.ops.kv_quant`."""
 
 from netra_jax.ops.attention.cpu import CPU_TOKEN_CONTEXT, cpu_backend, paged_attention_cpu
 from netra_jax.ops.attention.dense import paged_attention_dense

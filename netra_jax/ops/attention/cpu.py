@@ -1,5 +1,5 @@
 """The "cpu" attention backend: the jnp reference with its per-token rows (and short sequences' prompts) on the C++
-kernel of `netra_jax.ops.cpu_attention`."""
+kernel of `netra_jax.ops.cpu_attention`; and "cpu_invariant", every token on that kernel (batch-invariant)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,36 @@ def paged_attention_cpu(
     if md.work is not None:
         md = md.replace(work=_short_runs_per_token(with_token_layout(md, q.shape[0]), CPU_TOKEN_CONTEXT))
     return attend_by_work(q, k_pages, v_pages, md, _kernel_token_path, **kw)
+
+
+def paged_attention_cpu_invariant(
+    q: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """The batch-invariant "cpu_invariant" backend: every token on the C++ per-token kernel, whatever its sequence's
+    length, so a token's result depends on its query, its position and its keys alone (its keys are walked in order
+    of position in fixed 1024-position parts): the same in any batch, in a prefill chunk of any size, after a
+    prefix-cache hit or recomputed after preemption. float32 or bfloat16 queries (widened to float32; the result in
+    q's dtype) over float32, bfloat16 or quantized pages. Same arguments and result as the reference, up to float
+    rounding; ValueError when the kernels are not available or the pages' dtype is not one the kernel reads. Lowers
+    for CPU only. (Longer prompts cost more than on "cpu", which shares gathered keys between a block's queries.)"""
+    if q.dtype not in (jnp.float32, jnp.bfloat16) or not cpu_attention.reads_pages(k_pages):
+        raise ValueError(
+            "attention_backend 'cpu_invariant' takes float32 or bfloat16 queries over float32, bfloat16, int8 or fp8 "
+            f"pages; got {q.dtype} queries and {k_pages.dtype} pages"
+        )
+    if not cpu_kernels.available():
+        raise ValueError(f"attention_backend 'cpu_invariant' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    out = attend_by_work(q.astype(jnp.float32), k_pages, v_pages, md.replace(work=None), _kernel_token_path, **kw)
+    return out.astype(q.dtype)
 
 
 # The "cpu" backend's kernel takes every token of sequences with at most this context. Measured on SmolLM2 (2-core

@@ -13,31 +13,33 @@ from netra_jax.ops.attention.registry import BACKENDS
 from netra_jax.ops.kv_quant import Pages
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _with_dense_jvp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
     """`backend`'s attention, differentiated as `paged_attention_dense`. backend: the BACKENDS key (static)."""
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return BACKENDS[backend](q, k_pages, v_pages, md, **kw)
 
 
-def _with_dense_vjp_fwd(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
-    out = _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)
-    return out, (q, k_pages, v_pages, md, sinks)
+@functools.partial(jax.checkpoint, static_argnums=(0, 1, 2))
+def _dense(scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks):
+    """`paged_attention_dense`, rematerialized: reverse mode (which linearizes and transposes the JVP below) keeps
+    only these inputs from the forward pass and recomputes the scores in the backward, as a VJP rule would."""
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    return paged_attention_dense(q, k_pages, v_pages, md, **kw)
 
 
-def _with_dense_vjp_bwd(backend, scale, sliding_window, soft_cap, res, g):
-    q, k_pages, v_pages, md, sinks = res
+@_with_dense_jvp.defjvp
+def _with_dense_jvp_rule(backend, scale, sliding_window, soft_cap, primals, tangents):
+    """The backend's output (through `_with_dense_jvp` again, so that higher orders land here too) and the dense
+    reference's tangent, the metadata held fixed (integer: no tangent)."""
+    q, k_pages, v_pages, md, sinks = primals
+    dq, dk, dv, _, dsinks = tangents
 
     def dense(q, k_pages, v_pages, sinks):
-        kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
-        return paged_attention_dense(q, k_pages, v_pages, md, **kw)
+        return _dense(scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)
 
-    _, vjp = jax.vjp(dense, q, k_pages, v_pages, sinks)
-    dq, dk, dv, dsinks = vjp(g)
-    return dq, dk, dv, None, dsinks  # the integer metadata has no cotangent
-
-
-_with_dense_vjp.defvjp(_with_dense_vjp_fwd, _with_dense_vjp_bwd)
+    _, tangent = jax.jvp(dense, (q, k_pages, v_pages, sinks), (dq, dk, dv, dsinks))
+    return _with_dense_jvp(backend, scale, sliding_window, soft_cap, *primals), tangent
 
 
 def attention(
@@ -54,10 +56,11 @@ def attention(
 ) -> jax.Array:
     """Ragged paged attention through the selected backend (see `BACKENDS`). Shapes as in the reference.
 
-    Reverse-mode differentiable on every backend with respect to q, k_pages, v_pages and sinks (zero for the
-    metadata): the forward is the backend's, the backward `paged_attention_dense`'s (see the module docstring for
-    its memory cost).
+    Differentiable on every backend, forward mode (`jax.jvp`, `jax.linearize`, `jax.jacfwd`) and reverse mode
+    (`jax.grad`, `jax.vjp`) to any order, with respect to q, k_pages, v_pages and sinks (zero for the metadata): the
+    forward is the backend's, the derivatives `paged_attention_dense`'s (see the module docstring for their memory
+    cost).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
-    return _with_dense_vjp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)
+    return _with_dense_jvp(backend, scale, sliding_window, soft_cap, q, k_pages, v_pages, md, sinks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from netra_jax.ops.attention.cpu import cpu_backend, paged_attention_cpu
+from netra_jax.ops.attention.cpu import cpu_backend, paged_attention_cpu, paged_attention_cpu_invariant
 from netra_jax.ops.attention.reference import paged_attention_reference
 from netra_jax.ops.kv_quant import QUANTIZED_KV_CACHE_DTYPES
 from netra_jax.ops.paged_attention_mosaic import (
@@ -67,6 +67,7 @@ def backend_refuses_kv(backend: str, kv_cache_dtype: str) -> str | None:
 BACKENDS = {
     "reference": paged_attention_reference,
     "cpu": paged_attention_cpu,
+    "cpu_invariant": paged_attention_cpu_invariant,
     "triton": paged_attention_triton,
     "triton_interpret": paged_attention_triton_interpret,
     "mosaic": paged_attention_mosaic,
