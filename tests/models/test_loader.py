@@ -307,13 +307,13 @@ def test_gguf_tensor_table_with_wrong_type_or_shape_is_refused(tmp_path):
 
 
 def test_unsupported_architectures(tmp_path):
-    path = write_gguf(tmp_path / "g.gguf", "gpt2", {"gpt2.block_count": 1}, {"a": np.ones((2, 32), np.float32)})
-    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'.*llama, qwen2, qwen3, gemma3"):
+    path = write_gguf(tmp_path / "g.gguf", "falcon", {"falcon.block_count": 1}, {"a": np.ones((2, 32), np.float32)})
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, gemma2"):
         load_model(path, cache=False)
     d = tmp_path / "hf"
     shutil.copytree(FIXTURES / "tiny-llama", d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["FalconForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
         load_model(d, cache=False)
