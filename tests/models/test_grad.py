@@ -235,8 +235,8 @@ def test_forward_dense_matches_transformers_and_forward(name):
 
 
 def test_forward_dense_vmaps_over_a_batch():
-    """Logits and gradients of a batch under vmap equal those of its sequences one by one (a dense model: MoE
-    layers do not vmap, see `forward_dense`)."""
+    """Logits and gradients of a batch under vmap equal those of its sequences one by one (a dense model; MoE
+    models: tests/models/test_moe_vmap.py)."""
     cfg, params = load("tiny-gemma3")
     ids = prompt("tiny-gemma3")
     batch = jnp.stack([ids, ids[::-1]])  # [2, T]
