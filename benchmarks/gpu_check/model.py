@@ -1,7 +1,8 @@
 """Section `model`: the Llama-3-8B-shaped model with random bf16 weights (`load_format="dummy"`) through
 `netra_jax.LLM.generate`: time to ready (build + warm-up), batch-1 decode tok/s and its memory-bandwidth use (MBU:
 weight + KV bytes read per token over the measured copy bandwidth), output throughput at larger batches, and the
-compilations that happen after warm-up (there should be none).
+compilations that happen after warm-up (there should be none); then an RL trainer's weight swaps and sleep / wake-up
+times on it (`benchmarks.rl_swap.measure_swaps`).
 
 The warm-up is the engine's (`LLMEngine.warmup`: every step variant, then the sampler variants), run here one step
 variant at a time, the ones the benchmarks use first, under a time cap, with each compile timed: a full warm-up of
@@ -21,6 +22,7 @@ import jax
 from benchmarks.gpu_check import engine_settings
 from benchmarks.gpu_check.common import Section, decode_rate, sig
 from benchmarks.gpu_check.model_dir import ensure_model_dir, kv_bytes_per_token, model_config, weight_bytes
+from benchmarks.rl_swap import measure_swaps
 
 
 class CompileLog(logging.Handler):
@@ -167,3 +169,5 @@ def run(sec: Section) -> None:
         logger.removeHandler(log)
     steps = [n for n in log.names if n.startswith(("jit(_step", "jit(sample_tokens", "jit(token_logprobs"))]
     sec.set("compiles_after_warmup", {"total": len(log.names), "model_steps": len(steps), "names": log.names[:20]})
+    # an RL trainer's swaps on this model: update_params (referenced / host copies) and sleep / wake_up levels 1, 2
+    sec.attempt("rl_swap", {}, functools.partial(measure_swaps, llm, 3), need_s=5 if sec.dry else 40)

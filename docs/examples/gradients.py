@@ -35,7 +35,7 @@ d = d / jnp.linalg.norm(d)
 
 
 def loss_along(eps):
-    shifted = jax.tree.map(lambda a: a, params)
+    shifted = params.unfreeze()  # plain dicts and lists over the same arrays (llm.params is read-only)
     shifted["layers"][-1] = {**shifted["layers"][-1], "w_down": w + eps * d}
     return loss(shifted, embeds)
 

@@ -3,7 +3,6 @@
 
 import sys
 
-import jax
 import numpy as np
 
 from netra_jax import LLM, Hooks
@@ -18,7 +17,7 @@ mask[head] = 0.0
 masked = llm.run_with_hooks(prompt, Hooks(head_mask={layer: mask})).logits  # [T, vocab]
 
 # the same ablation in the weights: the head's rows of the output projection wo [q_heads * head_dim, hidden]
-params = jax.tree.map(lambda a: a, llm.params)  # a shallow copy of the live pytree
+params = llm.params.unfreeze()  # plain dicts and lists over the live arrays (llm.params itself is read-only)
 wo = np.array(params["layers"][layer]["wo"])
 wo[head * cfg.head_dim : (head + 1) * cfg.head_dim] = 0.0
 params["layers"][layer] = {**params["layers"][layer], "wo": wo}

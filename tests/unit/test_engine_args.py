@@ -84,6 +84,9 @@ CLI_FLAGS = [  # OTHER as command-line flags
 # the LoRA options, non-default (they need one device and no speculation, unlike OTHER)
 LORA = dict(model=MODEL, enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5)
 LORA_FLAGS = [MODEL, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8", "--max-cpu-loras", "5"]
+# batch_invariant picks the kernels itself (it needs the backends at "auto", one device, no LoRA)
+INVARIANT = dict(model=MODEL, batch_invariant=True)
+INVARIANT_FLAGS = [MODEL, "--batch-invariant"]
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -111,7 +114,7 @@ def _llm_config(monkeypatch, **kw):
 
 
 def test_every_option_has_one_default_everywhere():
-    assert set(OTHER) | set(LORA) | {"warmup", "enforce_eager", "pooler_config"} == set(
+    assert set(OTHER) | set(LORA) | set(INVARIANT) | {"warmup", "enforce_eager", "pooler_config"} == set(
         NAMES
     )  # the table covers every option
     assert engine_args(_cli([])) == EngineArgs()  # the flags' defaults are EngineArgs'
@@ -131,6 +134,16 @@ def test_the_three_ways_in_build_the_same_config_from_the_same_values(monkeypatc
     assert cli == reference and ray == reference and llm == reference
     for name, value in OTHER.items():  # and every value arrived (none was dropped on the way)
         assert getattr(engine_args(_cli(CLI_FLAGS)), name) == value, name
+
+
+def test_batch_invariant_options_agree(monkeypatch):
+    reference = EngineArgs(**INVARIANT).create_engine_config()
+    assert (reference.attention_backend, reference.matmul_backend) == ("cpu_invariant", "cpu_invariant")
+    assert engine_config(_cli(INVARIANT_FLAGS)) == reference
+    assert EngineArgs.from_strings({k: str(v) for k, v in INVARIANT.items()}).create_engine_config() == reference
+    assert _llm_config(monkeypatch, **INVARIANT) == dataclasses.replace(reference, warmup=False)
+    with pytest.raises(ValueError, match="attention_backend='reference' conflicts"):
+        EngineArgs(**INVARIANT, attention_backend="reference").create_engine_config()
 
 
 def test_lora_options_agree(monkeypatch):
