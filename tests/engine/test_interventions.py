@@ -50,7 +50,7 @@ def _from_layer(llm, k: int):
 def _ablated(llm, layer: int, head: int):
     """The parameters with head `head` of layer `layer` cut from the attention output projection (its rows of wo)."""
     cfg = llm.model_config
-    params = jax.tree.map(lambda a: a, llm.params)
+    params = llm.params.unfreeze()  # plain dicts and lists over the live arrays
     lp = dict(params["layers"][layer])
     wo = np.array(lp["wo"])  # [q_heads * head_dim, hidden]
     wo[head * cfg.head_dim : (head + 1) * cfg.head_dim] = 0
@@ -64,7 +64,7 @@ def _check_idle(llm):
     assert not eng.has_unfinished_requests()
     eng.pool.check_invariant()
     assert eng.pool.num_in_use == 0  # no KV block leaked
-    assert eng.runner.hooks is None
+    assert not eng.runner._hooked and not eng.runner._hook_sets  # every hooked request let go of its set
 
 
 def test_recording_changes_nothing_and_maps_rows_to_positions(llm):
@@ -240,13 +240,11 @@ def test_bad_hooks_are_clear_errors_and_the_engine_keeps_serving(llm, make, matc
 
 def test_bad_weight_updates_are_refused(llm):
     params = llm.params
-    wrong_shape = jax.tree.map(lambda a: a, params)
+    wrong_shape = params.unfreeze()
     wrong_shape["final_norm"] = np.ones(3, np.float32)
     with pytest.raises(ValueError, match=r"final_norm.*expected float32"):
         llm.update_params(wrong_shape)
     with pytest.raises(ValueError, match="structure"):
         llm.update_params({"embed": params["embed"]})
-    with pytest.raises(ValueError, match="n=1"):
-        llm.generate([_prompt(0)], SamplingParams(n=2, max_tokens=2), use_tqdm=False, hooks=Hooks())
     assert llm.params is params
     _check_idle(llm)
