@@ -187,7 +187,8 @@ def step_costs(model: str, repeats: int) -> dict:
 
     def gen(llm, n: int, users: int) -> float:
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        reqs = [{"prompt_token_ids": [i + 2, *PROMPT_IDS]} for i in range(users)]  # no prefix-cache hits
+        reqs = [{"prompt_token_ids": [i + 2, *PROMPT_IDS]} for i in range(users)]  # no hits between them
+        llm.reset_prefix_cache()  # nor from the previous round: every prompt is prefilled whole
         return _timed(lambda: llm.generate(reqs, sp, use_tqdm=False), 1)
 
     n = 16
