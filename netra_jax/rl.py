@@ -14,7 +14,7 @@ and the same device function computes the logprobs (`ops.sampling.sampled_logpro
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -52,7 +52,7 @@ class SequenceLogprobs(NamedTuple):
 
 
 def sequence_logprobs(
-    params,
+    params: Mapping,
     cfg: ModelConfig,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
     output_ids: Sequence[int] | Sequence[Sequence[int]],
@@ -78,8 +78,9 @@ def sequence_logprobs(
             temperature, top_k, top_p, min_p, penalties, logit_bias and min_tokens shape the processed distribution.
         kv_cache_dtype: The engine's `kv_cache_dtype` ("auto": the weights' dtype): the keys and values are read back
             from a cache of this type.
-        backend, matmul_backend: The attention and matmul backends; the defaults are the batch-invariant engine's.
-            Others give the same numbers up to rounding.
+        backend: The attention backend; the default is the batch-invariant engine's. Others give the same numbers
+            up to rounding.
+        matmul_backend: The matmul backend, likewise.
 
     Returns:
         A SequenceLogprobs of [len(output_ids)] float32 arrays; for a list of prompts, one per prompt.
