@@ -302,8 +302,8 @@ def test_gguf_engine_matches_transformers(name):
 
 
 def test_gguf_q8_0_keeps_the_linear_weights_in_blocks(tmp_path):
-    """A Q8_0 GPT-NeoX file: the output and down projections stay in their blocks, the fused q/k/v (split into
-    wq, wk, wv) and the ungated up projection are de-quantized; the logits stay near the float model's."""
+    """A Q8_0 GPT-NeoX file: the output, ungated up and down projections stay in their blocks, the fused q/k/v
+    (split into wq, wk, wv) is de-quantized; the logits stay near the float model's."""
     from support.hf_to_gguf import requantized
 
     from netra_jax.quant import GGMLWeight
@@ -311,8 +311,8 @@ def test_gguf_q8_0_keeps_the_linear_weights_in_blocks(tmp_path):
     path = requantized(GGUF / "tiny-pythia.gguf", tmp_path / "q8.gguf", "Q8_0")
     cfg, params = load_model(path, "float32", cache=False)
     lp = params["layers"][0]
-    assert isinstance(lp["wo"], GGMLWeight) and isinstance(lp["w_down"], GGMLWeight)
-    assert all(isinstance(lp[k], jax.Array) for k in ("wq", "wk", "wv", "w_up"))
+    assert all(isinstance(lp[k], GGMLWeight) for k in ("wo", "w_up", "w_down"))
+    assert all(isinstance(lp[k], jax.Array) for k in ("wq", "wk", "wv"))
     ref, logits = reference("tiny-pythia")
     got = np.asarray(forward_dense(params, cfg, jnp.asarray(ref["cases"][1]["prompt_ids"])))
     assert np.abs(got - logits["logits_1"]).max() < 0.05 * np.abs(logits["logits_1"]).max()
