@@ -75,7 +75,6 @@ LAYER_POINTS = (
     "resid_post",
 )
 MODEL_POINTS = ("final_norm", "logits")
-HOOK_POINTS = LAYER_POINTS  # the per-layer points (the name older code imports)
 DENSE_MLP_POINTS = ("mlp_pre", "mlp_post")  # not in mixture-of-experts layers
 MODEL_LAYER = -1  # the `layer` of the model-level points in a hook spec
 _NAME = re.compile(r"layers\.(\d+)\.([a-z_]+)")
