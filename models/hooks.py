@@ -55,6 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from netra_jax.ops.attention.metadata import AttentionMetadata
+from netra_jax.ops.attention.pattern import attend_probs, attention_probs
+
 if TYPE_CHECKING:
     from netra_jax.config import ModelConfig
 
@@ -432,6 +435,29 @@ def apply_point(
     if any(point in lh.records for _, lh in lg.groups):
         records[hook_name(lg.layer, point)] = x
     return x
+
+
+def hook_context(md: AttentionMetadata, positions: jax.Array, request=None, group=None) -> HookContext:
+    """The per-row context of a step's hooks: positions [T], request [T] each row's request index (default 0) and
+    group [T] its hook set (default 0); both -1 on padding rows (`md.layout.valid` False)."""
+    valid = md.layout.valid  # [T]
+    request = jnp.where(valid, 0, -1) if request is None else request  # [T] int32
+    group = jnp.where(valid, 0, -1) if group is None else group  # [T] int32
+    return HookContext(positions=positions, valid=valid, request=request, group=group)
+
+
+def pattern_point(o, q, kp, vp, md: AttentionMetadata, sinks, masking: dict, lg: LayerGroups, ctx, num_keys, point):
+    """The `pattern` hook point of a layer: the probabilities of queries q [T, q_heads, head_dim] over the keys in
+    kp (`netra_jax.ops.attention.pattern`, with the layer's `masking`: scale, sliding window, soft-cap), through
+    `point`; rows of a hook set that edits the pattern take attention recomputed from the edited probabilities
+    instead of the kernel's output o [T, q_heads, head_dim]."""
+    probs = attention_probs(q, kp, md, **masking, sinks=sinks, num_keys=num_keys)  # [T, q_heads, K]
+    probs = point("pattern", probs)
+    editing = [g for g, lh in lg.groups if lh.edit_fn("pattern") is not None]
+    if not editing:
+        return o
+    edited = jnp.isin(ctx.group, jnp.asarray(editing, jnp.int32))[:, None, None]  # [T, 1, 1]
+    return jnp.where(edited, attend_probs(probs, vp, md).astype(o.dtype), o)
 
 
 def patch(x: jax.Array, ctx: HookContext) -> jax.Array:

@@ -55,17 +55,19 @@ from netra_jax.config import ModelConfig
 from netra_jax.models.head_parallel import auto_axes_layer, forward_mesh, head_parallel
 from netra_jax.models.hooks import (
     MODEL_LAYER,
-    HookContext,
     Hooks,
     HookSpec,
     LayerGroups,
     StepHooks,
     apply_point,
+    hook_context,
     layer_inputs,
+    pattern_point,
     step_hooks,
 )
 from netra_jax.models.lora import LayerLoRA, from_device_major, lora_delta
 from netra_jax.models.moe import moe_mlp
+from netra_jax.models.norms import activation, norm, rms_norm
 from netra_jax.models.rope import rope, rope_tables
 from netra_jax.models.weight_map import TP
 from netra_jax.ops import cpu_decode_layer
@@ -76,8 +78,6 @@ from netra_jax.ops.attention import (
     write_kv,
 )
 from netra_jax.ops.attention.paged_batch import build_batch
-from netra_jax.ops.attention.pattern import attend_probs, attention_probs
-from netra_jax.ops.invariant import tree_mean
 from netra_jax.ops.kv_quant import Pages, empty_pages
 from netra_jax.quant import ROW_INVARIANT, embedding_rows, matmul
 
@@ -110,44 +110,6 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
         return empty_pages(shape, dtype, sharding)
 
     return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
-
-
-def _mean(x: jax.Array, invariant: bool) -> jax.Array:
-    """The mean over the last axis, keeping it: XLA's reduce, or (invariant) summed in a fixed order."""
-    return tree_mean(x)[..., None] if invariant else jnp.mean(x, axis=-1, keepdims=True)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, invariant: bool = False) -> jax.Array:
-    """RMSNorm in float32, result in x's dtype. x: [..., dim]; w: [dim]. invariant: sum in a fixed order
-    (`netra_jax.ops.invariant`; the batch-invariant backends), so a row's result never depends on the other rows."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(_mean(xf * xf, invariant) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array | None, eps: float, invariant: bool = False) -> jax.Array:
-    """LayerNorm in float32 (centred, divided by the standard deviation, times w plus b), result in x's dtype.
-    x: [..., dim]; w, b: [dim] (b None: no bias). invariant: as `rms_norm`'s."""
-    xf = x.astype(jnp.float32)
-    xc = xf - _mean(xf, invariant)
-    y = xc * jax.lax.rsqrt(_mean(xc * xc, invariant) + eps) * w.astype(jnp.float32)
-    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
-
-
-def norm(x: jax.Array, p: dict, name: str, cfg: ModelConfig, mb: str = "xla") -> jax.Array:
-    """The model's norm `name` of parameter dict p (a layer's, or the whole pytree for final_norm) applied to x
-    [..., hidden]: `rms_norm` with p[name], or with cfg.norm_kind "layernorm" `layer_norm` with p[name] and its bias
-    p[name + "_bias"] when present. mb: the matmul backend; a batch-invariant one (`quant.ROW_INVARIANT`) sums the
-    norm in a fixed order too."""
-    invariant = mb in ROW_INVARIANT
-    if cfg.norm_kind == "layernorm":
-        return layer_norm(x, p[name], p.get(f"{name}_bias"), cfg.rms_norm_eps, invariant)
-    return rms_norm(x, p[name], cfg.rms_norm_eps, invariant)
-
-
-def _activation(x: jax.Array, name: str) -> jax.Array:
-    """The MLP's activation `name` (`netra_jax.config.ACTIVATIONS`): silu, gelu (exact) or gelu_tanh."""
-    return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=name == "gelu_tanh")
 
 
 def _linear(x: jax.Array, w, b: jax.Array | None = None, mb: str = "xla") -> jax.Array:
@@ -184,7 +146,7 @@ def _ungated_mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, m
         inter = pre.shape[1]
         d = from_device_major(lora_delta(x, lora[0]["gate_up"], lora[1], mb), [inter, inter], _tp(mesh))
         pre = pre + d[:, inter:]
-    h = point("mlp_post", _activation(point("mlp_pre", pre), cfg.hidden_act))
+    h = point("mlp_post", activation(point("mlp_pre", pre), cfg.hidden_act))
     return _with_lora(_linear(h, lp["w_down"], lp.get("b_down"), mb), h, lora, "down", mb)
 
 
@@ -199,7 +161,7 @@ def _mlp(x: jax.Array, lp: dict, cfg: ModelConfig, mb: str, lora=None, mesh=None
         d = from_device_major(lora_delta(x, lora[0]["gate_up"], lora[1], mb), [inter, inter], _tp(mesh))
         gu = (gu.reshape(T, 2 * inter) + d).reshape(T, 2, inter)
     gate, up = point("mlp_pre", gu[:, 0]), gu[:, 1]
-    act = _activation(gate, cfg.hidden_act)
+    act = activation(gate, cfg.hidden_act)
     h = point("mlp_post", act * up)
     return _with_lora(_linear(h, lp["w_down"], mb=mb), h, lora, "down", mb)
 
@@ -286,7 +248,7 @@ def _layer(
     mb = matmul_backend
     o, kp, vp, q = _attention_heads(h, lp, cfg, i, positions, kp, vp, md, backend, mesh, mb, lora, point)
     if hooks is not None and hooks.touches("pattern"):  # o: [T, q_heads, head_dim]
-        o = _pattern_point(o, q, kp, vp, md, lp.get("sinks"), cfg, i, hooks, hook_ctx, pattern_keys, point)
+        o = pattern_point(o, q, kp, vp, md, lp.get("sinks"), _masking(cfg, i), hooks, hook_ctx, pattern_keys, point)
     o = point("attn_heads", o).reshape(T, cfg.q_size)
     h = _with_lora(_linear(o, lp["wo"], lp.get("bo"), mb), o, lora, "o", mb)
     if cfg.sandwich_norms:
@@ -298,19 +260,6 @@ def _layer(
         h = norm(h, lp, "post_mlp_norm", cfg, matmul_backend)
     x = point("resid_post", x + point("mlp_out", h))
     return x, kp, vp, records
-
-
-def _pattern_point(o, q, kp, vp, md, sinks, cfg: ModelConfig, i: int, hooks: LayerGroups, ctx, num_keys, point):
-    """The `pattern` hook point of layer i: the probabilities of queries q [T, q_heads, head_dim] over the keys in
-    kp (`netra_jax.ops.attention.pattern`), through the hooks; rows of a hook set that edits the pattern take
-    attention recomputed from the edited probabilities instead of the kernel's output o [T, q_heads, head_dim]."""
-    probs = attention_probs(q, kp, md, **_masking(cfg, i), sinks=sinks, num_keys=num_keys)  # [T, q_heads, K]
-    probs = point("pattern", probs)
-    editing = [g for g, lh in hooks.groups if lh.edit_fn("pattern") is not None]
-    if not editing:
-        return o
-    edited = jnp.isin(ctx.group, jnp.asarray(editing, jnp.int32))[:, None, None]  # [T, 1, 1]
-    return jnp.where(edited, attend_probs(probs, vp, md).astype(o.dtype), o)
 
 
 def fuse_qkv(params: dict) -> dict:
@@ -394,7 +343,7 @@ def hidden_states(
         if isinstance(hooks, Hooks):
             hooks.check(cfg)
         hooks, hook_arrays = step_hooks(hooks, hook_arrays)
-        ctx = _hook_context(md, positions, hook_request, hook_group)
+        ctx = hook_context(md, positions, hook_request, hook_group)
     new_k, new_v = [], []
     records: dict[str, jax.Array] = {}
     first_of_kind: dict = {}  # layers alike (window, rope, MoE) share one traced layer: the first of their kind
@@ -460,15 +409,6 @@ def hidden_states(
         normed = norm(x if rows is None else x[rows], params, "final_norm", cfg, matmul_backend)
     out = normed, KVCache(k=new_k, v=new_v)
     return out if hooks is None else (*out, records)
-
-
-def _hook_context(md: AttentionMetadata, positions, request=None, group=None) -> HookContext:
-    """The per-row context of the hooks: request [T] each row's request index (default 0) and group [T] its hook
-    set (default 0); both -1 on padding rows."""
-    valid = md.layout.valid  # [T]
-    request = jnp.where(valid, 0, -1) if request is None else request  # [T] int32
-    group = jnp.where(valid, 0, -1) if group is None else group  # [T] int32
-    return HookContext(positions=positions, valid=valid, request=request, group=group)
 
 
 def unembed(params: dict, cfg: ModelConfig, x: jax.Array, *, matmul_backend: str = "xla") -> jax.Array:
@@ -558,7 +498,7 @@ def forward(
     logits = unembed(params, cfg, out[0], matmul_backend=matmul_backend)  # [S or T, vocab]
     if hook_logits:
         md = with_token_layout(md, logits.shape[0])
-        ctx = _hook_context(md, positions, hook_request, hook_group)
+        ctx = hook_context(md, positions, hook_request, hook_group)
         logits = apply_point(logits, "logits", top, ctx, layer_inputs(hook_arrays, top), out[2])
         logits = logits if logits_indices is None else logits[logits_indices]
     return (logits, *out[1:])

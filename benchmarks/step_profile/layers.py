@@ -37,8 +37,9 @@ def profile(cfg, params, rows: int, context: int, repeats: int) -> dict:
     import numpy as np
 
     from netra_jax import paged
+    from netra_jax.models.norms import rms_norm
     from netra_jax.models.rope import rope_tables
-    from netra_jax.models.transformer import KVCache, forward, init_kv_cache, rms_norm
+    from netra_jax.models.transformer import KVCache, forward, init_kv_cache
     from netra_jax.ops import cpu_decode_layer, cpu_matmul
 
     pages_per = -(-(context + 1) // 16)
