@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.config import ModelConfig
@@ -31,11 +30,11 @@ from netra_jax.engine.spec import accept, make_proposer
 from netra_jax.engine.spec.policy import Speculation
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
 from netra_jax.engine.warmup import WarmupReport, warm_up
+from netra_jax.engine.weights import Sleep, placed_like
 from netra_jax.engine_config import EngineConfig
 from netra_jax.lora_request import LoRARequest
-from netra_jax.models.frozen_params import FrozenParams, freeze, unfreeze
+from netra_jax.models.frozen_params import FrozenParams, freeze
 from netra_jax.models.hooks import Hooks
-from netra_jax.models.transformer import fuse_qkv
 from netra_jax.ops import sampling
 from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.pooling import NOT_AN_EMBEDDING_ENGINE, PoolingSpec, pooling_spec
@@ -158,8 +157,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
         self.activations = ActivationRecorder()  # what hooked requests' hooks record (see add_request's hooks)
         self._live_params = self.runner.params  # the weights the prefix cache was computed with
-        self._kv_asleep: list | None = None  # while asleep (`sleep`): each runner's KV cache layout
-        self._weights_asleep: list | None = None  # level 2: each runner's (host weights, their device layout)
+        self._sleep = Sleep()  # what `sleep` keeps of the KV caches and weights
         self._frozen: tuple | None = None  # (params, their read-only view), see frozen_params
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # scheduler request id -> its sample
@@ -180,7 +178,7 @@ class LLMEngine:
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's storage type, e.g. "float32", "int8", "float8_e4m3fn"."""
-        kv = self.runner.kv if self._kv_asleep is None else self._kv_asleep[0]  # (asleep: its layout)
+        kv = self.runner.kv if self._sleep.kv is None else self._sleep.kv[0]  # (asleep: its layout)
         return str(kv.k[0].dtype)
 
     def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
@@ -327,7 +325,7 @@ class LLMEngine:
     def params(self):
         """The parameter pytree the steps run (swap it through `update_params`); while the weights sleep, their host
         copy."""
-        return self.runner.params if self._weights_asleep is None else self._weights_asleep[0][0]
+        return self.runner.params if self._sleep.weights is None else self._sleep.weights[0][0]
 
     def frozen_params(self) -> FrozenParams:
         """`params` as a read-only view (`models.frozen_params.FrozenParams`, what `LLM.params` gives), the same
@@ -403,31 +401,11 @@ class LLMEngine:
         the device and count as awake. RuntimeError while requests run; ValueError for a mismatched pytree."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot update the weights while requests are running; finish or abort them first")
-        old = self.runner.params if self._weights_asleep is None else self._weights_asleep[0][1]  # (its layout)
-        old_leaves, treedef = jax.tree.flatten_with_path(old)
-        params = unfreeze(params)
-        new_leaves, new_def = jax.tree.flatten_with_path(params)
-        joined = any("wqkv" in lp for lp in old.get("layers", ()))
-        if new_def != treedef and joined and isinstance(params, dict) and isinstance(params.get("layers"), list):
-            # q, k and v apart, as `load_model` gives them, for an engine that holds them joined (CPU): join them too
-            new_leaves, new_def = jax.tree.flatten_with_path(fuse_qkv(params))
-        if new_def != treedef:
-            raise ValueError(f"new params do not have the structure of the model's pytree: {new_def} vs {treedef}")
-        placed = []
-        for (path, a), (_, b) in zip(old_leaves, new_leaves, strict=True):
-            dtype = np.dtype(getattr(b, "dtype", None))
-            floats = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(a.dtype, jnp.floating)
-            if np.shape(b) != a.shape or (dtype != a.dtype and not floats):
-                name = jax.tree_util.keystr(path)
-                raise ValueError(
-                    f"params{name}: expected {a.dtype}{list(a.shape)}, got {getattr(b, 'dtype', type(b).__name__)}"
-                    f"{list(np.shape(b))}"
-                )
-            placed.append(jax.device_put(b, a.sharding).astype(a.dtype))  # both no-ops when they agree
-        self.runner.params = self._live_params = jax.tree.unflatten(treedef, placed)
+        old = self.runner.params if self._sleep.weights is None else self._sleep.weights[0][1]  # (its layout)
+        self.runner.params = self._live_params = placed_like(old, params)
         self._frozen = None  # (its view would keep the old weights alive)
-        if self._weights_asleep is not None:  # the new weights are on the device: awake (a draft model's too)
-            self._wake_weights()
+        if self._sleep.weights is not None:  # the new weights are on the device: awake (a draft model's too)
+            self._sleep.wake_weights(self._runners(), first=1)
         self.pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ sleep (vLLM's sleep mode)
@@ -442,17 +420,8 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("cannot sleep while requests are running; finish or abort them first")
         self.pool.reset_prefix_cache()
-        runners = self._runners()
-        if self._kv_asleep is None:
-            self._kv_asleep = [_layout(r.kv) for r in runners]
-            for r in runners:
-                for a in jax.tree.leaves(r.kv):
-                    a.delete()
-                r.kv = None
-        if level == 2 and self._weights_asleep is None:
-            self._weights_asleep = [(jax.device_get(r.params), _layout(r.params)) for r in runners]
-            for r in runners:
-                r.params = None
+        self._sleep.sleep(self._runners(), level)
+        if level == 2:
             self._live_params = self._frozen = None
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -463,26 +432,16 @@ class LLMEngine:
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: 'weights', 'kv_cache'")
-        if "weights" in tags and self._weights_asleep is not None:
-            for r, (host, layout) in zip(self._runners(), self._weights_asleep, strict=True):
-                r.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, layout)
-            self._live_params = self.runner.params
-            self._wake_weights()
-        if "kv_cache" in tags and self._kv_asleep is not None:
-            for r, layout in zip(self._runners(), self._kv_asleep, strict=True):
-                r.kv = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), layout)
-            self._kv_asleep = None
+        if "weights" in tags and self._sleep.weights is not None:
+            self._sleep.wake_weights(self._runners())
+            self._live_params, self._frozen = self.runner.params, None
+        if "kv_cache" in tags and self._sleep.kv is not None:
+            self._sleep.wake_kv(self._runners())
         self.pool.reset_prefix_cache()
 
     def is_sleeping(self) -> bool:
         """Whether the KV cache or the weights sleep (vLLM's `is_sleeping`)."""
-        return self._kv_asleep is not None or self._weights_asleep is not None
-
-    def _wake_weights(self) -> None:
-        """The weights count as awake: the main model's are on the device; a draft model's come back too."""
-        for r, (host, layout) in list(zip(self._runners(), self._weights_asleep, strict=True))[1:]:
-            r.params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, layout)
-        self._weights_asleep = self._frozen = None
+        return self._sleep.asleep
 
     def _check_awake(self) -> None:
         if self.is_sleeping():
@@ -690,8 +649,3 @@ class LLMEngine:
             self._sample_of.pop(sample.request.request_id, None)
             self.runner.drop_hooked(sample.request.request_id)
             self.activations.discard(sample.request.request_id)
-
-
-def _layout(tree):
-    """Each array of `tree` as a ShapeDtypeStruct with its sharding (what it takes to place or allocate it again)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
