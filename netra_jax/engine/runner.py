@@ -390,6 +390,8 @@ class ModelRunner:
         """The step's hook arguments: the specs of the hook sets its requests run (in registration order), their
         arrays, each token's request index and hook set [T] (-1: none), and the keys a hooked pattern spans (the
         longest hooked sequence, rounded up to a power of two); {} when no scheduled request has hooks."""
+        if not self._hooked:  # the common step: no request has hooks
+            return {}
         entries = [self._hooked.get(sr.request_id) for sr in out.scheduled]
         sets = sorted({id(e[0]): e[0] for e in entries if e is not None}.values(), key=lambda h: h.serial)
         if not sets:
