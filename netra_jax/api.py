@@ -97,6 +97,8 @@ class LLM:
             compiled before the first call, which is already the default; True together with warmup=True is a
             ValueError. Every step still runs as one compiled XLA program.
         compilation_cache_dir: The persistent XLA compilation cache; None: <cache dir>/xla, "": off.
+        compiled: A directory of programs compiled ahead of time by `netra-jax compile` for this model and these
+            options: loaded instead of compiled when they match (else a warning names what differs).
         task: "generate", or "embed": an embedding model, used through `embed`.
         pooler_config: Task "embed": a PoolerConfig, or a dict with pooling_type LAST | MEAN | CLS and normalize,
             over the checkpoint's own pooling.
@@ -152,6 +154,7 @@ class LLM:
         warmup: bool = False,
         enforce_eager: bool = False,
         compilation_cache_dir: str | None = None,
+        compiled: str | os.PathLike | None = None,
         task: str = "generate",
         pooler_config: PoolerConfig | dict | None = None,
         load_format: str = "auto",
@@ -192,6 +195,7 @@ class LLM:
             warmup=warmup,
             enforce_eager=enforce_eager,
             compilation_cache_dir=compilation_cache_dir,
+            compiled=str(compiled) if compiled is not None else None,
             task=task,
             pooler_config=pooler_config,
             load_format=load_format,

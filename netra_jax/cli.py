@@ -1,6 +1,7 @@
 """`netra-jax` command line: serve (OpenAI-compatible HTTP), chat / generate (one-off prompts), batch (OpenAI Batch
-JSONL) and bench. Engine flags follow vLLM's names; with no MODEL the embedded default model is used. A model that
-cannot be loaded, or a chat without a chat template, is reported in one line with exit status 2."""
+JSONL), compile (every program of one configuration, for a target machine) and bench. Engine flags follow vLLM's
+names; with no MODEL the embedded default model is used. A model that cannot be loaded, or a chat without a chat
+template, is reported in one line with exit status 2."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import sys
 
 from netra_jax.engine_args import CLIError, add_engine_args, engine_config, load_engine, one_line
+from netra_jax.targets import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,35 @@ def _one_off(a: argparse.Namespace, chat: bool) -> int:
     return 0
 
 
+def _compile(a: argparse.Namespace) -> int:
+    """`netra-jax compile`: the engine's programs for `--target`, written to `--output` (engine/aot.py)."""
+    import time
+
+    import jax
+
+    from netra_jax.engine.aot import compile_bundle
+    from netra_jax.engine.factory import resolve_model_path
+
+    # jax reads $JAX_COMPILATION_CACHE_DIR into its config at import; nothing is compiled yet, so drop it here (the
+    # bundle's executables must not come from that cache: compile_bundle refuses while one is configured)
+    jax.config.update("jax_compilation_cache_dir", None)
+    config = engine_config(a)
+    t0 = time.perf_counter()
+    try:
+        manifest = compile_bundle(
+            config, a.target, a.output, workers=a.workers, progress=lambda line: print(f"netra-jax: {line}", flush=True)
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CLIError(f"cannot compile {resolve_model_path(config.model)} for {a.target}: {one_line(e)}") from e
+    size = sum(p["bytes"] for p in manifest["programs"])
+    print(
+        f"netra-jax: {len(manifest['programs'])} programs for {a.target} in {time.perf_counter() - t0:.1f}s "
+        f"({size / 2**20:.1f} MiB) written to {a.output}; serve them with --compiled {a.output}",
+        flush=True,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="netra-jax", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -82,6 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_args(p)
     except ImportError:
         pass
+    p = sub.add_parser(
+        "compile",
+        help="compile every program of one engine configuration for a target machine (no GPU needed for a GPU "
+        "target), into a directory that --compiled loads",
+    )
+    add_engine_args(p)
+    p.add_argument(
+        "--target",
+        default="cpu",
+        choices=TARGETS,
+        help="the machine the programs run on: cpu (this host) or a GPU (h100, h200, a100; compiled here without one)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write the programs to")
+    p.add_argument("--workers", type=int, default=None, help="compiling threads (default: this process's CPUs)")
     p = sub.add_parser("batch", help="run an OpenAI Batch JSONL file offline (resumable)")
     from netra_jax.serving.batch_cli import add_batch_args
 
@@ -105,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             from netra_jax.serving.cli import serve
 
             return serve(a)
+        if a.cmd == "compile":
+            return _compile(a)
         if a.cmd == "batch":
             from netra_jax.serving.batch_cli import main as batch_main
 

@@ -63,6 +63,7 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None
+    compiled: str | None = None  # a bundle of compiled programs (`netra-jax compile`)
     warmup: bool | None = None
     enforce_eager: bool = False
     load_format: str = "auto"
@@ -137,6 +138,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name,
             compilation_cache_dir=self.compilation_cache_dir,
+            compiled=str(self.compiled) if self.compiled is not None else None,
             warmup=not self.enforce_eager if self.warmup is None else self.warmup,
             load_format=self.load_format,
             task=self.task,
@@ -281,6 +283,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--compilation-cache-dir",
         default=_DEFAULTS.compilation_cache_dir,
         help="persistent XLA compilation cache (default $JAX_COMPILATION_CACHE_DIR, else the cache dir's xla/; '' off)",
+    )
+    p.add_argument(
+        "--compiled",
+        default=_DEFAULTS.compiled,
+        metavar="DIR",
+        help="load the programs `netra-jax compile` wrote to DIR instead of compiling them (when they match this "
+        "engine; else a warning says what differs and they compile); without --num-kv-pages the KV cache takes the "
+        "bundle's size when it was compiled for this device",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every bucket at start")
     p.add_argument(

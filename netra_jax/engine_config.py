@@ -144,6 +144,9 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give none
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache; None = <cache dir>/xla, "" = off
+    # a directory `netra-jax compile` wrote (netra_jax/engine/bundle.py): its programs are loaded instead of compiled
+    # when they match this engine (else a one-line warning says what differs, and they compile as usual)
+    compiled: str | None = None
     # compile every reachable program before serving (engine/warmup.py; the server's readiness guarantee). False:
     # each program compiles on its first use (LLM's default: construction returns in seconds)
     warmup: bool = True
@@ -166,7 +169,7 @@ class EngineConfig:
         from netra_jax.ops.sampling_batch import MAX_LOGPROBS
         from netra_jax.quant import MATMULS, METHODS
 
-        for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer"):
+        for name in ("model", "served_model_name", "compilation_cache_dir", "tokenizer", "compiled"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string{'' if name == 'model' else ' or None'}, got {v!r}")

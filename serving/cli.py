@@ -223,6 +223,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     mc = engine.model_config
     name = served_model_name(args.model, args.served_model_name)
+    loaded = engine.compiled_report
+    if loaded is not None and not loaded.mismatch:  # a mismatch was logged as a warning by the engine's factory
+        secs = f"{loaded.seconds:.1f}s"
+        print(f"netra-jax: loaded {loaded.loaded} compiled programs from {cfg.compiled} in {secs}", flush=True)
     if template is not None:
         try:
             engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from netra_jax.config import ModelConfig
+from netra_jax.engine import bundle
 from netra_jax.engine.activations import ActivationRecorder
 from netra_jax.engine.block_pool import BlockPool
 from netra_jax.engine.embedder import Embedder
@@ -29,7 +31,7 @@ from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.spec import accept, make_proposer
 from netra_jax.engine.spec.policy import Speculation
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
-from netra_jax.engine.warmup import WarmupReport, warm_up
+from netra_jax.engine.warmup import WarmupReport, engine_variants, warm_up
 from netra_jax.engine.weights import Sleep, placed_like
 from netra_jax.engine_config import EngineConfig
 from netra_jax.lora_request import LoRARequest
@@ -166,6 +168,7 @@ class LLMEngine:
         self.num_requests = 0
         self.ready = False
         self.warmup_report: WarmupReport | None = None
+        self.compiled_report: bundle.LoadReport | None = None  # what `load_compiled` loaded
         self._observers: list[EngineObserver] = []  # told of the loop's events (engine/observer.py)
         self.step_trace: StepTrace | None = None  # the per-step trace, if one was asked for (`trace_steps`)
         if (path := trace_path_from_env()) is not None:  # opt-in ($NETRA_STEP_TRACE)
@@ -197,6 +200,16 @@ class LLMEngine:
         )
         self.ready = True
         return self.warmup_report.seconds
+
+    def load_compiled(self, bundle_dir: str | os.PathLike) -> bundle.LoadReport:
+        """Load the programs of a bundle `netra-jax compile` wrote (`engine.bundle`) when it was compiled for this
+        engine's configuration on this kind of device; `warmup` then compiles only the programs it did not hold. The
+        report says how many were loaded, or in one line why none was (the engine then compiles as usual)."""
+        self._check_awake()
+        self.runner.set_prompt_logprob_buckets(fine=False)  # the warm-up's set, which a bundle holds
+        variants = engine_variants(self.runner, self.vocab_size)
+        self.compiled_report = bundle.load(bundle_dir, self.runner, bundle.engine_signature(self), variants)
+        return self.compiled_report
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -559,7 +572,9 @@ class LLMEngine:
         the sampler; start copying its results to the host."""
         rows = sampling_rows(step.sched.scheduled, self._state_of)
         batch = sampling.build_sampling_batch(rows, step.run.batch.shape.num_rows, self.vocab_size)
-        out = sampling.sample(step.run.logits, batch.arrays, key=batch.key)  # numpy leaves: moved by the call
+        out = sampling.sample(  # numpy leaves: moved by the call
+            step.run.logits, batch.arrays, key=batch.key, programs=self.runner.programs
+        )
         for a in (*out, *(step.run.prompt_logprobs or ())):
             if a is not None:
                 a.copy_to_host_async()

@@ -13,6 +13,7 @@ import jax
 
 from netra_jax import assets, parallel
 from netra_jax.config import ConfigError
+from netra_jax.engine import bundle
 from netra_jax.engine.engine import LLMEngine
 from netra_jax.engine.runner import claim_gpu_memory
 from netra_jax.engine_config import EngineConfig
@@ -54,6 +55,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     here, before any weight is read."""
     claim_gpu_memory(config.cache.gpu_memory_utilization)  # before anything starts jax's backends
     enable_compilation_cache(config.compilation_cache_dir)
+    if config.compiled:  # not a bundle: an error now; the KV cache's size from it when compiled for this device
+        config = bundle.sized_like(config, bundle.read_manifest(config.compiled))
     path = resolve_model_path(config.model)
     t0 = time.perf_counter()
     config.resolved_backend()  # a GPU kernel asked for off GPU fails now, not at the first step
@@ -86,6 +89,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     draft = _load_draft(config, tokenizer) if config.speculative and config.task == "generate" else None
     engine = LLMEngine(config, cfg, params, tokenizer, pooling, draft)
     log.info("loaded %s in %.1fs; KV cache %d tokens", path, time.perf_counter() - t0, engine.kv_capacity_tokens)
+    if config.compiled:
+        report = engine.load_compiled(config.compiled)
+        if report.mismatch:
+            log.warning("compiled programs in %s not used, compiling instead: %s", config.compiled, report.mismatch)
+        else:
+            log.info("loaded %d compiled programs from %s in %.2fs", report.loaded, config.compiled, report.seconds)
     if config.warmup:
         engine.warmup()
     return engine

@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -144,6 +145,16 @@ def _all_logits(
     return out[0], (out[2] if hooks is not None else None)
 
 
+def step_key(shape: BatchShape, lora: bool) -> tuple:
+    """The step program of a shape (`lora`: the one for steps with an adapter's token) in `ModelRunner.programs`."""
+    return ("step", shape, lora)
+
+
+def widen_key(num_rows: int) -> tuple:
+    """The widening of `num_rows` sampled ids in `ModelRunner.programs`."""
+    return ("widen", num_rows)
+
+
 def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:
     """[S] int32 -> [size] int32, zero-padded."""
     return jnp.zeros(size, jnp.int32).at[: ids.shape[0]].set(ids)
@@ -193,22 +204,31 @@ def max_useful_pages(max_num_seqs: int, max_model_len: int, page_size: int) -> i
     return 2 * max_num_seqs * -(-max_model_len // page_size)
 
 
-def num_pages_for(cfg: ModelConfig, cache: CacheConfig, kv_dtype, page_size: int, max_useful: int, tp: int = 1) -> int:
+def num_pages_for(
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    kv_dtype,
+    page_size: int,
+    max_useful: int,
+    tp: int = 1,
+    memory: tuple[float, int] | None = None,
+) -> int:
     """Pages that fit the cache budget: an explicit count, a byte budget, or a fraction of accelerator memory
     (`kv_budget`); a budget is capped at `max_useful` pages (`max_useful_pages`). Under a tp-way split the budget is
-    per device and a page costs each device only its KV heads."""
+    per device and a page costs each device only its KV heads. memory: (usable bytes, bytes in use) of the device
+    the cache goes on; None: read from the first device (a CPU has no budget of its own: 1 GiB)."""
     if cache.num_pages:
         return cache.num_pages
     per_page = parallel.kv_bytes_per_page_per_device(cfg, page_size, kv_dtype, tp)
     budget = cache.kv_cache_bytes
     if budget is None:
-        dev = jax.devices()[0]
-        stats = dev.memory_stats() if dev.platform != "cpu" else None
-        if stats and stats.get("bytes_limit"):
-            usable = usable_bytes(stats["bytes_limit"], cache.gpu_memory_utilization)
-            budget = kv_budget(usable, stats.get("bytes_in_use", 0))
-        else:
-            budget = 1 << 30
+        if memory is None:
+            dev = jax.devices()[0]
+            stats = dev.memory_stats() if dev.platform != "cpu" else None
+            if stats and stats.get("bytes_limit"):
+                usable = usable_bytes(stats["bytes_limit"], cache.gpu_memory_utilization)
+                memory = (usable, stats.get("bytes_in_use", 0))
+        budget = kv_budget(*memory) if memory is not None else 1 << 30
     return max(2, min(budget // per_page, max_useful))
 
 
@@ -317,6 +337,9 @@ class ModelRunner:
         self._widen = jax.jit(functools.partial(_widen_ids, size=self.max_seqs_bucket))
         self._no_ids = self._place_ids(jnp.zeros(self.max_seqs_bucket, jnp.int32))
         self.num_steps = 0
+        # programs compiled ahead of time (a bundle, `netra_jax.engine.bundle`) by `step_key` / `widen_key` and the
+        # sampler's program keys: run instead of the jitted functions, which compile on a miss
+        self.programs: dict[tuple, Callable] = {}
         # per-request interventions (see `add_hooked`): the live hook sets and each hooked request's (set, index)
         self._hook_sets: dict[int, _HookSet] = {}
         self._hooked: dict[str, tuple[_HookSet, int]] = {}
@@ -325,6 +348,7 @@ class ModelRunner:
         # them (one program for every mix of adapters; steps of base requests alone run the program without them)
         # (under tensor parallelism split as the weights they modify: `models.lora.slot_specs`)
         self.lora = None
+        self.lora_config = lora
         self._kv_replicas = 1 if self.mesh is None else parallel.kv_replicas(orig_cfg, tensor_parallel_size)
         if lora is not None:  # in the weights' dtype; abstract for a compile-only runner (nothing allocated)
             dtype = params["embed"].dtype
@@ -499,9 +523,13 @@ class ModelRunner:
         elif prev_ids is not None:
             raise ValueError("prev_ids given to a runner built without overlap")
         hooked = dict(hooked or {}) | self._lora_args(shape, lora_tokens, force=force_lora)
-        logits, self.kv, plp, records = self._jit(
-            self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
-        )  # host: numpy, moved by the call (one host->device copy)
+        exe = None if "hooks" in hooked else self.programs.get(step_key(shape, "lora" in hooked))
+        if exe is not None:  # compiled ahead of time, for the same arguments
+            logits, self.kv, plp, records = exe(self.params, self.kv, host, prev_ids, **hooked)
+        else:
+            logits, self.kv, plp, records = self._jit(
+                self.params, self.kv, host, prev_ids, cfg=self.cfg, shape=shape, backend=self.backend, **hooked
+            )  # host: numpy, moved by the call (one host->device copy)
         if self.mesh is not None:  # the sampler and its inputs live on device 0
             logits = jax.device_put(logits, self.mesh.devices.flat[0])
         return logits, plp, records
@@ -520,7 +548,8 @@ class ModelRunner:
 
     def widen(self, token_ids: jax.Array) -> jax.Array:
         """A step's sampled ids [S] as the fixed-size [max_seqs_bucket] device array the next step gathers from."""
-        ids = self._widen(token_ids)  # on the sampler's device
+        exe = self.programs.get(widen_key(token_ids.shape[0]))
+        ids = self._widen(token_ids) if exe is None else exe(token_ids)  # on the sampler's device
         return ids if self.mesh is None else self._place_ids(ids)
 
     def _place_ids(self, ids: jax.Array) -> jax.Array:
@@ -582,7 +611,10 @@ class ModelRunner:
 
     def lower_widen(self, num_rows: int) -> jax.stages.Lowered:
         """Trace and lower `widen` of `num_rows` sampled ids (overlapped steps)."""
-        ids = jax.device_put(np.zeros(num_rows, np.int32), jax.devices()[0])  # as the sampler returns them
+        if self.compile_for is not None:
+            ids = self._place(jax.ShapeDtypeStruct((num_rows,), jnp.int32))
+        else:
+            ids = jax.device_put(np.zeros(num_rows, np.int32), jax.devices()[0])  # as the sampler returns them
         return self._widen.trace(ids).lower()
 
     def warmup_shape(self, shape: BatchShape) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -48,6 +48,9 @@ class Variant:
     kind: str  # "step" | "widen" | "sampler" | "logprobs"
     label: str  # what makes it a variant, for progress lines: "128 tokens, 64 rows"
     lower: Callable[[], jax.stages.Lowered] = field(compare=False, repr=False)
+    # the program's key in the table its call site reads compiled programs from (`ModelRunner.programs`): the runner's
+    # `step_key` / `widen_key`, the sampler's `token_program_key` / `logprob_program_key`
+    key: tuple = ()
 
 
 @dataclass
@@ -80,38 +83,60 @@ def sampler_label(num_rows: int, key: sampling.SamplingKey) -> str:
     return f"{_count(num_rows, 'row')}, {'greedy' if key.all_greedy else 'sampled'}"
 
 
-def _lower_sampler(num_rows: int, vocab_size: int, key: sampling.SamplingKey) -> jax.stages.Lowered:
+def _lower_sampler(
+    num_rows: int, vocab_size: int, key: sampling.SamplingKey, compile_for: jax.Device | None = None
+) -> jax.stages.Lowered:
     """The token program as the engine calls it: a step's logits and numpy row parameters."""
-    logits, _ = sampling.example_inputs(num_rows, vocab_size)
+    logits, _ = sampling.example_inputs(num_rows, vocab_size, compile_for)
     arrays = sampling.dummy_arrays(key, num_rows, vocab_size)
     return sampling.sample_tokens.trace(logits, arrays, key=key).lower()
 
 
-def _lower_logprobs(num_rows: int, vocab_size: int) -> jax.stages.Lowered:
+def _lower_logprobs(
+    num_rows: int, vocab_size: int, key: sampling.SamplingKey, compile_for: jax.Device | None = None
+) -> jax.stages.Lowered:
     """The logprob program as the engine calls it: a step's logits, the token program's output and the rows'
-    parameters (no bias, penalty or mask)."""
-    key = sampling.logprob_key(sampling.SamplingKey(False, 0, 0, True))
-    arrays = jax.device_put(sampling.dummy_arrays(key, num_rows, vocab_size))
-    return sampling.token_logprobs.trace(*sampling.example_inputs(num_rows, vocab_size), arrays, key=key).lower()
+    parameters, placed on the device (no bias, penalty or mask)."""
+    arrays = sampling.dummy_arrays(key, num_rows, vocab_size)
+    if compile_for is None:
+        arrays = jax.device_put(arrays)
+    else:
+        on = jax.sharding.SingleDeviceSharding(compile_for)
+        arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), arrays)
+    logits, tokens = sampling.example_inputs(num_rows, vocab_size, compile_for)
+    return sampling.token_logprobs.trace(logits, tokens, arrays, key=key).lower()
 
 
 def engine_variants(
     runner: ModelRunner, vocab_size: int, keys: Sequence[sampling.SamplingKey] | None = None
 ) -> list[Variant]:
     """Every program the engine may call for `runner`'s configuration: each reachable step shape
-    (`ModelRunner.all_shapes`), largest first (the longest compiles start first); with overlapped steps the
-    widening of each sampled-row count; then, for each sampled-row count, the sampler's common token programs
-    (`sampling.variant_keys`) and its logprob program. Penalty, bias and grammar-mask token programs compile on
-    first use."""
+    (`ModelRunner.all_shapes`), largest first (the longest compiles start first), and with LoRA adapter slots each
+    shape's program for steps with an adapter's token; with overlapped steps the widening of each sampled-row count;
+    then, for each sampled-row count, the sampler's common token programs (`sampling.variant_keys`) and its logprob
+    program. Penalty, bias and grammar-mask token programs compile on first use. For a runner built for a
+    compile-only device (`ModelRunner(compile_for=...)`), every program is lowered for that device."""
+    from netra_jax.engine.runner import step_key, widen_key
+
     shapes = sorted(runner.all_shapes(), key=lambda s: (-s.num_tokens, -s.prompt_rows))
     rows = sorted({s.num_rows for s in shapes})
-    out = [Variant("step", step_label(s), partial(runner.lower_step, s)) for s in shapes]
+    out = []
+    for s in shapes:
+        out.append(Variant("step", step_label(s), partial(runner.lower_step, s), step_key(s, False)))
+        if runner.lora is not None:
+            lower = partial(runner.lower_step, s, lora=True)
+            out.append(Variant("step", step_label(s) + ", LoRA", lower, step_key(s, True)))
     if runner.overlap:
-        out += [Variant("widen", _count(r, "row"), partial(runner.lower_widen, r)) for r in rows]
+        out += [Variant("widen", _count(r, "row"), partial(runner.lower_widen, r), widen_key(r)) for r in rows]
     keys = sampling.variant_keys() if keys is None else keys
+    dev = runner.compile_for
+    lkey = sampling.logprob_key(sampling.SamplingKey(False, 0, 0, True))
     for r in rows:
-        out += [Variant("sampler", sampler_label(r, k), partial(_lower_sampler, r, vocab_size, k)) for k in keys]
-        out.append(Variant("logprobs", _count(r, "row"), partial(_lower_logprobs, r, vocab_size)))
+        for k in keys:
+            lower = partial(_lower_sampler, r, vocab_size, k, dev)
+            out.append(Variant("sampler", sampler_label(r, k), lower, sampling.token_program_key(r, k)))
+        lower = partial(_lower_logprobs, r, vocab_size, lkey, dev)
+        out.append(Variant("logprobs", _count(r, "row"), lower, sampling.logprob_program_key(r, lkey)))
     return out
 
 
@@ -124,13 +149,20 @@ def default_workers() -> int:
 
 
 def compile_variants(
-    variants: Sequence[Variant], *, workers: int | None = None, progress: Progress | None = None
+    variants: Sequence[Variant],
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    on_compiled: Callable[[Variant, jax.stages.Compiled, float], None] | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> WarmupReport:
     """Trace and lower each variant in this thread (tracing holds the GIL) and compile it in a pool of `workers`
     threads as soon as it is lowered, so lowering the next one overlaps the compiles; returns once all are compiled
     (the first compile error is raised). Each compiled program lands in its jit's caches and, when configured, in
     jax's persistent compilation cache. `progress` gets one line per variant ("compiling step variant 3 of 16
-    (...)") as its compile starts; by default they are logged at INFO."""
+    (...)") as its compile starts; by default they are logged at INFO. `on_compiled(variant, compiled, seconds)` is
+    called in the compiling thread once each is compiled (a bundle writer serializes it there); `compiler_options`:
+    XLA options for every compile (a compile-only GPU device's, `engine.aot`)."""
     t0 = time.perf_counter()
     workers = workers or default_workers()
     say = progress or log.info
@@ -138,6 +170,17 @@ def compile_variants(
     seen: Counter[str] = Counter()
     report = WarmupReport([], workers)
     futures: list[Future] = []
+    # jax.default_device is per thread: the compile threads use the caller's (a compile-only GPU device's Pallas
+    # lowering and CUDA libraries look for it there).
+    device = jax.config.jax_default_device
+
+    def compile_one(v: Variant, lowered: jax.stages.Lowered) -> None:
+        t = time.perf_counter()
+        with jax.default_device(device):
+            compiled = lowered.compile(compiler_options)
+        if on_compiled is not None:
+            on_compiled(v, compiled, time.perf_counter() - t)
+
     with ThreadPoolExecutor(workers, thread_name_prefix="netra-compile") as pool:
         try:
             for v in variants:
@@ -147,7 +190,7 @@ def compile_variants(
                 seen[v.kind] += 1
                 say(f"compiling {v.kind} variant {seen[v.kind]} of {totals[v.kind]} ({v.label})")
                 report.compiled.append((v.kind, v.label))
-                futures.append(pool.submit(lowered.compile))
+                futures.append(pool.submit(compile_one, v, lowered))
             for f in futures:
                 f.result()
         except BaseException:
@@ -168,14 +211,16 @@ def warm_up(
     workers: int | None = None,
 ) -> WarmupReport:
     """Compile everything an engine of these parts may call before it serves: the runner's reachable step variants,
-    widenings and sampler variants (`engine_variants`, through `compile_variants`), then the speculative `proposer`'s
-    own programs; with an `embedder` (task "embed"): its embedding buckets instead."""
+    widenings and sampler variants (`engine_variants`, through `compile_variants`) but those loaded compiled already
+    (`ModelRunner.programs`, from a bundle), then the speculative `proposer`'s own programs; with an `embedder` (task
+    "embed"): its embedding buckets instead."""
     t0 = time.perf_counter()
     if embedder is not None:
         embedder.warmup()
         report = WarmupReport([], 1)
     else:
-        report = compile_variants(engine_variants(runner, vocab_size), workers=workers, progress=progress)
+        variants = [v for v in engine_variants(runner, vocab_size) if v.key not in runner.programs]
+        report = compile_variants(variants, workers=workers, progress=progress)
         if proposer is not None:
             (progress or log.info)("compiling the speculative proposer's variants")
             proposer.warmup()

@@ -49,6 +49,7 @@ from netra_jax.options import DTYPES, LOAD_FORMATS, TASKS
 
 __all__ = [
     "CheckpointError",
+    "abstract_params",
     "ConfigError",
     "load_model",
     "load_config",
@@ -160,6 +161,24 @@ def load_config(path: str | Path, *, trust_remote_code: bool = False) -> ModelCo
     """ModelConfig of a HF directory or GGUF file, without reading any weights (trust_remote_code: see
     `ModelConfig.from_hf_dict`)."""
     return _open_source(path, trust_remote_code)[0]
+
+
+def abstract_params(
+    path: str | Path, dtype: str = "auto", *, trust_remote_code: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, the parameter pytree `load_model` gives a float Hugging Face checkpoint, or `load_format="dummy"`,
+    as jax.ShapeDtypeStruct leaves): what programs over the model are compiled against, read from config.json alone
+    (no weight is read). CheckpointError for a GGUF file or a quantized checkpoint, whose weights keep their stored
+    formats and layouts."""
+    cfg, source, _ = _open_source(path, trust_remote_code)
+    if isinstance(source, GGUFFile) or hf_quant.scheme(source.get("quantization_config"), path) is not None:
+        raise CheckpointError(
+            f"{path}: only float Hugging Face checkpoints have a layout known without reading them (a GGUF file or "
+            "a quantized checkpoint keeps its stored formats)"
+        )
+    src_dtype = source.get("torch_dtype") or source.get("dtype") or stored_float_dtype(path)
+    dt = _resolve_dtype(dtype, src_dtype, False)
+    return cfg, dummy.param_layout(cfg, _NP_DTYPES[dt], optional=dummy.attention_biases(cfg, source))
 
 
 def load_model(

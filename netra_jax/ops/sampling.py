@@ -4,7 +4,7 @@ logprobs, a logprob program per row count."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import jax
@@ -60,14 +60,29 @@ _ONE_BITS = 0x3F800000  # float32 bits of 1.0: weights lie in [0, 1]
 # some row needs it. Logprobs are a program of their own (`token_logprobs`), so no token variant is compiled twice.
 
 
-def example_inputs(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+def example_inputs(num_rows: int, vocab_size: int, compile_for: jax.Device | None = None) -> tuple[jax.Array, ...]:
     """Zero logits [R, vocab] float32 and token ids [R] int32 as the engine passes them to the sampler's programs:
     committed to the device (a step's output and a token program's output), so programs compiled on them are the
-    ones the engine calls."""
+    ones the engine calls. compile_for: a compile-only device (a GPU target's): ShapeDtypeStructs placed on it."""
+    if compile_for is not None:
+        on = jax.sharding.SingleDeviceSharding(compile_for)
+        logits = jax.ShapeDtypeStruct((num_rows, vocab_size), jnp.float32, sharding=on)
+        return logits, jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=on)
     dev = jax.devices()[0]
     logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), dev)  # [R, vocab]
     tokens = jax.device_put(np.zeros(num_rows, np.int32), dev)  # [R]
     return logits, tokens
+
+
+def token_program_key(num_rows: int, key: SamplingKey) -> tuple:
+    """The token program `sample` calls for `num_rows` rows under `key`, as a key of a table of programs compiled
+    ahead of time (`netra_jax.engine.bundle`)."""
+    return ("sample_tokens", num_rows, key._replace(want_logprobs=False))
+
+
+def logprob_program_key(num_rows: int, key: SamplingKey) -> tuple:
+    """The logprob program `sample` calls for `num_rows` rows under `key` (see `token_program_key`)."""
+    return ("token_logprobs", num_rows, logprob_key(key))
 
 
 def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[SamplingKey] | None = None) -> int:
@@ -263,15 +278,25 @@ def logprob_key(key: SamplingKey) -> SamplingKey:
     return key._replace(all_greedy=False, want_logprobs=True)
 
 
-def sample(logits: jax.Array, a: SamplingArrays, *, key: SamplingKey) -> SamplerOutput:
+def sample(
+    logits: jax.Array, a: SamplingArrays, *, key: SamplingKey, programs: Mapping[tuple, Callable] | None = None
+) -> SamplerOutput:
     """Sample a batch: the token program of `key`, then the logprob program when `key.want_logprobs` (both dispatched
-    asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call, once)."""
+    asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call, once).
+    programs: executables compiled ahead of time by `token_program_key` / `logprob_program_key`, run instead of
+    the jitted functions when they hold the key (which compile on a miss)."""
     if key.want_logprobs:
         a = jax.device_put(a)  # read by both programs
-    tokens = sample_tokens(logits, a, key=key._replace(want_logprobs=False))  # [S]
+    rows, token_key = logits.shape[0], key._replace(want_logprobs=False)
+    exe = programs.get(token_program_key(rows, key)) if programs else None
+    tokens = sample_tokens(logits, a, key=token_key) if exe is None else exe(logits, a)  # [S]
     if not key.want_logprobs:
         return SamplerOutput(tokens, None, None, None)
-    lp, processed, top_ids, top_lps = token_logprobs(logits, tokens, a, key=logprob_key(key))
+    exe = programs.get(logprob_program_key(rows, key)) if programs else None
+    if exe is None:
+        lp, processed, top_ids, top_lps = token_logprobs(logits, tokens, a, key=logprob_key(key))
+    else:
+        lp, processed, top_ids, top_lps = exe(logits, tokens, a)
     return SamplerOutput(tokens, lp, top_ids, top_lps, processed)
 
 

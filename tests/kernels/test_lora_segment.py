@@ -224,11 +224,11 @@ from benchmarks.gpu_compile import capture
 dump = tempfile.mkdtemp(prefix="lora-segment-")
 os.environ.update(capture.compiler_env(dump))
 import jax, jax.numpy as jnp
-from benchmarks.gpu_compile import targets
+from netra_jax.targets import compile_device
 from netra_jax.models.lora import lora_delta
 
 for target, backend in (("h200", "gpu"), ("a100", "gpu_sm80")):
-    dev = targets.device(target)
+    dev = compile_device(target)
     on = jax.sharding.SingleDeviceSharding(dev)
     for T, S, Rg, fan_in, fan_out, dtype in json.loads(sys.argv[1]):
         dt = jnp.dtype(dtype)
