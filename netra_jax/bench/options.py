@@ -104,6 +104,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", type=_numbers(float), default=[99.0], help="comma list, e.g. 50,90,99")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        default=None,
+        help="seconds a pass may take: then requests not sent are dropped and those in flight cancelled (their "
+        "tokens so far count in the throughput; the pass records how many were cut)",
+    )
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
     p.add_argument(
         "--launch", action="store_true", help="start `netra-jax serve` on a free port, run against it, then stop it"

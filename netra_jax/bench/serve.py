@@ -46,6 +46,7 @@ def default_result_dir() -> Path:
 @dataclass
 class Output:
     ok: bool = False
+    cut: bool = False  # cancelled at the pass's --max-duration (output_tokens: what had streamed by then)
     error: str = ""
     ttft: float | None = None
     latency: float = 0.0
@@ -67,9 +68,10 @@ def _chunk_text(obj: dict) -> str:
     return c.get("text") or ""
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Output:
-    """One streamed request; every timestamp is taken as its SSE line arrives."""
-    out = Output()
+async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, out: Output | None = None) -> Output:
+    """One streamed request; every timestamp is taken as its SSE line arrives. `out`: the Output to fill (a pass
+    keeps it, so a request cancelled midway still shows what it received)."""
+    out = Output() if out is None else out
     start = last = time.perf_counter()
     chunks, parts = 0, []
     try:
@@ -95,6 +97,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
                         out.itl.append(now - last)
                     last = now
                     chunks += 1
+                    out.output_tokens = max(out.output_tokens, chunks)  # the usage chunk's count replaces it
                     parts.append(text)
                 if usage := obj.get("usage"):
                     out.output_tokens = usage.get("completion_tokens") or out.output_tokens
@@ -111,15 +114,17 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
 def compute_metrics(outs: list[Output], duration: float, percentiles: list[float]) -> dict:
     """vLLM `bench serve` metrics over one pass; times in ms, throughputs per second of the pass."""
     ok = [o for o in outs if o.ok]
+    cut = [o for o in outs if o.cut]
     ttfts = [o.ttft for o in ok if o.ttft is not None]
     tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.ttft is not None and o.output_tokens > 1]
     itls = [x for o in ok for x in o.itl]
     e2el = [o.latency for o in ok]
     inp = sum(o.prompt_tokens if o.prompt_tokens is not None else (o.prompt_len or 0) for o in ok)
-    outp = sum(o.output_tokens for o in ok)
+    outp = sum(o.output_tokens for o in ok) + sum(o.output_tokens for o in cut)
     m = {
         "completed": len(ok),
-        "failed": len(outs) - len(ok),
+        "failed": len(outs) - len(ok) - len(cut),
+        "cut": len(cut),
         "duration": duration,
         "total_input_tokens": inp,
         "total_output_tokens": outp,
@@ -134,7 +139,7 @@ def compute_metrics(outs: list[Output], duration: float, percentiles: list[float
         m[f"std_{name}_ms"] = float(a.std()) if a.size else None
         for p in percentiles:
             m[f"p{p:g}_{name}_ms"] = float(np.percentile(a, p)) if a.size else None
-    m["errors"] = sorted({o.error for o in outs if not o.ok})[:5]
+    m["errors"] = sorted({o.error for o in outs if not o.ok and not o.cut})[:5]
     return m
 
 
@@ -179,13 +184,14 @@ class Bench:
         history: list[tuple[str, str]] = []
         for t in range(turns or max(1, len(item.turns))):
             body = self.body(item, history, t)
+            out = Output(prompt_len=item.prompt_lens[t] if t < len(item.prompt_lens) else None)
             if sem is None:
-                out = await send(self.client, self.url, body, self.headers)
+                sink.append(out)
+                await send(self.client, self.url, body, self.headers, out)
             else:
                 async with sem:
-                    out = await send(self.client, self.url, body, self.headers)
-            out.prompt_len = item.prompt_lens[t] if t < len(item.prompt_lens) else None
-            sink.append(out)
+                    sink.append(out)  # once sent: a request cancelled while it waits for a slot was never sent
+                    await send(self.client, self.url, body, self.headers, out)
             if bar is not None:
                 bar.update(1)
             if not out.ok:
@@ -202,13 +208,22 @@ class Bench:
         bar = None if self.a.disable_tqdm else tqdm(total=total, desc=f"c={conc or 'all'} rate={rate:g}", leave=False)
         sink: list = []
         start = time.perf_counter()
+        end = start + (self.a.max_duration or math.inf)
         tasks, due = [], start
         for item in items:
             if math.isfinite(rate) and tasks:  # Poisson (burstiness 1) or gamma-distributed gaps, as vLLM
                 due += rng.gamma(self.a.burstiness, 1.0 / (rate * self.a.burstiness))
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                await asyncio.sleep(max(0.0, min(due, end) - time.perf_counter()))
+            if time.perf_counter() >= end:
+                break
             tasks.append(asyncio.create_task(self.run_item(item, sem, sink, bar)))
-        await asyncio.gather(*tasks)
+        left = end - time.perf_counter()
+        _, pending = await asyncio.wait(tasks, timeout=left if math.isfinite(left) else None)
+        for task in pending:  # the pass's time is up: cancel what is still running
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for out in sink:
+            out.cut = pending != set() and not out.ok and not out.error
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
