@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast docs imports lint format run serve chat bench bench-serve bench-offline bench-spec bench-score gpu-compile-setup gpu-compile clean
+.PHONY: setup test test-fast docs imports lint format run serve chat bench bench-serve bench-offline bench-spec bench-score gpu-compile-setup gpu-compile gpu-bundles clean
 
 setup: $(STAMP)
 
@@ -101,12 +101,18 @@ bench-score: setup
 # deviceless compile reads (ptxas, libdevice; about 10 s; the runtime libraries of its [with-cuda] extra, cuBLAS,
 # cuDNN, NCCL and the rest, 3 GB that only a device loads, are left out) go into their own directory,
 # $(CUDA_SITE), which only the check's processes import, so the rest of the suite never sees a CUDA plugin.
-# `make gpu-compile` compiles every kernel configuration and every step program at full depth for the H200 and A100
-# targets and writes benchmarks/results/<date>-gpu_compile-{h200,a100}.json and .md (about 15 minutes on 2 cores; CI
-# runs it with 2-layer step programs through the tests, about 4); GPU_COMPILE_ARGS="--only kernels",
-# "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
+# `make gpu-compile` compiles every kernel configuration and every step program at full depth for the H100, H200 and
+# A100 targets and writes benchmarks/results/<date>-gpu_compile-{h100,h200,a100}.json and .md (about 20 minutes on 2
+# cores; CI runs it for the H100 and A100 with 2-layer step programs through the tests); GPU_COMPILE_ARGS="--only
+# kernels", "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
+# `make gpu-bundles` compiles the GPU check's 8B serving engine with bf16 weights for the H100 into
+# benchmarks/bundles/h100-bf16 (git-ignored; 60 programs, 18.5 MiB, about 5 minutes on 2 cores), which
+# benchmarks/gpu_check.sh loads on that device instead of compiling; build it from the commit the device runs (a
+# bundle names the sources' digest). GPU_BUNDLES_ARGS="--targets h200 --variants bf16,fp8" for others (each about
+# 18 MiB: the device carries 64 MiB besides the repository, the wheels included).
 CUDA_SITE ?= $(VENV)/cuda13
 GPU_COMPILE_ARGS ?=
+GPU_BUNDLES_ARGS ?= --targets h100 --variants bf16
 CUDA_COMPILER_WHEELS := nvidia-cuda-nvcc nvidia-nvvm
 gpu-compile-setup: $(CUDA_SITE)/.installed
 
@@ -117,6 +123,9 @@ $(CUDA_SITE)/.installed: $(STAMP)
 
 gpu-compile: gpu-compile-setup
 	PYTHONPATH=$(abspath $(CUDA_SITE)) $(PY) -m benchmarks.gpu_compile $(GPU_COMPILE_ARGS)
+
+gpu-bundles: gpu-compile-setup
+	PYTHONPATH=$(abspath $(CUDA_SITE)) $(PY) -m benchmarks.gpu_check.bundles $(GPU_BUNDLES_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -23,18 +23,19 @@ from benchmarks.gpu_check import report
 from benchmarks.gpu_check.common import SERVER_PID
 from netra_jax.engine.runner import FRACTION_ENV
 
-# name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction)
-# (the device run's 530 s: `kernels` runs the compile check's configuration list, so correctness, attention, model,
-# serve and peers gave it some of theirs)
+# name, seconds on the device, seconds in the dry run, what it needs (jax: a JAX process with its memory fraction;
+# client: it launches a server). The headline first: the serving sweeps of the 8B model in bf16, then in fp8, then
+# batch-1 decode and the step's profile, then the kernels' sections with what is left (unused time rolls forward).
 SECTIONS = (
-    ("device", 20, 10, "jax"),
-    ("correctness", 30, 30, "jax"),
-    ("kernels", 110, 20, "jax"),
-    ("attention", 70, 40, "jax"),
-    ("model", 125, 40, "jax"),
-    ("quant", 80, 75, "jax"),  # the dry run interprets the W4A16 kernel: about 5 s more per compiled step
-    ("serve", 60, 40, "client"),
-    ("peers", 35, 5, "torch"),
+    ("device", 15, 10, "jax"),
+    ("serve", 230, 60, "client"),
+    ("serve_fp8", 80, 50, "client"),
+    ("model", 70, 40, "jax"),
+    ("correctness", 20, 30, "jax"),
+    ("attention", 30, 40, "jax"),
+    ("kernels", 35, 20, "jax"),
+    ("quant", 30, 75, "jax"),  # the dry run interprets the W4A16 kernel: about 5 s more per compiled step
+    ("peers", 20, 5, "torch"),
 )
 EXIT_MARGIN = (20.0, 3.0)  # seconds before a section's kill time at which it stops starting work (device, dry)
 STOP_GRACE_S = 30.0  # after SIGTERM at a section's limit: time to stop its server and save, then SIGKILL

@@ -17,6 +17,22 @@ SERVER_PID = "serve.pid"  # in the work directory while the serve section's serv
 
 
 @dataclass(frozen=True)
+class Sweep:
+    """One serving sweep: closed-loop passes of `netra-jax bench serve` (random prompts, ignore_eos), one per user
+    count, each ended after `max_s` seconds (the requests still streaming are cut and counted as far as they got)."""
+
+    name: str  # "short" | "long"
+    input_len: int
+    output_len: int
+    users: tuple[int, ...]
+    max_s: float
+
+    def prompts(self, users: int) -> int:
+        """Requests per pass: two rounds of `users` (the pass ends at `max_s` whichever comes first)."""
+        return max(2 * users, 3)
+
+
+@dataclass(frozen=True)
 class Sizes:
     """Shapes of the attention benchmarks and of the Llama-shaped model, for the device run or the dry run."""
 
@@ -26,11 +42,11 @@ class Sizes:
     page_size: int
     decode_grid: tuple[tuple[int, int], ...]  # (batch, context) decode points
     mixed_steps: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]  # (name, ((cached, new) per sequence))
-    model_batches: tuple[int, ...]  # LLM.generate throughput batches
+    profile_users: tuple[int, ...]  # LLM.generate batches traced by jax.profiler (steady decode)
+    profile_tokens: int  # output tokens of each traced generate
     prompt_len: int
     output_len: int
-    serve_users: tuple[int, ...]
-    serve_prompts: tuple[int, ...]  # requests per concurrency level
+    serve_sweeps: tuple[Sweep, ...]
     hf_batches: tuple[int, ...]
 
 
@@ -40,16 +56,20 @@ FULL = Sizes(
     head_dim=128,
     page_size=16,
     # batch x context, at most 8 GiB of bf16 K/V (b * ctx * 4 KiB); ordered so the most telling points come first
-    decode_grid=((1, 8192), (64, 4096), (256, 1024), (16, 32768), (1, 32768), (256, 4096), (64, 32768), (16, 1024)),
+    # (64 users at 8192 tokens: the serving goal's point)
+    decode_grid=((64, 8192), (1, 8192), (256, 1024), (16, 32768), (256, 4096), (64, 32768), (1, 32768), (16, 1024)),
     mixed_steps=(
         ("prefill_4x512", ((0, 512),) * 4),
         ("chunk1024+63dec_ctx4k", ((3072, 1024),) + ((4095, 1),) * 63),
     ),
-    model_batches=(16, 64, 256),
+    profile_users=(1, 256),
+    profile_tokens=48,
     prompt_len=128,
     output_len=128,
-    serve_users=(1, 16, 64, 100, 256),  # 100: the level of the goal (NVIDIA NIM's Llama-3.1-8B figure)
-    serve_prompts=(4, 32, 128, 200, 256),
+    serve_sweeps=(
+        Sweep("short", 1024, 256, (1, 16, 64, 128, 256, 512), 18.0),
+        Sweep("long", 8192, 256, (1, 16, 64, 128), 22.0),
+    ),
     hf_batches=(1, 64),
 )
 
@@ -60,11 +80,11 @@ DRY = Sizes(
     page_size=16,
     decode_grid=((2, 48),),
     mixed_steps=(("prefill+decode", ((0, 9), (30, 1))),),
-    model_batches=(4,),
+    profile_users=(1, 4),
+    profile_tokens=8,
     prompt_len=8,
     output_len=8,
-    serve_users=(1, 4),
-    serve_prompts=(2, 4),
+    serve_sweeps=(Sweep("short", 8, 8, (1, 4), 10.0), Sweep("long", 32, 8, (1, 2), 10.0)),
     hf_batches=(1, 2),
 )
 
@@ -129,6 +149,14 @@ class Section:
 
     def copy_gbps(self) -> float | None:
         return (self.prior.get("device") or {}).get("copy_gbps")
+
+    def target(self) -> str | None:
+        """The target description (`netra_jax.targets`: "h100", "h200", ...) of the GPU the `device` section found;
+        None in the dry run and for a GPU the targets do not describe (the engine then sizes itself)."""
+        from netra_jax.targets import gpu_target_of
+
+        kind = ((self.prior.get("device") or {}).get("env") or {}).get("device_kind")
+        return None if self.dry or not kind else gpu_target_of(kind)
 
 
 def _jsonable(x: Any) -> Any:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gpu_check import engine_settings, quant_configs
-from benchmarks.gpu_check.model_dir import LLAMA3_8B
+from benchmarks.gpu_check.model_dir import LLAMA31_8B
 from benchmarks.gpu_check.quant_configs import Fp8Case, PackedCase, fp8_cases, packed_cases
 from netra_jax.ops import grouped_matmul_triton as gmm
 from netra_jax.ops import packed_matmul_triton as pmm
@@ -26,6 +26,8 @@ from netra_jax.ops.kv_quant import QuantizedPages, dequantize_pages, quantize
 
 __all__ = [
     "SHAPES",
+    "DECODE_FULL",
+    "PREFILL_FULL",
     "STEPS",
     "STEP_MODELS",
     "QUANT_STEPS",
@@ -114,16 +116,19 @@ class Step:
 _S = engine_settings.settings(False)
 # The three kinds of step the selection code tells apart: a lone decode over a long context (split-K at its most), a
 # full decode batch (no split) and a prefill step (64-row query blocks), at the engine settings of the device run.
+DECODE_FULL = f"decode_{_S['max_num_seqs']}"  # every sequence decoding: decode_512
+PREFILL_FULL = f"prefill_{_S['max_num_batched_tokens']}"  # a full step of prompt tokens: prefill_8192
 STEPS = (
     Step("decode_1", 1, 1, 32768),
-    Step("decode_256", 256, _S["max_num_seqs"], _S["max_model_len"]),
-    Step("prefill_2048", _S["max_num_batched_tokens"], _S["max_num_seqs"], _S["max_model_len"]),
+    Step(DECODE_FULL, _S["max_num_seqs"], _S["max_num_seqs"], _S["max_model_len"]),
+    Step(PREFILL_FULL, _S["max_num_batched_tokens"], _S["max_num_seqs"], _S["max_model_len"]),
 )
 
 # kernels each target compiles: Mosaic GPU exists on Hopper only; Triton is the fallback everywhere (and a choice);
 # the grouped matmul (Triton) runs the experts of MoE models on every CUDA GPU, the packed matmul (Triton) the W4A16 /
 # W8A16 weights; fp8 weights run XLA's fp8 dot on Hopper and the W8A16 reference on the A100 (gpu_check.quant_configs)
 TARGET_KERNELS = {
+    "h100": ("mosaic", "triton", "grouped_matmul", "packed_matmul", "fp8"),
     "h200": ("mosaic", "triton", "grouped_matmul", "packed_matmul", "fp8"),
     "a100": ("triton", "grouped_matmul", "packed_matmul", "fp8"),
 }
@@ -304,8 +309,8 @@ def _attention_cases(kernel: str):
 
 @functools.cache
 def kernel_cases(target: str) -> tuple[KernelCase | MatmulCase | PackedCase | Fp8Case, ...]:
-    """Every kernel configuration `target` ("h200" | "a100") can be asked to run, one case per distinct kernel body
-    (`key`: the first case met stands for the others)."""
+    """Every kernel configuration `target` ("h100" | "h200" | "a100") can be asked to run, one case per distinct
+    kernel body (`key`: the first case met stands for the others)."""
     out, seen = [], set()
     listed = {"grouped_matmul": matmul_cases, "packed_matmul": packed_cases, "fp8": lambda: fp8_cases(target)}
     for kernel in TARGET_KERNELS[target]:
@@ -461,6 +466,6 @@ QWEN3_MOE_30B_A3B = {
     "torch_dtype": "bfloat16",
 }
 # the models whose step programs are compiled, at the device run's engine settings (gpu_check.engine_settings)
-STEP_MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-moe-30b-a3b": QWEN3_MOE_30B_A3B}
+STEP_MODELS = {"llama3-8b": LLAMA31_8B, "qwen3-moe-30b-a3b": QWEN3_MOE_30B_A3B}
 # and quantized at load by these methods (the device run's `quant` section), at their smallest and largest step
 QUANT_STEPS = {"llama3-8b": ("int4", "fp8")}

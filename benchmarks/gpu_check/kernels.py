@@ -19,12 +19,18 @@ import numpy as np
 
 from benchmarks.gpu_check import configs
 from benchmarks.gpu_check.common import Section, median_time, sig
+from netra_jax.targets import gpu_target_of
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-3}  # relative error, as the correctness section's (fp8: against the
 # same rounding in float32, gpu_check.quant_configs.Fp8Case.reference)
 
 
 def target_of(device) -> str:
+    """The compile check's target whose list this GPU runs: its own when the check describes it, else the list of
+    its architecture (Hopper: the H200's, else the A100's)."""
+    named = gpu_target_of(device.device_kind)
+    if named is not None:
+        return named
     cc = str(getattr(device, "compute_capability", "") or "")
     return "h200" if cc.startswith("9") else "a100"
 

@@ -1,5 +1,5 @@
-"""The model directory the model, serve and peers sections share: a Llama-3-8B-shaped config.json (a tiny Llama in
-the dry run) and a synthetic tokenizer, no weights (`--load-format dummy` draws them). The tokenizer is a WordLevel
+"""The model directory the model, serve and peers sections share: a Llama-3.1-8B config.json (a tiny Llama in the
+dry run) and a synthetic tokenizer, no weights (`--load-format dummy` draws them). The tokenizer is a WordLevel
 vocabulary "w0" .. "w<vocab-1>" split on whitespace and decoded with spaces, so every id is a token and text <-> ids
 round-trips exactly (the serving benchmark's random prompts detokenize and re-tokenize to the same length)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LLAMA3_8B = {
+LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 4096,
@@ -18,7 +18,7 @@ LLAMA3_8B = {
     "num_key_value_heads": 8,
     "head_dim": 128,
     "vocab_size": 128256,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
     "rope_scaling": {
@@ -36,7 +36,7 @@ LLAMA3_8B = {
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
 }
-TINY = LLAMA3_8B | {
+TINY = LLAMA31_8B | {
     "hidden_size": 64,
     "intermediate_size": 160,
     "num_hidden_layers": 2,
@@ -50,7 +50,7 @@ TINY = LLAMA3_8B | {
 
 
 def model_config(dry: bool) -> dict:
-    return TINY if dry else LLAMA3_8B
+    return TINY if dry else LLAMA31_8B
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -60,7 +60,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
     tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "w0", "eos_token": "w1", "model_max_length": 8192, "tokenizer_class": "PreTrainedTokenizer"}
+    config = {"bos_token": "w0", "eos_token": "w1", "model_max_length": 131072}
+    config["tokenizer_class"] = "PreTrainedTokenizer"
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 

@@ -5,7 +5,8 @@ on the Pallas W4A16 kernel, fp8 as W8A8 on XLA's fp8 dot on Hopper (the W8A16 re
 decode tok/s with its memory-bandwidth use against the quantized weights' bytes (MBU), and output throughput of 100
 sequences generated together. The dry run interprets the same kernel ("gpu_interpret") on the CPU.
 
-Each method builds its own engine after the previous one is freed; the warm-up is capped as in `model`."""
+Each method builds its own engine after the previous one is freed, sized as the serve section's (and from its
+bundle when the run carries one); the warm-up is capped as in `model`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import jax
 
 from benchmarks.gpu_check import engine_settings
+from benchmarks.gpu_check.bundles import carried
 from benchmarks.gpu_check.common import Section, sig
 from benchmarks.gpu_check.model import batch1, throughput, warm_up
 from benchmarks.gpu_check.model_dir import ensure_model_dir, model_config
@@ -35,14 +37,17 @@ def run(sec: Section) -> None:
 
     path = ensure_model_dir(sec.work, sec.dry)
     cfg = model_config(sec.dry)
-    kwargs = engine_settings.llm_kwargs(sec.dry) | {"matmul_backend": MATMUL_BACKEND[sec.dry]}
     batch = BATCH[sec.dry]
-    sec.set("engine", kwargs | {"methods": METHODS, "throughput_batch": batch})
+    backend = {"matmul_backend": MATMUL_BACKEND[sec.dry]}
+    sec.set("engine", backend | {"methods": METHODS, "throughput_batch": batch})
     for i, method in enumerate(METHODS):
         share = sec.left() / (len(METHODS) - i)  # this method's part of what is left
         if share < (5 if sec.dry else 40):
             sec.skip("methods", {"method": method}, f"time budget ({sec.left():.0f}s left)")
             continue
+        size = engine_settings.sizing(path, sec.target(), sec.dry, method)
+        compiled = carried(sec.target(), method)  # the fp8 bundle, when the run carries one
+        kwargs = engine_settings.llm_kwargs(size, str(compiled) if compiled else None) | backend
         t = time.perf_counter()
         llm = LLM(str(path), **kwargs, quantization=method)
         build = time.perf_counter() - t

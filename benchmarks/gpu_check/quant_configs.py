@@ -18,12 +18,14 @@ from benchmarks.gpu_check import engine_settings
 from netra_jax.ops import fp8_matmul as fp8
 from netra_jax.ops import packed_matmul_triton as pmm
 from netra_jax.quant import PackedIntWeight, QuantizedWeight, reference_matmul
+from netra_jax.targets import GPU_TARGETS
 
 __all__ = ["FORMATS", "PROJECTIONS", "Fp8Case", "PackedCase", "PackedFormat", "fp8_cases", "packed_cases"]
 
 _S = engine_settings.settings(False)
 # rows of x: a lone decode step, a full decode batch, a prefill chunk
-ROWS = {"decode_1": 1, "decode_256": _S["max_num_seqs"], "prefill_2048": _S["max_num_batched_tokens"]}
+ROWS = {"decode_1": 1, f"decode_{_S['max_num_seqs']}": _S["max_num_seqs"]}
+ROWS[f"prefill_{_S['max_num_batched_tokens']}"] = _S["max_num_batched_tokens"]
 # Llama-3-8B's projections (in, out): q and o, k and v, the fused gate/up, down
 PROJECTIONS = {"wq": (4096, 4096), "wk": (4096, 1024), "w_gate_up": (4096, 28672), "w_down": (14336, 4096)}
 
@@ -187,7 +189,7 @@ class Fp8Case:
 
 
 def fp8_cases(target: str) -> list[Fp8Case]:
-    native = target == "h200"
+    native = float(GPU_TARGETS[target].compute_capability) >= 8.9  # fp8 GEMMs from Ada / Hopper on
     return [
         Fp8Case("fp8", native, proj, m, k, n, step) for proj, (k, n) in PROJECTIONS.items() for step, m in ROWS.items()
     ]
