@@ -12,25 +12,27 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # the module name of programs whose launches are dumped (the thunk sequence holds Triton's dynamic shared memory)
 DUMPED_MODULE = "kernel_case"
+STEP_MODULE = "jit__step"  # the engine's step program: its thunk sequence is its launches per step (`step_anatomy`)
 
 
 def compiler_env(dump_dir: str) -> dict[str, str]:
     """Variables that make the compilers report: Mosaic GPU prints ptxas -v and its resources, XLA passes -v to ptxas
     and logs the report (subprocess_compilation at verbosity 2), and dumps the thunk sequence of `DUMPED_MODULE`
-    programs to `dump_dir`. Autotuning is off: without a device nothing can be timed, so XLA keeps its default GEMM
-    choices anyway, after generating and compiling the candidates (a third of a step program's compile; the kernels,
-    their reports and the memory analysis come out the same)."""
+    and step programs to `dump_dir`. Autotuning is off: without a device nothing can be timed, so XLA keeps its
+    default GEMM choices anyway, after generating and compiling the candidates (a third of a step program's
+    compile; the kernels, their reports and the memory analysis come out the same)."""
     flags = [
         os.environ.get("XLA_FLAGS", ""),
         "--xla_gpu_autotune_level=0",
         "--xla_gpu_ptx_compiler_extra_flags=-v",
         f"--xla_dump_to={dump_dir}",
-        f"--xla_dump_hlo_module_re={DUMPED_MODULE}",
+        f"--xla_dump_hlo_module_re={DUMPED_MODULE}|{STEP_MODULE}",
     ]
     return {
         "JAX_PLATFORMS": "cpu",  # the CUDA backend cannot start without a driver; the plugin still serves topologies
@@ -148,7 +150,53 @@ def thunk_smem(dump_dir: str | os.PathLike, before: set[str]) -> dict[str, int]:
 
 
 def dumped(dump_dir: str | os.PathLike) -> set[str]:
-    return {p.name for p in Path(dump_dir).glob("*.thunk_sequence.txt")}
+    return {p.name for p in Path(dump_dir).glob("*.thunk_sequence*.txt")}
+
+
+def step_thunks(dump_dir: str | os.PathLike, before: set[str]) -> str | None:
+    """The thunk sequence (after XLA's thunk passes: what runs) of the step program dumped since `before`."""
+    new = [
+        p for p in Path(dump_dir).glob(f"*{STEP_MODULE}*.thunk_sequence_after_thunk_passes.txt") if p.name not in before
+    ]
+    return max(new, key=lambda p: p.stat().st_mtime).read_text() if new else None
+
+
+_THUNK_LINE = re.compile(r"^( *)\d+: (k\w+)", re.MULTILINE)
+# thunks that hold others: a command buffer (one CUDA graph launch), a dynamic-slice fusion (a custom call on slices
+# of its buffers), control flow
+CONTAINERS = frozenset({"kCommandBuffer", "kDynamicSliceFusion", "kSequential", "kWhile", "kConditional"})
+
+
+def step_anatomy(thunks: str, layers: int) -> dict:
+    """What one execution of a program launches, from its thunk sequence: the kernels and library calls (`launches`,
+    by thunk kind, and per layer), how many of them a command buffer (a CUDA graph: one launch from the host)
+    captures, and the host-side launches left (`host_launches`: the command buffers plus every launch outside one)."""
+    stack: list[tuple[int, str]] = []
+    launches: Counter[str] = Counter()
+    captured = outside = buffers = 0
+    for m in _THUNK_LINE.finditer(thunks):
+        indent, kind = len(m[1]), m[2]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        in_buffer = any(k == "kCommandBuffer" for _, k in stack)
+        if kind == "kCommandBuffer" and not in_buffer:
+            buffers += 1
+        if kind in CONTAINERS:
+            stack.append((indent, kind))
+            continue
+        launches[kind] += 1
+        captured += in_buffer
+        outside += not in_buffer
+    total = sum(launches.values())
+    return {
+        "launches": total,
+        "launches_per_layer": round(total / layers, 1) if layers else None,
+        "launch_kinds": dict(launches.most_common()),
+        "command_buffers": buffers,
+        "captured_launches": captured,
+        "host_launches": buffers + outside,
+        "graph_captured": total > 0 and outside == 0,
+    }
 
 
 @dataclass

@@ -10,8 +10,9 @@ import time
 import traceback
 import warnings
 
-from benchmarks.gpu_compile import capture, targets
+from benchmarks.gpu_compile import capture
 from benchmarks.gpu_compile.capture import DUMPED_MODULE
+from netra_jax.targets import GPU_TARGETS, compile_device
 
 # the kernels' names in the compiled programs (ptxas' entry functions) and the module holding each one's budget
 KERNELS = {
@@ -50,7 +51,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
     passes)."""
     import jax
 
-    dev = targets.device(target)
+    dev = compile_device(target)
     sharding = jax.sharding.SingleDeviceSharding(dev)
     fn = case.function()
 
@@ -94,7 +95,7 @@ def compile_kernel(target: str, case, dump_dir: str) -> dict:
     row |= rep.as_dict()
     limit = budget(case.kernel)
     problems = limit.violations(rep.registers, rep.spill_bytes, rep.smem_bytes)
-    smem_cap = targets.TARGETS[target].smem_per_block
+    smem_cap = GPU_TARGETS[target].smem_per_block
     if rep.smem_bytes is not None and rep.smem_bytes > smem_cap:
         problems.append(f"{rep.smem_bytes} bytes of shared memory > the target's {smem_cap}")
     row["budget"] = dataclasses.asdict(limit)
@@ -160,7 +161,7 @@ def step_runner(
     cfg = ModelConfig.from_hf_dict(hf if depth is None else hf | {"num_hidden_layers": depth})
     config = EngineConfig(
         dtype=s["dtype"],
-        cache=CacheConfig(page_size=s["page_size"], num_pages=s["num_kv_pages"]),
+        cache=CacheConfig(page_size=s["page_size"], num_pages=engine_settings.COMPILE_CHECK_PAGES),
         scheduler=SchedulerConfig(max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"]),
         max_model_len=s["max_model_len"],
         attention_backend=s["attention_backend"],
@@ -173,7 +174,7 @@ def step_runner(
     if opts["backend"] == "auto":  # what attention's "auto" picks on the target (the host here is a CPU)
         opts["backend"] = auto_backend(
             "gpu",
-            targets.TARGETS[target].compute_capability,
+            GPU_TARGETS[target].compute_capability,
             dtype=dtype,
             kv_dtype=dtype,
             q_heads=cfg.num_heads,
@@ -182,14 +183,14 @@ def step_runner(
             page_size=config.cache.page_size,
         )
     if opts["matmul_backend"] in GPU_BACKENDS:  # what "auto" picks on the target (fp8 or not)
-        opts["matmul_backend"] = config.resolved_matmul_backend("gpu", targets.TARGETS[target].compute_capability)
+        opts["matmul_backend"] = config.resolved_matmul_backend("gpu", GPU_TARGETS[target].compute_capability)
     params = dummy.param_layout(cfg, dtype, optional=dummy.attention_biases(cfg, hf))
     if quantization:
         layout = functools.partial(weight_layout, backend=opts["matmul_backend"])
         params = jax.eval_shape(lambda p: layout(quantize_params(p, quantization)), params)
     if lora is not None:
         opts["lora"] = LoRAConfig(max_loras=lora[0], max_lora_rank=lora[1])
-    runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=targets.device(target), **opts)
+    runner = ModelRunner(cfg, params, num_pages=config.cache.num_pages, compile_for=compile_device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # what LLMEngine.warmup compiles
     return runner
 
@@ -215,7 +216,7 @@ def sizing(target: str, runner) -> dict:
     from netra_jax.engine_config import CacheConfig
 
     utilization = CacheConfig().gpu_memory_utilization
-    usable = int(targets.TARGETS[target].device_memory * utilization)
+    usable = int(GPU_TARGETS[target].device_memory * utilization)
     weights = _nbytes(runner.params)
     budget = kv_budget(usable, weights)
     return {
@@ -235,11 +236,14 @@ def compile_step(
     depth: int | None = None,
     quantization: str | None = None,
     lora: tuple[int, int] | None = None,
+    *,
+    dump_dir: str | None = None,
 ) -> dict:
     """Compile step variant `index` of `step_shapes` for `target` (with `depth` layers and weights quantized by
     `quantization`, and with `lora` adapter slots: see `step_runner`): compile time, memory analysis against the
-    full model's sizing, the Pallas kernels ptxas compiled in it, any kernel that spills, and the matmul backend
-    with its GEMMs' operand types."""
+    full model's sizing, the Pallas kernels ptxas compiled in it, any kernel that spills, the matmul backend with its
+    GEMMs' operand types, and (from its thunk sequence dumped to `dump_dir`) what one step launches and whether a
+    CUDA graph captures it (`capture.step_anatomy`)."""
     import jax
 
     from netra_jax.quant import GPU_BACKENDS
@@ -255,6 +259,7 @@ def compile_step(
     row["matmul_backend"] = runner.matmul_backend
     row["layers"] = runner.cfg.num_layers
     row |= {"prompt_rows": shape.prompt_rows, "logit_rows": shape.num_rows}
+    before = capture.dumped(dump_dir) if dump_dir else set()
     t0 = time.perf_counter()
     with capture.captured() as out, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -270,6 +275,9 @@ def compile_step(
         row["problems"] = [f"does not compile: {_error(failure, out.text)}"]
         return row
     row["lower_s"], row["compile_s"] = round(t1 - t0, 2), round(time.perf_counter() - t1, 2)
+    thunks = capture.step_thunks(dump_dir, before) if dump_dir else None
+    if thunks is not None:
+        row["anatomy"] = capture.step_anatomy(thunks, runner.cfg.num_layers)
     mem = compiled.memory_analysis()
     row["memory"] = {
         "argument_bytes": int(mem.argument_size_in_bytes),
@@ -320,7 +328,7 @@ def run_job(job: tuple, dump_dir: str) -> dict:
         elif kind == "broken":
             row = compile_kernel(target, selftest.broken_cases()[rest[0]][1], dump_dir)
         else:
-            row = compile_step(target, *rest)
+            row = compile_step(target, *rest, dump_dir=dump_dir)
     except Exception:
         row = {"problems": [f"the check failed: {traceback.format_exc()[-1500:]}"]}
     row |= extra

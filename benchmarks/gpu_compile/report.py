@@ -24,6 +24,7 @@ def summary(result: dict) -> dict:
         "max_registers": max((r["registers"] for r in kernels if r.get("registers")), default=None),
         "max_smem_bytes": max((r["smem_bytes"] for r in kernels if r.get("smem_bytes")), default=None),
         "max_temp_gib": max((r["memory"]["temp_bytes"] / GIB for r in steps if "memory" in r), default=None),
+        "steps_not_graph_captured": sum(1 for r in steps if "anatomy" in r and not r["anatomy"]["graph_captured"]),
     }
 
 
@@ -105,11 +106,13 @@ def markdown(result: dict) -> str:
         "",
         "Every step variant the engine's warm-up compiles, abstract bf16 weights; memory against the engine's sizing "
         "(allocator limit x gpu_memory_utilization, less the weights; the KV cache takes KV_SHARE of the rest, the "
-        "activations the margin).",
+        "activations the margin). Launches: the kernels and library calls one step runs (its thunk sequence after "
+        "XLA's passes, per layer of the layers compiled), and the host's launches for them (1: the whole step is one "
+        "command buffer, a CUDA graph).",
         "",
-        "| model | tokens | seqs | rows | backend | compile s | arguments GiB | temp GiB | margin GiB | Pallas kernels "
-        "| verdict |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
+        "| model | tokens | seqs | rows | backend | compile s | arguments GiB | temp GiB | margin GiB | launches "
+        "(per layer) | host launches | Pallas kernels | verdict |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in sorted(result.get("steps", []), key=lambda r: not failed(r)):
         m, z = r.get("memory") or {}, r.get("sizing") or {}
@@ -118,6 +121,9 @@ def markdown(result: dict) -> str:
             rows = f"{rows} + {r['prompt_rows']} prompt"
         cells = [r.get("model", "?"), r.get("num_tokens", "-"), r.get("num_seqs", "-"), rows, r.get("backend", "-")]
         cells += [r.get("compile_s", "-"), _gib(m.get("argument_bytes")), _gib(m.get("temp_bytes"))]
-        cells += [_gib(z.get("activation_margin_bytes")), ", ".join(r.get("pallas_kernels", [])) or "-", _verdict(r)]
+        a = r.get("anatomy") or {}
+        launches = f"{a['launches']} ({a['launches_per_layer']})" if a else "-"
+        cells += [_gib(z.get("activation_margin_bytes")), launches, a.get("host_launches", "-")]
+        cells += [", ".join(r.get("pallas_kernels", [])) or "-", _verdict(r)]
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(out) + "\n"

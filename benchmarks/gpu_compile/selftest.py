@@ -13,7 +13,7 @@ from netra_jax.ops.paged_attention_triton import KernelConfig
 def broken_cases() -> list[tuple[str, configs.KernelCase, str]]:
     """(target, case, a phrase the check's verdict must contain)."""
     gemma = configs.shape("gemma3-4b-local")
-    decode, prefill = configs.step("decode_256"), configs.step("prefill_2048")
+    decode, prefill = configs.step(configs.DECODE_FULL), configs.step(configs.PREFILL_FULL)
     oversized = KernelConfig(block_m=256, tile=256, num_splits=1, num_warps=4, num_stages=3)
     smem_p = MosaicConfig(tile=64, num_stages=2, num_splits=1, block_rows=8, p_in_registers=False)
     return [
