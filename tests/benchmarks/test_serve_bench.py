@@ -498,3 +498,29 @@ def test_gguf_f32_copy_has_the_dequantized_weights_and_metadata(tmp_path):
     assert np.abs(b.tensor("q") - w).max() < 0.5  # really de-quantized, not reinterpreted bytes
     assert b.metadata.pop("general.file_type") == 0 and a.metadata.pop("general.file_type") == 3
     assert b.metadata == a.metadata and b.metadata["tokenizer.ggml.tokens"] == ["<s>", "a", "b"]
+
+
+def test_max_duration_cuts_a_pass_and_counts_what_streamed(reset, tmp_path):
+    fake = reset  # a request streams 1 + 49 tokens over 0.1 + 49 x 0.02 s: longer than the pass may take
+    res = _run(
+        fake,
+        tmp_path,
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "4",
+        "--output-len",
+        "50",
+        "--ignore-eos",
+        "--max-duration",
+        "0.5",
+        "--no-plot",
+    )
+    (run,) = res["runs"]
+    assert len(fake.requests) == 2  # the other four were never sent
+    assert run["completed"] == 0 and run["cut"] == 2 and run["failed"] == 0 and run["errors"] == []
+    assert run["duration"] == pytest.approx(0.5, abs=0.2)
+    assert 2 * 10 <= run["total_output_tokens"] <= 2 * 25  # about 1 + 0.4 / 0.02 tokens each by then
+    assert run["output_throughput"] == pytest.approx(run["total_output_tokens"] / run["duration"])
