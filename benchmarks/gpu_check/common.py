@@ -165,6 +165,15 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
+def fmt(v: Any) -> str:
+    """A table cell: "-" for None, 3 significant digits below 1000, whole numbers above."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
 def sig(x: float | None, digits: int = 4) -> float | None:
     """x rounded to `digits` significant digits (None and non-finite values pass as None)."""
     if x is None or not math.isfinite(x):

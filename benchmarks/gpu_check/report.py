@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from benchmarks.gpu_check import serve_report
-from benchmarks.gpu_check.common import sizes
+from benchmarks.gpu_check.common import fmt, sizes
 from netra_jax.targets import gpu_target_of
 
 
@@ -28,17 +28,9 @@ def write(merged: dict, out_dir: Path) -> Path:
     return stem
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
 def _table(header: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
     return out + [""]
 
 
@@ -131,8 +123,8 @@ def markdown(merged: dict) -> str:
     ]
     lines += [
         f"Device: {env.get('device_kind', '?')} ({env.get('backend', '?')}), jax {env.get('jax', '?')}; "
-        f"copy bandwidth {_fmt(dev.get('copy_gbps'))} GB/s (read + write), bf16 matmul "
-        f"{_fmt(dev.get('matmul_tflops'))} TFLOP/s; {merged.get('elapsed_s', '?')} s of a "
+        f"copy bandwidth {fmt(dev.get('copy_gbps'))} GB/s (read + write), bf16 matmul "
+        f"{fmt(dev.get('matmul_tflops'))} TFLOP/s; {merged.get('elapsed_s', '?')} s of a "
         f"{merged['budget_s']:.0f} s budget.",
         "",
     ]
@@ -189,13 +181,13 @@ def kernels_lines(merged: dict) -> list[str]:
 
 def ready_text(ready: dict) -> str:
     warm = ready.get("warmup") or {}
-    build = f"build {_fmt(ready.get('build_s'))} s"
+    build = f"build {fmt(ready.get('build_s'))} s"
     if warm.get("complete"):
-        return f"{_fmt(ready.get('time_to_ready_s'))} s ({build})"
+        return f"{fmt(ready.get('time_to_ready_s'))} s ({build})"
     return (
         f"not reached: the warm-up compiled {warm.get('compiled', '-')} of {warm.get('step_variants', '-')} step "
-        f"variants in {_fmt(warm.get('seconds'))} s before its cap (full warm-up estimated at "
-        f"{_fmt(warm.get('estimated_full_s'))} s; {build})"
+        f"variants in {fmt(warm.get('seconds'))} s before its cap (full warm-up estimated at "
+        f"{fmt(warm.get('estimated_full_s'))} s; {build})"
     )
 
 
@@ -238,7 +230,7 @@ def model_lines(merged: dict) -> list[str]:
                 r.get("device_us_per_step"),
                 r.get("idle_fraction"),
                 r.get("host_us_per_step"),
-                ", ".join(f"{c} {_fmt(v)}" for c, v in shares.items() if v) or None,
+                ", ".join(f"{c} {fmt(v)}" for c, v in shares.items() if v) or None,
             ]
         )
     header = [
@@ -308,5 +300,5 @@ def skipped_lines(merged: dict) -> list[str]:
 def summary(merged: dict) -> str:
     """A few lines for the end of the console output."""
     lines = [f"{n}: {d.get('status')} ({d.get('elapsed_s')} s)" for n, d in merged["sections"].items()]
-    lines += [f"{g[0]}: {_fmt(g[2])} (goal {g[1]})" for g in goals(merged)]
+    lines += [f"{g[0]}: {fmt(g[2])} (goal {g[1]})" for g in goals(merged)]
     return "\n".join(lines)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.gpu_check.common import fmt
+
 SERVE_SECTIONS = (("serve", "bf16"), ("serve_fp8", "fp8"))
 
 # Published figures for Llama-3.1-8B on one GPU, each with its source; "users" where the source gives concurrency.
@@ -70,14 +72,6 @@ def headline(merged: dict) -> dict | None:
     return {"date": merged["date"], "dry_run": merged["dry_run"], "device": device, "variants": variants}
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
 def _why(r: dict) -> str:
     return ("skipped: " + r["skipped"][:60]) if "skipped" in r else ("error: " + r["error"][:60])
 
@@ -93,7 +87,7 @@ def tables(head: dict) -> list[str]:
             f"{size.get('page_size', '-')} tokens ({size.get('kv_tokens', '-')} tokens, {size.get('kv_gib', '-')} "
             f"GiB), weights {size.get('weights_gib', '-')} GiB, up to {size.get('max_num_seqs', '-')} sequences, "
             f"{size.get('max_num_batched_tokens', '-')} tokens a step, context {size.get('max_model_len', '-')}. "
-            f"Ready after {_fmt(v.get('time_to_ready_s'))} s "
+            f"Ready after {fmt(v.get('time_to_ready_s'))} s "
             f"({'programs loaded from ' + v['bundle'] if v.get('bundle') else 'compiled at start'}).",
             "",
         ]
@@ -109,7 +103,7 @@ def tables(head: dict) -> list[str]:
                 cells = [r.get(k) for k, _ in COLUMNS]
                 if "output_throughput" not in r:
                     cells[5] = _why(r)
-                out.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+                out.append("| " + " | ".join(fmt(c) for c in cells) + " |")
             out.append("")
     return out
 
