@@ -246,6 +246,7 @@ def compile_step(
     CUDA graph captures it (`capture.step_anatomy`)."""
     import jax
 
+    from netra_jax.engine.aot import DEVICELESS_OPTIONS
     from netra_jax.quant import GPU_BACKENDS
 
     runner = step_runner(target, model, depth, quantization, lora)
@@ -267,7 +268,7 @@ def compile_step(
             with jax.default_device(runner.compile_for):
                 lowered = runner.lower_step(shape, lora=lora is not None)
                 t1 = time.perf_counter()
-                compiled = lowered.compile()
+                compiled = lowered.compile(DEVICELESS_OPTIONS)  # as `netra-jax compile` builds it without the GPU
             failure = None
         except Exception as e:
             failure = e

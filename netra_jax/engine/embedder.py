@@ -68,7 +68,8 @@ def _pool_step(
     h = h.astype(jnp.float32)  # [S or T, hidden]
     if pooling != "MEAN":
         return h
-    seq = jnp.searchsorted(qsl[1:], jnp.arange(shape.num_tokens), side="right")  # [T]: its sequence (S: padding)
+    t = jnp.arange(shape.num_tokens)  # an unrolled binary search: no while loop (see ops.attention_blocks.token_rows)
+    seq = jnp.searchsorted(qsl[1:], t, side="right", method="scan_unrolled")  # [T]: its sequence (S: padding)
     sums = jax.ops.segment_sum(h, seq, num_segments=shape.num_seqs)  # [S, hidden]
     return sums / jnp.maximum(x.md.seq_lens, 1).astype(jnp.float32)[:, None]
 

@@ -66,7 +66,10 @@ def token_rows(query_start_loc: jax.Array, num_tokens: int, num_blocks: int, bq:
     S = query_start_loc.shape[0] - 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     qsl = query_start_loc.astype(jnp.int32)
-    s_of = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), 0, S - 1)  # [T]
+    # an unrolled binary search: the default ("scan") is a while loop, which the GPU runs from the host between two
+    # CUDA graphs (its condition read back every iteration)
+    s_of = jnp.searchsorted(qsl[1:], t, side="right", method="scan_unrolled").astype(jnp.int32)
+    s_of = jnp.clip(s_of, 0, S - 1)  # [T]
     local = t - qsl[s_of]
     blk = jnp.clip(qsl[s_of] // bq + s_of + local // bq, 0, num_blocks - 1)[:, None, None]  # [T, 1, 1]
     row = ((local % bq) * group)[:, None, None] + jnp.arange(group)[None, None, :]  # [T, 1, G]

@@ -321,8 +321,10 @@ def test_every_step_program_fits_the_memory_sizing(compile_check):
                     assert "f8e4m3fn x f8e4m3fn" in max(mine, key=lambda s: s["num_tokens"])["gemm_operands"]
         backends = {s["backend"] for s in steps}
         assert backends == ({"mosaic"} if target == "h100" else {"triton"})
-        dense = [s for s in steps if s["model"] == "llama3-8b" and s["num_tokens"] == 1]  # the batch-1 decode step
-        assert dense and all(s["anatomy"]["graph_captured"] for s in dense), dense
+        # every step of the dense model, LoRA and quantized weights included, is one CUDA graph (a while loop in it,
+        # e.g. jnp.searchsorted's default, would run from the host between two graphs)
+        dense = [s for s in steps if s["model"].startswith("llama3-8b")]
+        assert dense and all(s["anatomy"]["graph_captured"] for s in dense), [s["anatomy"] for s in dense]
 
 
 @needs_cuda

@@ -48,7 +48,8 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
     Returns (seq_idx [T] int32, q_pos [T] int32, valid [T] bool)."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     qsl = md.query_start_loc
-    seq_idx = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+    # an unrolled binary search (the default is a while loop: see attention_blocks.token_rows)
+    seq_idx = jnp.searchsorted(qsl[1:], t, side="right", method="scan_unrolled").astype(jnp.int32)
     valid = t < qsl[-1]
     seq_idx = jnp.minimum(seq_idx, md.seq_lens.shape[0] - 1)
     q_len = qsl[seq_idx + 1] - qsl[seq_idx]
