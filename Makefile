@@ -105,14 +105,14 @@ bench-score: setup
 # A100 targets and writes benchmarks/results/<date>-gpu_compile-{h100,h200,a100}.json and .md (about 20 minutes on 2
 # cores; CI runs it for the H100 and A100 with 2-layer step programs through the tests); GPU_COMPILE_ARGS="--only
 # kernels", "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
-# `make gpu-bundles` compiles the GPU check's 8B serving engine with bf16 weights for the H100 into
-# benchmarks/bundles/h100-bf16 (git-ignored; 60 programs, 18.5 MiB, about 5 minutes on 2 cores), which
-# benchmarks/gpu_check.sh loads on that device instead of compiling; build it from the commit the device runs (a
-# bundle names the sources' digest). GPU_BUNDLES_ARGS="--targets h200 --variants bf16,fp8" for others (each about
-# 18 MiB: the device carries 64 MiB besides the repository, the wheels included).
+# `make gpu-bundles` compiles the GPU check's 8B serving engine with bf16 weights for the H100 and the H200 into
+# benchmarks/bundles/<target>-bf16 (git-ignored; 60 programs and 18.5 MiB each, about 5 minutes each on 2 cores),
+# which benchmarks/gpu_check.sh loads on that device instead of compiling; build them from the commit the device
+# runs (a bundle names the sources' digest). The device carries 64 MiB besides the repository: both bundles and the
+# wheels take 43. GPU_BUNDLES_ARGS="--targets h100 --variants bf16,fp8" for others.
 CUDA_SITE ?= $(VENV)/cuda13
 GPU_COMPILE_ARGS ?=
-GPU_BUNDLES_ARGS ?= --targets h100 --variants bf16
+GPU_BUNDLES_ARGS ?= --targets h100,h200 --variants bf16
 CUDA_COMPILER_WHEELS := nvidia-cuda-nvcc nvidia-nvvm
 gpu-compile-setup: $(CUDA_SITE)/.installed
 
