@@ -72,6 +72,7 @@ def record(manifest: dict, seconds: float, results: Path, target: str, variant: 
         "signature": manifest["signature"],
         "programs": [{k: p[k] for k in ("kind", "label", "bytes", "compile_s")} for p in programs],
     }
+    results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{out['date'][:10]}-gpu_bundle-{target}-{variant}"
     Path(f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
     lines = [
