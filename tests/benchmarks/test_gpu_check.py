@@ -34,7 +34,7 @@ def dry_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
     out = tmp / "results"
     cmd = ["bash", str(BENCH / "gpu_check.sh"), str(out), "--dry-run"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=_env(tmp))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=_env(tmp))
     (found,) = out.glob("*-gpu_check-cpu-dry.json")
     return r, json.loads(found.read_text()), found.with_suffix(".md").read_text(), out
 
