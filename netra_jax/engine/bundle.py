@@ -75,16 +75,12 @@ def source_digest() -> str:
 
 def _cpu_model() -> str:
     """The host CPU's model and instruction-set flags (XLA's CPU programs are compiled for the host's features)."""
+    from netra_jax.bench.machine import cpuinfo_fields
+
     try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        fields = cpuinfo_fields(Path("/proc/cpuinfo").read_text(errors="replace"))
     except OSError:
         return platform.processor() or platform.machine()
-    fields = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
     flags = " ".join(sorted(fields.get("flags", "").split()))
     return f"{fields.get('model name', platform.machine())} [{_digest(flags)}]"
 
@@ -186,10 +182,7 @@ def sized_like(config: EngineConfig, manifest: dict) -> EngineConfig:
     here = jax.default_backend()
     if sig.get("platform") != here or sig.get("device") != device_name(here, jax.devices()[0].device_kind):
         return config
-    try:
-        pages = json.loads(sig.get("runner") or "{}").get("num_pages")
-    except json.JSONDecodeError:
-        return config
+    pages = (_options(sig.get("runner")) or {}).get("num_pages")
     if not isinstance(pages, int) or pages < 2:
         return config
     return dataclasses.replace(config, cache=dataclasses.replace(cache, num_pages=pages))
