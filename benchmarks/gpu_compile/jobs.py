@@ -149,12 +149,11 @@ def step_runner(
 
     from benchmarks.gpu_check import configs, engine_settings
     from netra_jax.config import ModelConfig
-    from netra_jax.engine.engine import runner_options
+    from netra_jax.engine.aot import target_options
     from netra_jax.engine.runner import ModelRunner
     from netra_jax.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from netra_jax.loader import dummy
-    from netra_jax.ops.attention import auto_backend
-    from netra_jax.quant import GPU_BACKENDS, quantize_params, weight_layout
+    from netra_jax.quant import quantize_params, weight_layout
 
     s = engine_settings.settings(False)
     hf = configs.STEP_MODELS[model]
@@ -170,20 +169,7 @@ def step_runner(
         warmup=True,
     )
     dtype = jnp.dtype(config.dtype)
-    opts = runner_options(config, cfg, dtype, platform="gpu")
-    if opts["backend"] == "auto":  # what attention's "auto" picks on the target (the host here is a CPU)
-        opts["backend"] = auto_backend(
-            "gpu",
-            GPU_TARGETS[target].compute_capability,
-            dtype=dtype,
-            kv_dtype=dtype,
-            q_heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=config.cache.page_size,
-        )
-    if opts["matmul_backend"] in GPU_BACKENDS:  # what "auto" picks on the target (fp8 or not)
-        opts["matmul_backend"] = config.resolved_matmul_backend("gpu", GPU_TARGETS[target].compute_capability)
+    opts = target_options(config, cfg, dtype, dtype, target)  # the backends "auto" resolves to on the target
     params = dummy.param_layout(cfg, dtype, optional=dummy.attention_biases(cfg, hf))
     if quantization:
         layout = functools.partial(weight_layout, backend=opts["matmul_backend"])

@@ -30,7 +30,7 @@ from netra_jax.ops.kv_quant import storage_dtype
 from netra_jax.quant import quantize_params, weight_layout
 from netra_jax.targets import GPU_TARGETS, TARGETS, compile_device
 
-__all__ = ["DEVICELESS_OPTIONS", "compile_bundle", "compile_only_runner", "target_pages"]
+__all__ = ["DEVICELESS_OPTIONS", "compile_bundle", "compile_only_runner", "target_options", "target_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,27 @@ def target_pages(config: EngineConfig, cfg: ModelConfig, params, kv_dtype, targe
     return pages
 
 
+def target_options(config: EngineConfig, cfg: ModelConfig, dtype, kv_dtype, target: str) -> dict:
+    """The runner options of `config` (`engine.runner_options`) with its backends as they resolve on `target`'s GPU
+    rather than on this host: the matmul backend for the target's compute capability, attention's "auto" as the
+    kernel it runs there (`ops.attention.auto_backend`) for weights of `dtype` and a KV cache of `kv_dtype`."""
+    gpu = GPU_TARGETS[target]
+    opts = runner_options(config, cfg, kv_dtype, platform="gpu")
+    opts["matmul_backend"] = config.resolved_matmul_backend("gpu", gpu.compute_capability)
+    if opts["backend"] == "auto":
+        opts["backend"] = auto_backend(
+            "gpu",
+            gpu.compute_capability,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            q_heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=config.cache.page_size,
+        )
+    return opts
+
+
 def compile_only_runner(config: EngineConfig, target: str) -> tuple[ModelRunner, int]:
     """(a runner for `target`'s compile-only device, the vocabulary size): the parameters abstract, laid out as the
     engine lays them out on that GPU (quantized at load by `config.quantization`, re-laid for the matmul backend),
@@ -80,19 +101,7 @@ def compile_only_runner(config: EngineConfig, target: str) -> tuple[ModelRunner,
         params = jax.eval_shape(lambda p: quantize_params(p, config.quantization), params)
     params = jax.eval_shape(lambda p: weight_layout(p, matmul), params)
     kv_dtype = storage_dtype(config.kv_cache_dtype, params["embed"].dtype)
-    opts = runner_options(config, cfg, kv_dtype, platform="gpu")
-    opts["matmul_backend"] = matmul  # resolved for the target's compute capability, not this host's
-    if opts["backend"] == "auto":  # what attention's "auto" runs on the target (`ops.attention.auto_backend`)
-        opts["backend"] = auto_backend(
-            "gpu",
-            gpu.compute_capability,
-            dtype=params["embed"].dtype,
-            kv_dtype=kv_dtype,
-            q_heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=config.cache.page_size,
-        )
+    opts = target_options(config, cfg, params["embed"].dtype, kv_dtype, target)
     pages = target_pages(config, cfg, params, kv_dtype, target)
     runner = ModelRunner(cfg, params, num_pages=pages, compile_for=compile_device(target), **opts)
     runner.set_prompt_logprob_buckets(fine=False)  # the warm-up's set, which a bundle holds
