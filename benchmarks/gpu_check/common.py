@@ -175,6 +175,15 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def why(row: dict) -> str:
+    """A table cell for a row measured nothing: why (skipped or failed), else "-"."""
+    if "skipped" in row:
+        return "skipped: " + row["skipped"][:60]
+    if "error" in row:
+        return "error: " + row["error"][:60]
+    return "-"
+
+
 def sig(x: float | None, digits: int = 4) -> float | None:
     """x rounded to `digits` significant digits (None and non-finite values pass as None)."""
     if x is None or not math.isfinite(x):

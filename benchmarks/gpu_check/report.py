@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from benchmarks.gpu_check import serve_report
-from benchmarks.gpu_check.common import fmt, sizes
+from benchmarks.gpu_check.common import fmt, sizes, why
 from netra_jax.targets import gpu_target_of
 
 
@@ -50,12 +50,12 @@ def attention_table(merged: dict, kind: str) -> list[str]:
     for shape in shapes:
         by = {r["impl"]: r for r in rows if r.get("shape") == shape and "impl" in r}
         if not by:  # the whole shape was skipped
-            out.append([shape, None] + [_why(next(r for r in rows if r.get("shape") == shape))] + [None] * 7)
+            out.append([shape, None] + [why(next(r for r in rows if r.get("shape") == shape))] + [None] * 7)
             continue
         cells = [shape, next(iter(by.values())).get("kv_mib")]
         for impl in ("mosaic", "triton", "xla_dense"):
             r = by.get(impl, {})
-            cells += [r.get("us"), r.get("frac_copy_bw")] if "us" in r else [_why(r), None]
+            cells += [r.get("us"), r.get("frac_copy_bw")] if "us" in r else [why(r), None]
         f = flash.get(shape, {})
         best = min((by[i]["us"] for i in ("mosaic", "triton") if "us" in by.get(i, {})), default=None)
         cells += [f.get("us"), _ratio(f.get("us"), best)]
@@ -73,14 +73,6 @@ def attention_table(merged: dict, kind: str) -> list[str]:
         "flash / best paged (>1: paged faster)",
     ]
     return _table(header, out) if out else ["(none)", ""]
-
-
-def _why(r: dict) -> str:
-    if "skipped" in r:
-        return "skipped: " + r["skipped"][:60]
-    if "error" in r:
-        return "error: " + r["error"][:60]
-    return "-"
 
 
 def _level(merged: dict, section: str, sweep: str, users: int) -> float | None:
@@ -143,7 +135,7 @@ def markdown(merged: dict) -> str:
     )
     lines += ["## Goals", ""] + _table(["goal", "target", "reached"], goals(merged))
     corr = [
-        [r["backend"], r["dtype"], r["case"], r.get("max_abs_err"), r.get("rel_err"), r.get("ok"), _why(r)]
+        [r["backend"], r["dtype"], r["case"], r.get("max_abs_err"), r.get("rel_err"), r.get("ok"), why(r)]
         for r in _rows(merged, "correctness", "results")
     ]
     lines += ["## 1. Correctness against the jnp reference (f32 on the device)", ""]
@@ -154,7 +146,7 @@ def markdown(merged: dict) -> str:
     lines += [f"## 2. Paged attention (bf16, {shape})", "", "Decode:", ""]
     lines += attention_table(merged, "decode") + ["Mixed steps:", ""] + attention_table(merged, "mixed")
     kvw = [
-        [r.get("impl"), r.get("tokens"), r.get("us"), r.get("written_ok"), _why(r)]
+        [r.get("impl"), r.get("tokens"), r.get("us"), r.get("written_ok"), why(r)]
         for r in _rows(merged, "attention", "kv_write")
     ]
     lines += ["KV write (cache donated):", ""] + _table(["impl", "tokens", "us", "written ok", "note"], kvw)
@@ -165,7 +157,7 @@ def markdown(merged: dict) -> str:
 def kernels_lines(merged: dict) -> list[str]:
     k = merged["sections"].get("kernels") or {}
     rows = [
-        [r.get("case"), r.get("compile_s"), r.get("us"), r.get("rel_err"), r.get("ok"), _why(r)]
+        [r.get("case"), r.get("compile_s"), r.get("us"), r.get("rel_err"), r.get("ok"), why(r)]
         for r in _rows(merged, "kernels", "cases")
     ]
     summary = k.get("summary") or {}
@@ -225,7 +217,7 @@ def model_lines(merged: dict) -> list[str]:
         rows.append(
             [
                 r.get("users"),
-                r.get("output_tok_s") or _why(r),
+                r.get("output_tok_s") or why(r),
                 r.get("kernels_per_step"),
                 r.get("device_us_per_step"),
                 r.get("idle_fraction"),
@@ -260,9 +252,9 @@ def quant_lines(merged: dict) -> list[str]:
                 f"{r.get('weights', '-')} on {r.get('matmul_backend', '-')}",
                 r.get("weights_gb"),
                 ready_text({"build_s": r.get("build_s"), "warmup": r.get("warmup") or {}}) if r else "-",
-                b.get("decode_tok_s") or _why(b),
+                b.get("decode_tok_s") or why(b),
                 b.get("mbu"),
-                f"{t.get('output_tok_s')} ({t.get('batch')} seqs)" if t.get("output_tok_s") else _why(t),
+                f"{t.get('output_tok_s')} ({t.get('batch')} seqs)" if t.get("output_tok_s") else why(t),
             ]
         )
     header = [

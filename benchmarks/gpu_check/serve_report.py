@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.gpu_check.common import fmt
+from benchmarks.gpu_check.common import fmt, why
 
 SERVE_SECTIONS = (("serve", "bf16"), ("serve_fp8", "fp8"))
 
@@ -72,10 +72,6 @@ def headline(merged: dict) -> dict | None:
     return {"date": merged["date"], "dry_run": merged["dry_run"], "device": device, "variants": variants}
 
 
-def _why(r: dict) -> str:
-    return ("skipped: " + r["skipped"][:60]) if "skipped" in r else ("error: " + r["error"][:60])
-
-
 def tables(head: dict) -> list[str]:
     """Markdown: per variant, its sizing line and one table per sweep."""
     out = []
@@ -102,7 +98,7 @@ def tables(head: dict) -> list[str]:
             for r in rows:
                 cells = [r.get(k) for k, _ in COLUMNS]
                 if "output_throughput" not in r:
-                    cells[5] = _why(r)
+                    cells[5] = why(r)
                 out.append("| " + " | ".join(fmt(c) for c in cells) + " |")
             out.append("")
     return out
