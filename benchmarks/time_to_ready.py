@@ -10,8 +10,10 @@ start a fresh process: of `netra-jax serve` (seconds to the first 200 on /health
     .venv/bin/python -m benchmarks.time_to_ready --what both --result-dir DIR
 
 Each cold + warm pair gets its own cache root ($NETRA_JAX_CACHE) holding a fresh xla/ directory and links to the real
-cache's default model and converted parameters (each model loaded once first, so that no timed start converts its
-weights): only the compilation cache is cold.
+cache's default model, converted parameters and C++ CPU kernels (each model loaded once first, so that no timed start
+converts its weights; the kernels are built at install): only the compilation cache is cold (--cold-kernels: and the
+kernels unbuilt). Right after /ready each start sends a one-token completion (and one per adapter with --lora N,
+which serves N random rank-8 adapters) and records its seconds and the compilations on the request path.
 serve (the default): `netra-jax serve` on the default model (--server-args adds flags or names another model). While
 a server warms up, /health must answer 200 and /ready 503 (recorded as probe counts). Results go to
 benchmarks/results/<date>-time_to_ready[_<label>].json.
@@ -90,10 +92,12 @@ print("RESULT " + json.dumps({
 
 
 # ---------------------------------------------------------------------------------------------------- both kinds
-def fresh_cache_root(parent: Path) -> Path:
-    """A cache root whose xla/ is empty and whose model and parameter caches are the real ones (linked)."""
+def fresh_cache_root(parent: Path, kernels: bool = True) -> Path:
+    """A cache root whose xla/ is empty and whose model and parameter caches are the real ones (linked), and the C++
+    CPU kernels' build too unless `kernels` is False (they are built at install, `make setup`; a start without them
+    builds them first)."""
     root = Path(tempfile.mkdtemp(prefix="ttr-cache-", dir=parent))
-    for name in ("smollm2", "params"):
+    for name in ("smollm2", "params", *(["kernels"] if kernels else [])):
         src = cache_dir() / name
         if src.exists():
             (root / name).symlink_to(src, target_is_directory=True)
@@ -134,12 +138,14 @@ def prime_parameter_cache(model: str | None, env: dict, cwd: Path) -> None:
     subprocess.run([sys.executable, "-c", code, model or ""], env=env, cwd=str(cwd), check=True, capture_output=True)
 
 
-def cold_warm(work: Path, repeat: int, start: Callable[[Path, str], dict], **labels) -> list[dict]:
+def cold_warm(
+    work: Path, repeat: int, start: Callable[[Path, str], dict], kernels: bool = True, **labels
+) -> list[dict]:
     """`repeat` pairs of starts, each pair on a fresh cache root: cold (its xla/ empty), then warm (the same root);
     every start's record gets `labels`, its trial and its cache, and is printed."""
     runs = []
     for trial in range(repeat):
-        cache = fresh_cache_root(work)
+        cache = fresh_cache_root(work, kernels)
         for kind in ("cold", "warm"):
             r = start(cache, f"{trial}-{kind}")
             r.update(labels, trial=trial, cache=kind)
@@ -174,10 +180,72 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def post_seconds(url: str, body: dict) -> float:
+    """Seconds a POST of JSON `body` takes to answer 200 (RuntimeError otherwise)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status}")
+        r.read()
+    return time.monotonic() - t0
+
+
+def metric(base: str, name: str) -> float | None:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        m = re.search(rf"^{name} ([\d.e+-]+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else None
+
+
+def first_requests(base: str, adapters: list[str]) -> dict:
+    """Right after /ready: seconds to a one-token completion of PROMPT (its first token), then each adapter's first
+    one; the compilations on the request path meanwhile (`netra_xla_compilations_outside_warmup`) and the programs
+    still compiling in the background."""
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        served = next(m["id"] for m in json.loads(r.read())["data"] if not m.get("parent"))
+    before = metric(base, "netra_xla_compilations_outside_warmup")
+    out = {"first_token_after_ready_s": round(post_seconds(base + "/v1/completions", _one_token(served)), 3)}
+    if adapters:
+        out["adapter_first_token_s"] = {
+            a: round(post_seconds(base + "/v1/completions", _one_token(a)), 3) for a in adapters
+        }
+    after = metric(base, "netra_xla_compilations_outside_warmup")
+    out["request_path_compiles"] = None if before is None or after is None else int(after - before)
+    out["programs_pending_after"] = metric(base, "netra_programs_pending")
+    return out
+
+
+def _one_token(model: str) -> dict:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+
+
+def random_adapters(work: Path, n: int, rank: int = 8) -> list[str]:
+    """`n` PEFT adapters of rank `rank` on every projection of the default model, random factors (N(0, 0.02)),
+    written under `work`; their `--lora-modules` arguments."""
+    import numpy as np
+
+    from netra_jax.config import load_config
+    from netra_jax.engine.factory import resolve_model_path
+    from netra_jax.models.lora import LoRAAdapter, save_peft_adapter, target_shapes
+
+    cfg = load_config(resolve_model_path(None))
+    rng = np.random.default_rng(0)
+    modules = []
+    for k in range(n):
+        weights = {}
+        for i in range(cfg.num_layers):
+            for t, (fan_in, fan_out) in target_shapes(cfg, i).items():
+                a = rng.normal(0, 0.02, (fan_in, rank)).astype(np.float32)
+                weights[(i, t)] = (a, rng.normal(0, 0.02, (rank, fan_out)).astype(np.float32))
+        path = save_peft_adapter(LoRAAdapter(f"adapter{k}", rank, weights), work / f"adapter{k}")
+        modules.append(f"adapter{k}={path}")
+    return modules
+
+
 def start_once(cache_root: Path, server_args: list[str], env: dict, timeout: float, log_dir: Path, tag: str) -> dict:
     """One start: seconds to the first /health 200 and /ready 200, the CPU seconds the server had used by then
-    (less sensitive than wall time to other work on the machine), the probe answers seen during warm-up, and what
-    the server printed about loading and warm-up."""
+    (less sensitive than wall time to other work on the machine), the probe answers seen during warm-up, what the
+    server printed about loading and warm-up, and its first requests after /ready (`first_requests`)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = log_dir / f"{tag}.log"
@@ -202,6 +270,8 @@ def start_once(cache_root: Path, server_args: list[str], env: dict, timeout: flo
                     out["ready_s"] = round(time.monotonic() - t0, 2)
                     cpu = cpu_seconds(proc.pid)
                     out["cpu_s_to_ready"] = None if cpu is None else round(cpu, 1)
+                    adapters = [m.split("=", 1)[0] for m in _lora_modules(server_args)]
+                    out.update(first_requests(base, adapters))
                     break
                 key = "health_200" if health == 200 else "health_other"
                 out["probes_while_warming"][key] += 1
@@ -225,14 +295,24 @@ def start_once(cache_root: Path, server_args: list[str], env: dict, timeout: flo
     return out
 
 
+def _lora_modules(server_args: list[str]) -> list[str]:
+    """The NAME=PATH arguments after --lora-modules."""
+    if "--lora-modules" not in server_args:
+        return []
+    rest = server_args[server_args.index("--lora-modules") + 1 :]
+    return [a for a in rest[: next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))] if "=" in a]
+
+
 def serve_summary(runs: list[dict]) -> dict:
     summary = {}
     for kind in ("cold", "warm"):
         ready = [r["ready_s"] for r in runs if r["cache"] == kind]
         cpu = [r["cpu_s_to_ready"] for r in runs if r["cache"] == kind and r["cpu_s_to_ready"] is not None]
+        first = [r["first_token_after_ready_s"] for r in runs if r["cache"] == kind]
         summary[kind] = {
             "ready_s_min": min(ready),
             "ready_s_max": max(ready),
+            "first_token_after_ready_s_max": max(first),
             "cpu_s_to_ready_min": min(cpu, default=None),
             "n": len(ready),
         }
@@ -292,6 +372,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--result-dir", type=Path, default=RESULTS, help="where results go by their default names")
     serve = p.add_argument_group("serve")
     serve.add_argument("--server-args", default="", help="extra `netra-jax serve` flags, one shell-quoted string")
+    p.add_argument(
+        "--cold-kernels", action="store_true", help="cold starts build the C++ CPU kernels too (as before make setup)"
+    )
+    serve.add_argument(
+        "--lora", type=int, default=0, help="serve this many random rank-8 adapters (--enable-lora --lora-modules)"
+    )
     llm = p.add_argument_group("llm")
     llm.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     llm.add_argument("--modes", default="lazy", help="comma-separated: lazy (LLM's default) and/or warmup")
@@ -322,10 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "serve" in kinds:
             server_args = shlex.split(a.server_args)
+            if a.lora:
+                modules = random_adapters(work, a.lora)
+                server_args += ["--enable-lora", "--max-loras", str(a.lora), "--lora-modules", *modules]
             runs = cold_warm(
-                work, a.repeat, lambda cache, tag: start_once(cache, server_args, env, a.timeout, work, tag)
+                work,
+                a.repeat,
+                lambda cache, tag: start_once(cache, server_args, env, a.timeout, work, tag),
+                not a.cold_kernels,
             )
-            docs["time_to_ready"] = {"server_args": a.server_args, "summary": serve_summary(runs), "runs": runs}
+            args_text = shlex.join(server_args)
+            docs["time_to_ready"] = {"server_args": args_text, "summary": serve_summary(runs), "runs": runs}
         if "llm" in kinds:
             runs = []
             for name in models:

@@ -58,6 +58,7 @@ __all__ = [
     "slot_specs",
     "save_peft_adapter",
     "set_slot",
+    "slot_blocks",
     "target_shapes",
 ]
 
@@ -364,20 +365,20 @@ def slot_specs(slots: list[LayerLoRA]) -> list[dict[str, tuple[P, P]]]:
 
 
 def _layer_blocks(
-    cfg: ModelConfig, layer: int, weights: dict, max_rank: int, dtype, tp: int = 1
+    cfg: ModelConfig, layer: int, weights: dict, max_rank: int, dtype, tp: int = 1, xp=jnp
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
     """One layer's groups of `weights` as one slot: group -> (a [in, Rg], b [Rg, out]) in `empty_slots`' layout,
     target j's factors at rows/columns j*max_rank.. (zero-padded to max_rank) and b's output columns its own
     (device-major for tp > 1 in the column-parallel groups). Built by pad/concatenate/gather only, so differentiable
-    in every factor."""
+    in every factor; xp: the array module (numpy builds them on the host)."""
     blocks = {}
     for g, (fan_in, outs) in _group_shapes(cfg, layer).items():
         fan_out, a_parts, b_parts, offset = sum(n for _, n in outs), [], [], 0
         for t, width in outs:
             wa, wb = weights.get((layer, t), (None, None))
             if wa is None:
-                a_parts.append(jnp.zeros((fan_in, max_rank), dtype))
-                b_parts.append(jnp.zeros((max_rank, fan_out), dtype))
+                a_parts.append(xp.zeros((fan_in, max_rank), dtype))
+                b_parts.append(xp.zeros((max_rank, fan_out), dtype))
             else:
                 r = wa.shape[-1]
                 if wa.shape != (fan_in, r) or wb.shape != (r, width):
@@ -387,13 +388,13 @@ def _layer_blocks(
                     )
                 if r > max_rank:
                     raise LoRAError(f"layer {layer} {t} has rank {r}, over the slots' {max_rank}")
-                a_parts.append(jnp.pad(jnp.asarray(wa, dtype), ((0, 0), (0, max_rank - r))))
-                b_parts.append(jnp.pad(jnp.asarray(wb, dtype), ((0, max_rank - r), (offset, fan_out - offset - width))))
+                a_parts.append(xp.pad(xp.asarray(wa, dtype), ((0, 0), (0, max_rank - r))))
+                b_parts.append(xp.pad(xp.asarray(wb, dtype), ((0, max_rank - r), (offset, fan_out - offset - width))))
             offset += width
-        b = jnp.concatenate(b_parts, axis=0)  # [Rg, out]
+        b = xp.concatenate(b_parts, axis=0)  # [Rg, out]
         if tp > 1 and g in COLUMN_PARALLEL:
             b = b[:, _device_major([w for _, w in outs], tp)]
-        blocks[g] = (jnp.concatenate(a_parts, axis=1), b)
+        blocks[g] = (xp.concatenate(a_parts, axis=1), b)
     return blocks
 
 
@@ -448,6 +449,23 @@ def set_slot(
         }
         for layer, blk in zip(slots, blocks, strict=True)
     ]
+
+
+def slot_blocks(cfg: ModelConfig, adapter: LoRAAdapter | None, slots: list[LayerLoRA], tp: int = 1) -> list[dict]:
+    """What `set_slot` writes into one slot of `slots`, built on the host: per layer {group: (a [in, Rg], b [Rg,
+    out])} numpy arrays in the slots' dtypes (zeros for None: a cleared slot). LoRAError naming the adapter for
+    weights that do not fit the model or the slots' rank."""
+    max_rank = slots[0]["o"][0].shape[2]
+    weights = {} if adapter is None else {k: (np.asarray(a), np.asarray(b)) for k, (a, b) in adapter.weights.items()}
+    try:
+        _check_keys(cfg, weights)
+        out = []
+        for i, layer in enumerate(slots):
+            blk = _layer_blocks(cfg, i, weights, max_rank, np.float32, tp, xp=np)
+            out.append({g: (blk[g][0].astype(a.dtype), blk[g][1].astype(b.dtype)) for g, (a, b) in layer.items()})
+        return out
+    except LoRAError as e:
+        raise LoRAError(f"adapter {adapter.name!r}: {e}") from None
 
 
 def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array, backend: str = "xla") -> jax.Array:

@@ -48,6 +48,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="refuse model paths outside this directory (env NETRA_JAX_ALLOWED_MODEL_ROOT)",
     )
     p.add_argument(
+        "--warmup",
+        choices=("early", "full"),
+        default="early",
+        help="early (default): ready once the programs the first requests need are compiled, the rest compiling in "
+        "the background (steps pad up into compiled buckets meanwhile; /metrics netra_programs_pending counts them); "
+        "full: ready once every program is compiled (benchmarks)",
+    )
+    p.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
         help="serve GET /debug/engine (step count, KV blocks, pool invariant, compilations)",
@@ -302,9 +310,11 @@ def serve(args: argparse.Namespace) -> int:
     def warm_up() -> None:
         if cfg.warmup:
             print("netra-jax: warming up (/health answers 200, /ready 503 until done) ...", flush=True)
-            secs = engine.warmup(progress=lambda line: print(f"netra-jax: {line}", flush=True))
+            say = lambda line: print(f"netra-jax: {line}", flush=True)  # noqa: E731
+            secs = engine.warmup(progress=say, background=args.warmup == "early")
             report = engine.warmup_report
-            print(f"netra-jax: warm-up done in {secs:.1f}s ({len(report.compiled)} variants compiled)", flush=True)
+            rest = f"; {report.pending} more compiling in the background" if report.pending else ""
+            say(f"warm-up done in {secs:.1f}s ({len(report.compiled)} variants compiled{rest})")
         warm.set()
         announce()
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from netra_jax.engine.async_engine import AsyncEngine
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.engine.warmup import COMPILE_THREADS
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -23,6 +24,9 @@ class CompileCounter:
     the most recent ones."""
 
     count = 0
+    # those outside the warm-up's compile threads (`engine.warmup.compile_variants`): once a server is ready, the
+    # compilations on the request path (its background compiles are not)
+    outside_warmup = 0
     recent: deque[str] = deque(maxlen=32)
     _lock = threading.Lock()
     _registered = False
@@ -38,7 +42,11 @@ class CompileCounter:
     def _on_event(cls, event: str, duration: float, **kwargs) -> None:
         if event == _COMPILE_EVENT:
             cls.count += 1
-            cls.recent.append(str(kwargs.get("fun_name", "?")))
+            name = str(kwargs.get("fun_name", "?"))
+            if not threading.current_thread().name.startswith(COMPILE_THREADS):
+                cls.outside_warmup += 1
+                name += " (request path)"
+            cls.recent.append(name)
 
 
 class ServerMetrics:
@@ -81,6 +89,14 @@ class ServerMetrics:
             "netra_xla_compilations": (
                 "XLA compilations in this process (warm-up included)",
                 lambda: CompileCounter.count,
+            ),
+            "netra_xla_compilations_outside_warmup": (
+                "XLA compilations outside the warm-up's compile threads (after /ready: on the request path)",
+                lambda: CompileCounter.outside_warmup,
+            ),
+            "netra_programs_pending": (
+                "Programs the warm-up is still compiling in the background (0: all compiled)",
+                lambda: eng.programs_pending,
             ),
         }
         for name, (doc, fn) in gauges.items():

@@ -6,15 +6,25 @@ from __future__ import annotations
 import bisect
 import functools
 
-__all__ = ["bucket_of", "fit_chunk", "token_buckets"]
+__all__ = ["ACCELERATOR_SMALLEST_BUCKET", "bucket_of", "fit_chunk", "token_buckets"]
+
+
+# The smallest step bucket on an accelerator. A step there is bound by reading the weights until its tokens' matmuls
+# take as long: about peak flops / bandwidth / (2 flops per weight per token) * bytes per weight tokens, 150-300 on an
+# H100 or H200 for 1- and 2-byte weights (990 TFLOP/s, 3.35-4.8 TB/s), so padding a step up to 64 tokens costs a
+# fraction of its weight reads and the buckets below 64 would only add programs (six fewer step programs, and their
+# samplers, at 512 sequences). On a CPU a step costs in proportion to its tokens from a few tokens up (2-core EPYC,
+# SmolLM2-135M Q4_1: decode of 1 / 4 / 16 / 64 sequences 14 / 19 / 65 / 196 ms, results/2026-12-07-program_costs.json),
+# so CPU buckets start at 1.
+ACCELERATOR_SMALLEST_BUCKET = 64
 
 
 @functools.cache
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 1 up to the first one covering `max_tokens`, with 1.5x steps between them from 512 on
-    (prefill steps are large: this caps their padding at a third instead of a half); the last capped to
-    `max_tokens`."""
-    out, b = [], 1
+def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from `smallest` (a power of two) up to the first one covering `max_tokens`, with 1.5x steps
+    between them from 512 on (prefill steps are large: this caps their padding at a third instead of a half); the last
+    capped to `max_tokens`."""
+    out, b = [], min(smallest, 1 << max(max_tokens - 1, 0).bit_length())
     while b < max_tokens:
         out.append(b)
         if b >= 512 and b * 3 // 2 < max_tokens:

@@ -184,10 +184,15 @@ class LLMEngine:
         kv = self.runner.kv if self._sleep.kv is None else self._sleep.kv[0]  # (asleep: its layout)
         return str(kv.k[0].dtype)
 
-    def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
-        """Compile every program a request can need (the reachable step buckets, sampler variants, proposer; task
-        "embed": the embedding buckets) in `workers` threads, reporting each to `progress` (see
-        `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled."""
+    def warmup(
+        self, progress: Callable[[str], None] | None = None, workers: int | None = None, background: bool = False
+    ) -> float:
+        """Compile every program a request can need (the reachable step buckets, sampler variants, the LoRA slot
+        write, the proposer; task "embed": the embedding buckets) in `workers` threads, reporting each to `progress`
+        (see `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled.
+        background: return once the programs the first requests need are compiled (`warmup.ready_shapes`), the
+        rest compiling in a background thread (`programs_pending`); until they are, steps pad up into the compiled
+        buckets and the scheduler chunks prompts to the largest of them."""
         self._check_awake()
         self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
         self.warmup_report = warm_up(
@@ -197,9 +202,16 @@ class LLMEngine:
             proposer=None if self.speculation is None else self.speculation.proposer,
             progress=progress,
             workers=workers,
+            background=background,
+            on_change=self.scheduler.limit_step_tokens,
         )
         self.ready = True
         return self.warmup_report.seconds
+
+    @property
+    def programs_pending(self) -> int:
+        """Programs a background warm-up has still to compile (0 when none is running)."""
+        return 0 if self.warmup_report is None else self.warmup_report.pending
 
     def load_compiled(self, bundle_dir: str | os.PathLike) -> bundle.LoadReport:
         """Load the programs of a bundle `netra-jax compile` wrote (`engine.bundle`) when it was compiled for this

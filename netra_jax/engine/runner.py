@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from netra_jax import paged, parallel
 from netra_jax.config import ModelConfig
-from netra_jax.engine.buckets import token_buckets
+from netra_jax.engine.buckets import ACCELERATOR_SMALLEST_BUCKET, token_buckets
 from netra_jax.engine.scheduler import SchedulerOutput
 from netra_jax.engine.step_layout import (
     PROMPT_LOGPROB_ROWS,
@@ -32,7 +32,7 @@ from netra_jax.engine.step_layout import (
 )
 from netra_jax.engine_config import CacheConfig, LoRAConfig
 from netra_jax.models.hooks import Hooks, HookSpec, StepHooks
-from netra_jax.models.lora import LoRAAdapter, empty_slots, set_slot, slot_specs
+from netra_jax.models.lora import LoRAAdapter, empty_slots, slot_blocks, slot_specs
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
@@ -150,9 +150,21 @@ def step_key(shape: BatchShape, lora: bool) -> tuple:
     return ("step", shape, lora)
 
 
+LORA_SLOT_KEY = ("lora_slot",)  # the program writing one adapter into its device slot, in `ModelRunner.programs`
+
+
 def widen_key(num_rows: int) -> tuple:
     """The widening of `num_rows` sampled ids in `ModelRunner.programs`."""
     return ("widen", num_rows)
+
+
+@jax.jit
+def _write_slot(slots: list, slot: jax.Array, blocks: list) -> list:
+    """`slots` (`models.lora.empty_slots`' layout) with slot `slot` [] int32 holding `blocks` (`slot_blocks`)."""
+    return [
+        {g: (a.at[:, slot].set(blk[g][0]), b.at[slot].set(blk[g][1])) for g, (a, b) in layer.items()}
+        for layer, blk in zip(slots, blocks, strict=True)
+    ]
 
 
 def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:
@@ -306,7 +318,9 @@ class ModelRunner:
         self.cfg, self.params = cfg, params
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = math.ceil(max_model_len / page_size)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        platform = jax.default_backend() if compile_for is None else compile_for.platform
+        smallest = 1 if platform == "cpu" else ACCELERATOR_SMALLEST_BUCKET  # (why: engine/buckets.py)
+        self.buckets = token_buckets(max_num_batched_tokens, smallest)
         # the most tokens one step can hold: the token budget, every sequence's whole context, every KV slot
         self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len, num_pages * page_size)
         self.set_prompt_logprob_buckets(fine=True)  # compiled on first use; a full warm-up asks for fewer
@@ -340,6 +354,10 @@ class ModelRunner:
         # programs compiled ahead of time (a bundle, `netra_jax.engine.bundle`) by `step_key` / `widen_key` and the
         # sampler's program keys: run instead of the jitted functions, which compile on a miss
         self.programs: dict[tuple, Callable] = {}
+        # while a warm-up compiles in the background (`engine.warmup.BackgroundCompile`): the step keys whose programs
+        # (and those they need) are compiled; steps pad up to the smallest of them that holds them (`shape_for`).
+        # None: no restriction (everything compiled, or programs compile on first use)
+        self.usable: frozenset[tuple] | None = None
         # per-request interventions (see `add_hooked`): the live hook sets and each hooked request's (set, index)
         self._hook_sets: dict[int, _HookSet] = {}
         self._hooked: dict[str, tuple[_HookSet, int]] = {}
@@ -362,8 +380,15 @@ class ModelRunner:
             raise ValueError("this runner was built without LoRA slots (enable_lora)")
         if adapter is not None:  # KV heads repeated as the base model's are under tensor parallelism
             adapter = parallel.expand_adapter_kv(adapter, self.cfg.head_dim, self._kv_replicas)
-        tp = parallel.tp_size(self.mesh)
-        self.lora = self._place_lora(set_slot(self.cfg, self.lora, slot, adapter, tp))
+        blocks = slot_blocks(self.cfg, adapter, self.lora, parallel.tp_size(self.mesh))  # numpy, checked
+        write = self.programs.get(LORA_SLOT_KEY, _write_slot)  # compiled at warm-up, else on first use
+        self.lora = self._place_lora(write(self.lora, np.int32(slot), self._place(blocks)))
+
+    def lower_lora_slot(self) -> jax.stages.Lowered:
+        """Trace and lower the slot write `set_lora_slot` runs (one program for every adapter and slot)."""
+        blocks = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), slot_blocks(self.cfg, None, self.lora))
+        slot = jax.ShapeDtypeStruct((), jnp.int32)
+        return _write_slot.trace(self.lora, slot, self._place(blocks)).lower()
 
     def _place_lora(self, slots):
         """LoRA slots placed: split over the mesh as the weights they modify (`slot_specs`), else as `_place`."""
@@ -464,13 +489,25 @@ class ModelRunner:
             smallest = next(b for b in self.buckets if b >= min(PROMPT_LOGPROB_ROWS, top))
             self.prompt_logprob_buckets = tuple(sorted({smallest, top}))
 
-    def shape_for(self, num_tokens: int, prompt_logprobs: bool = False) -> BatchShape:
+    def shape_for(self, num_tokens: int, prompt_logprobs: bool = False, lora: bool = False) -> BatchShape:
         """The bucket of a step of `num_tokens` tokens; `prompt_logprobs`: the variant that also computes the
-        logprobs of up to PROMPT_LOGPROB_ROWS prompt positions (one of `prompt_logprob_buckets`)."""
+        logprobs of up to PROMPT_LOGPROB_ROWS prompt positions (one of `prompt_logprob_buckets`). While only some
+        programs are usable (`usable`, a warm-up compiling in the background), the smallest usable bucket holding
+        the step (`lora`: usable for steps with an adapter's token)."""
         buckets = self.prompt_logprob_buckets if prompt_logprobs else self.buckets
-        T = next((b for b in buckets if b >= num_tokens), None)
-        if T is None:
+        fits = [b for b in buckets if b >= num_tokens]
+        if not fits:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+        usable = self.usable
+        if usable is not None:
+            for T in fits:
+                shape = self._shape(T, prompt_logprobs)
+                if step_key(shape, lora) in usable:
+                    return shape
+            log.warning("no compiled program holds a step of %d tokens yet: compiling one now", num_tokens)
+        return self._shape(fits[0], prompt_logprobs)
+
+    def _shape(self, T: int, prompt_logprobs: bool) -> BatchShape:
         rows = min(T, PROMPT_LOGPROB_ROWS) if prompt_logprobs else 0
         S = min(T, self.max_seqs_bucket)
         R = min(T, S + min(S, self.max_spec_seqs) * self.num_spec_tokens) if self.num_spec_tokens else 0
@@ -499,7 +536,8 @@ class ModelRunner:
         `prev_rows` maps a request id to its row there; a chunk ending on a placeholder takes that token.
         `lora_slot_of`: the adapter slot of each request running with a LoRA adapter (the others: the base model)."""
         wants_plp = any(prompt_logprob_positions(s) for s in out.scheduled)
-        shape = self.shape_for(out.num_batched_tokens, wants_plp)
+        adapted = bool(lora_slot_of) and any(s.request_id in lora_slot_of for s in out.scheduled)
+        shape = self.shape_for(out.num_batched_tokens, wants_plp, adapted)
         pb = pack_batch(out, shape, self.page_size, self.pad_slot, prev_rows)
         hooked = self._step_hooks(out, pb)
         lora_tokens = None if self.lora is None else self._lora_tokens(out, pb, lora_slot_of)

@@ -53,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._prompt_rows_left = PROMPT_LOGPROB_ROWS  # of the step being scheduled
+        self.step_token_limit: int | None = None  # see limit_step_tokens
 
     # ------------------------------------------------------------------ queries
     @property
@@ -128,11 +129,18 @@ class Scheduler:
         return total
 
     # ------------------------------------------------------------------ scheduling
+    def limit_step_tokens(self, limit: int | None) -> None:
+        """Hold steps to at most `limit` tokens (None: `max_num_batched_tokens`), below the token budget: while the
+        engine's larger step programs are still compiling, prompts are chunked to what the compiled ones hold."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"a step token limit must be positive, got {limit}")
+        self.step_token_limit = limit
+
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = min(self.config.max_num_batched_tokens, self.step_token_limit or self.config.max_num_batched_tokens)
         self._prompt_rows_left = PROMPT_LOGPROB_ROWS
         i = 0
         while i < len(self._running) and budget > 0:

@@ -1,14 +1,17 @@
 """Warm-up: every program the engine's configuration can reach (step buckets, the widening of sampled ids, sampler
-variants) traced and lowered in turn and compiled in parallel threads (XLA releases the GIL), with progress."""
+variants, the LoRA slot write) traced and lowered in turn and compiled in parallel threads (XLA releases the GIL),
+with progress. The programs the first requests need (`ready_shapes`) come first: a server answers once they are
+compiled and compiles the rest in the background (`BackgroundCompile`), its steps padded up into what is compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,34 +26,61 @@ if TYPE_CHECKING:
     from netra_jax.engine.runner import ModelRunner
 
 __all__ = [
+    "BACKGROUND_GATE_ENV",
+    "COMPILE_THREADS",
     "GATE_ENV",
+    "READY_DECODE_TOKENS",
+    "READY_PREFILL_TOKENS",
+    "BackgroundCompile",
     "Variant",
     "WarmupReport",
     "compile_variants",
     "default_workers",
     "engine_variants",
+    "ready_shapes",
     "sampler_label",
+    "step_token_limit",
+    "usable_steps",
     "step_label",
     "warm_up",
 ]
 
 log = logging.getLogger(__name__)
 
+COMPILE_THREADS = "netra-compile"  # the name prefix of the compile threads (compilations outside them: elsewhere)
 GATE_ENV = "NETRA_JAX_WARMUP_GATE"  # a file path: warm-up ends only once it exists (holds a server in warm-up)
+# a file path: a background compile starts only once it exists (holds a ready server on its ready programs)
+BACKGROUND_GATE_ENV = "NETRA_JAX_BACKGROUND_GATE"
 Progress = Callable[[str], None]
+
+
+# The step buckets compiled before a server answers (`ready_shapes`), chosen from `benchmarks/program_costs.py`
+# (SmolLM2-135M on a 2-core EPYC, results/2026-12-07-program_costs.json): a step program takes 2.3-4.4 s to compile
+# and 0.5-0.9 s to load from a cache, whatever its bucket, while a CPU step costs about in proportion to its tokens
+# (decode of 1 / 8 / 64 sequences 14 / 33 / 196 ms, prefill of 256 / 512 / 2048 tokens 0.54 / 1.06 / 4.4 s). So the
+# ready set is two buckets: one holding every running sequence's decode (at most 64 tokens: 64 sequences pad into it
+# at no cost, a lone one at 14x its own bucket's until that compiles) and one of 256 tokens for prompts (chunked to it
+# meanwhile), which also computes prompt logprobs' 256 rows; both sample 64 rows, so one set of sampler programs
+# serves them. The other buckets follow in the background, small decode buckets first.
+READY_DECODE_TOKENS = 64
+READY_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class Variant:
     """One compiled program the engine calls: `lower` traces and lowers it with the arguments the engine passes, so
-    compiling the result fills the jit's own caches and the engine's first call of it compiles nothing."""
+    compiling the result gives the executable the engine runs (`ModelRunner.programs` under `key`)."""
 
-    kind: str  # "step" | "widen" | "sampler" | "logprobs"
+    kind: str  # "step" | "widen" | "sampler" | "logprobs" | "lora"
     label: str  # what makes it a variant, for progress lines: "128 tokens, 64 rows"
     lower: Callable[[], jax.stages.Lowered] = field(compare=False, repr=False)
     # the program's key in the table its call site reads compiled programs from (`ModelRunner.programs`): the runner's
-    # `step_key` / `widen_key`, the sampler's `token_program_key` / `logprob_program_key`
+    # `step_key` / `widen_key` / `LORA_SLOT_KEY`, the sampler's `token_program_key` / `logprob_program_key`
     key: tuple = ()
+    # a step's: the keys of the other programs its steps run (its rows' sampler programs and widening), without
+    # which a step cannot use it
+    needs: tuple[tuple, ...] = ()
+    ready: bool = False  # compiled before a server answers (`ready_shapes` and what they need)
 
 
 @dataclass
@@ -61,6 +91,12 @@ class WarmupReport:
     workers: int
     lower_s: float = 0.0  # tracing and lowering (Python, one thread)
     seconds: float = 0.0  # wall time of the whole warm-up
+    background: BackgroundCompile | None = None  # the rest, compiling after the engine is ready
+
+    @property
+    def pending(self) -> int:
+        """Programs still compiling in the background."""
+        return 0 if self.background is None else self.background.pending
 
 
 def _count(n: int, noun: str) -> str:
@@ -80,7 +116,8 @@ def step_label(shape: BatchShape) -> str:
 
 
 def sampler_label(num_rows: int, key: sampling.SamplingKey) -> str:
-    return f"{_count(num_rows, 'row')}, {'greedy' if key.all_greedy else 'sampled'}"
+    kind = "covering" if key == sampling.COVER_KEY else "greedy" if key.all_greedy else "sampled"
+    return f"{_count(num_rows, 'row')}, {kind}"
 
 
 def _lower_sampler(
@@ -107,37 +144,90 @@ def _lower_logprobs(
     return sampling.token_logprobs.trace(logits, tokens, arrays, key=key).lower()
 
 
+def ready_shapes(runner: ModelRunner) -> list[BatchShape]:
+    """The step shapes a server compiles before it answers (see READY_DECODE_TOKENS): a decode bucket holding every
+    running sequence (up to READY_DECODE_TOKENS), a prompt bucket of READY_PREFILL_TOKENS and its prompt-logprob
+    variant (each capped at the largest step)."""
+    top = runner.max_step_tokens
+    decode = runner.shape_for(min(runner.max_seqs_bucket, READY_DECODE_TOKENS, top))
+    prefill = min(READY_PREFILL_TOKENS, top)
+    return list(dict.fromkeys([decode, runner.shape_for(prefill), runner.shape_for(prefill, True)]))
+
+
+def _step_order(runner: ModelRunner) -> list[BatchShape]:
+    """Every reachable step shape in the order to compile them: the ready ones, then decode buckets from the
+    smallest up (a lone sequence stops padding), the largest plain and prompt-logprob buckets (long prompts stop
+    being chunked), then the rest from the largest down (the longest compiles first)."""
+    shapes = runner.all_shapes()
+    ready = ready_shapes(runner)
+    decode = [s for s in shapes if not s.prompt_rows and s.num_tokens < ready[0].num_tokens]
+    top = [max((s for s in shapes if bool(s.prompt_rows) == plp), key=lambda s: s.num_tokens) for plp in (0, 1)]
+    rest = sorted(shapes, key=lambda s: (-s.num_tokens, -s.prompt_rows))
+    return list(dict.fromkeys([*ready, *decode, *top, *rest]))
+
+
 def engine_variants(
     runner: ModelRunner, vocab_size: int, keys: Sequence[sampling.SamplingKey] | None = None
 ) -> list[Variant]:
-    """Every program the engine may call for `runner`'s configuration: each reachable step shape
-    (`ModelRunner.all_shapes`), largest first (the longest compiles start first), and with LoRA adapter slots each
-    shape's program for steps with an adapter's token; with overlapped steps the widening of each sampled-row count;
-    then, for each sampled-row count, the sampler's common token programs (`sampling.variant_keys`) and its logprob
-    program. Penalty, bias and grammar-mask token programs compile on first use. For a runner built for a
-    compile-only device (`ModelRunner(compile_for=...)`), every program is lowered for that device."""
-    from netra_jax.engine.runner import step_key, widen_key
+    """Every program the engine may call for `runner`'s configuration, in the order to compile them (`_step_order`),
+    each step preceded by the programs its rows need first: the widening of its sampled rows (overlapped steps), the
+    sampler's token programs (`sampling.variant_keys`: greedy, sampled, and the covering one that serves bias,
+    penalty and grammar-mask batches) and their logprob programs; with LoRA adapter slots, the slot write first and
+    each shape's program for steps with an adapter's token beside its plain one. The ready ones (`ready_shapes`
+    and what they need) are marked `ready`. For a runner built for a compile-only device
+    (`ModelRunner(compile_for=...)`), every program is lowered for that device."""
+    from netra_jax.engine.runner import LORA_SLOT_KEY, step_key, widen_key
 
-    shapes = sorted(runner.all_shapes(), key=lambda s: (-s.num_tokens, -s.prompt_rows))
-    rows = sorted({s.num_rows for s in shapes})
-    out = []
-    for s in shapes:
-        out.append(Variant("step", step_label(s), partial(runner.lower_step, s), step_key(s, False)))
-        if runner.lora is not None:
-            lower = partial(runner.lower_step, s, lora=True)
-            out.append(Variant("step", step_label(s) + ", LoRA", lower, step_key(s, True)))
-    if runner.overlap:
-        out += [Variant("widen", _count(r, "row"), partial(runner.lower_widen, r), widen_key(r)) for r in rows]
     keys = sampling.variant_keys() if keys is None else keys
+    lkeys = sampling.logprob_keys(keys)
     dev = runner.compile_for
-    lkey = sampling.logprob_key(sampling.SamplingKey(False, 0, 0, True))
-    for r in rows:
+    ready = set(ready_shapes(runner))
+    out: list[Variant] = []
+    if runner.lora is not None:
+        out.append(Variant("lora", "adapter slot write", runner.lower_lora_slot, LORA_SLOT_KEY, ready=True))
+    emitted: set[int] = set()
+    for s in _step_order(runner):
+        r, is_ready = s.num_rows, s in ready
+        row_programs = []
+        if runner.overlap:
+            row_programs.append(Variant("widen", _count(r, "row"), partial(runner.lower_widen, r), widen_key(r)))
         for k in keys:
             lower = partial(_lower_sampler, r, vocab_size, k, dev)
-            out.append(Variant("sampler", sampler_label(r, k), lower, sampling.token_program_key(r, k)))
-        lower = partial(_lower_logprobs, r, vocab_size, lkey, dev)
-        out.append(Variant("logprobs", _count(r, "row"), lower, sampling.logprob_program_key(r, lkey)))
+            row_programs.append(Variant("sampler", sampler_label(r, k), lower, sampling.token_program_key(r, k)))
+        for lk in lkeys:
+            lower = partial(_lower_logprobs, r, vocab_size, lk, dev)
+            label = _count(r, "row") + ("" if lk == sampling.logprob_key(keys[0]) else ", covering")
+            row_programs.append(Variant("logprobs", label, lower, sampling.logprob_program_key(r, lk)))
+        if r not in emitted:
+            emitted.add(r)
+            out += [dataclasses.replace(v, ready=is_ready) for v in row_programs]
+        needs = tuple(v.key for v in row_programs)
+        for lora in (False, True) if runner.lora is not None else (False,):
+            label = step_label(s) + (", LoRA" if lora else "")
+            lower = partial(runner.lower_step, s, lora=lora)
+            out.append(Variant("step", label, lower, step_key(s, lora), needs, is_ready))
     return out
+
+
+def usable_steps(variants: Sequence[Variant], programs: Mapping[tuple, Any]) -> frozenset[tuple]:
+    """The step keys whose program and the programs it needs are all in `programs`."""
+    return frozenset(
+        v.key for v in variants if v.kind == "step" and v.key in programs and all(n in programs for n in v.needs)
+    )
+
+
+def step_token_limit(variants: Sequence[Variant], usable: frozenset[tuple]) -> int | None:
+    """The most tokens a step may hold so that every kind of step (plain and with prompt logprobs; with and without
+    an adapter) has a usable program holding it; None when none is usable yet."""
+    largest: dict[tuple, int] = {}
+    for v in variants:
+        if v.kind == "step":
+            _, shape, lora = v.key
+            kind = (bool(shape.prompt_rows), lora)
+            size = shape.num_tokens if v.key in usable else 0
+            largest[kind] = max(largest.get(kind, 0), size)
+    limit = min(largest.values(), default=0)
+    return limit or None
 
 
 def default_workers() -> int:
@@ -155,6 +245,7 @@ def compile_variants(
     progress: Progress | None = None,
     on_compiled: Callable[[Variant, jax.stages.Compiled, float], None] | None = None,
     compiler_options: dict[str, Any] | None = None,
+    quiet: bool = False,
 ) -> WarmupReport:
     """Trace and lower each variant in this thread (tracing holds the GIL) and compile it in a pool of `workers`
     threads as soon as it is lowered, so lowering the next one overlaps the compiles; returns once all are compiled
@@ -162,7 +253,8 @@ def compile_variants(
     jax's persistent compilation cache. `progress` gets one line per variant ("compiling step variant 3 of 16
     (...)") as its compile starts; by default they are logged at INFO. `on_compiled(variant, compiled, seconds)` is
     called in the compiling thread once each is compiled (a bundle writer serializes it there); `compiler_options`:
-    XLA options for every compile (a compile-only GPU device's, `engine.aot`)."""
+    XLA options for every compile (a compile-only GPU device's, `engine.aot`). quiet: no line per variant, one per
+    step program and its count left ("compiling in the background: step variant (...), 12 left")."""
     t0 = time.perf_counter()
     workers = workers or default_workers()
     say = progress or log.info
@@ -181,14 +273,18 @@ def compile_variants(
         if on_compiled is not None:
             on_compiled(v, compiled, time.perf_counter() - t)
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="netra-compile") as pool:
+    with ThreadPoolExecutor(workers, thread_name_prefix=COMPILE_THREADS) as pool:
         try:
             for v in variants:
                 t = time.perf_counter()
                 lowered = v.lower()
                 report.lower_s += time.perf_counter() - t
                 seen[v.kind] += 1
-                say(f"compiling {v.kind} variant {seen[v.kind]} of {totals[v.kind]} ({v.label})")
+                if not quiet:
+                    say(f"compiling {v.kind} variant {seen[v.kind]} of {totals[v.kind]} ({v.label})")
+                elif v.kind == "step":
+                    left = len(variants) - len(report.compiled)
+                    say(f"compiling in the background: step variant ({v.label}); {left} more after it")
                 report.compiled.append((v.kind, v.label))
                 futures.append(pool.submit(compile_one, v, lowered))
             for f in futures:
@@ -201,6 +297,71 @@ def compile_variants(
     return report
 
 
+class BackgroundCompile:
+    """Compiles the variants a server does not wait for, in a thread of its own after it answers (`workers` compile
+    threads, default half the CPUs: the engine keeps the rest). Each program joins `runner.programs` as it is
+    compiled; `runner.usable` and `on_change(step token limit)` follow as steps become usable, and once all are
+    compiled the restriction ends (`install` and `finish` are `warm_up`'s). A failed compile is logged and kept in
+    `error`; the engine goes on with the programs it has."""
+
+    def __init__(
+        self,
+        variants: Sequence[Variant],
+        install: Callable[[Variant, jax.stages.Compiled, float], None],
+        finish: Callable[[], None],
+        *,
+        workers: int | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.variants = list(variants)
+        self.total = len(self.variants)
+        self.compiled = 0
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._install, self._finish = install, finish
+        self._workers = workers or max(1, default_workers() // 2)
+        self._say = progress or log.info
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="netra-background-compile", daemon=True)
+
+    @property
+    def pending(self) -> int:
+        """Programs not compiled yet."""
+        return self.total - self.compiled
+
+    def start(self) -> BackgroundCompile:
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every program is compiled (or a compile failed); False on timeout."""
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _on_compiled(self, v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
+        self._install(v, compiled, seconds)
+        self.compiled += 1
+
+    def _run(self) -> None:
+        _wait_for_gate(self._say, BACKGROUND_GATE_ENV, "background compile held")
+        t0 = time.perf_counter()
+        try:
+            compile_variants(
+                self.variants, workers=self._workers, progress=self._say, on_compiled=self._on_compiled, quiet=True
+            )
+            self._finish()
+            self.seconds = time.perf_counter() - t0
+            self._say(f"background compile done: {self.total} programs in {self.seconds:.1f}s")
+        except BaseException as e:  # noqa: BLE001 (kept and logged: the engine serves with what it has)
+            self.error = e
+            log.error("background compile failed after %d of %d programs: %r", self.compiled, self.total, e)
+        finally:
+            self._done.set()
+
+
 def warm_up(
     runner: ModelRunner,
     vocab_size: int,
@@ -209,33 +370,61 @@ def warm_up(
     proposer=None,
     progress: Progress | None = None,
     workers: int | None = None,
+    background: bool = False,
+    on_change: Callable[[int | None], None] | None = None,
 ) -> WarmupReport:
-    """Compile everything an engine of these parts may call before it serves: the runner's reachable step variants,
-    widenings and sampler variants (`engine_variants`, through `compile_variants`) but those loaded compiled already
-    (`ModelRunner.programs`, from a bundle), then the speculative `proposer`'s own programs; with an `embedder` (task
-    "embed"): its embedding buckets instead."""
+    """Compile what an engine of these parts may call: the runner's variants (`engine_variants`, through
+    `compile_variants`) but those loaded compiled already (`ModelRunner.programs`, from a bundle), then the
+    speculative `proposer`'s own programs; with an `embedder` (task "embed"): its embedding buckets instead. Each
+    program is installed in `runner.programs`, which the runner and sampler run. background: compile only the
+    ready variants (and the proposer's) now and return with the rest compiling in a `BackgroundCompile`
+    (`WarmupReport.background`); meanwhile steps run only in usable programs (`runner.usable`), and `on_change` gets
+    the step token limit that keeps them there (None once all are compiled)."""
     t0 = time.perf_counter()
+    say = progress or log.info
+    report = WarmupReport([], 1)
     if embedder is not None:
         embedder.warmup()
-        report = WarmupReport([], 1)
     else:
-        variants = [v for v in engine_variants(runner, vocab_size) if v.key not in runner.programs]
-        report = compile_variants(variants, workers=workers, progress=progress)
+        variants = engine_variants(runner, vocab_size)
+        todo = [v for v in variants if v.key not in runner.programs]
+        now = [v for v in todo if v.ready] if background else todo
+        later = [v for v in todo if not v.ready] if background else []
+        lock = threading.Lock()
+
+        def refresh() -> None:
+            usable = usable_steps(variants, runner.programs)
+            done = len(usable) == sum(v.kind == "step" for v in variants)
+            runner.usable = None if done else usable
+            if on_change is not None:
+                on_change(None if done else step_token_limit(variants, usable))
+
+        def install(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
+            with lock:
+                runner.programs[v.key] = compiled
+                if v.kind == "step" or runner.usable is not None:
+                    refresh()
+
+        runner.usable = usable_steps(variants, runner.programs) if later else None
+        report = compile_variants(now, workers=workers, progress=say, on_compiled=install)
+        refresh()
         if proposer is not None:
-            (progress or log.info)("compiling the speculative proposer's variants")
+            say("compiling the speculative proposer's variants")
             proposer.warmup()
-    _wait_for_gate(progress or log.info)
+        if later:
+            report.background = BackgroundCompile(later, install, refresh, progress=say).start()
+    _wait_for_gate(say)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _wait_for_gate(say: Progress) -> None:
-    """Hold here while $NETRA_JAX_WARMUP_GATE names a file that does not exist yet (tests observe a server in
-    warm-up with it)."""
-    gate = os.environ.get(GATE_ENV)
+def _wait_for_gate(say: Progress, env: str = GATE_ENV, what: str = "warm-up compiled") -> None:
+    """Hold here while $`env` names a file that does not exist yet (tests observe a server in warm-up, or ready
+    on its ready programs alone, with it)."""
+    gate = os.environ.get(env)
     if not gate or os.path.exists(gate):
         return
-    say(f"warm-up compiled; waiting for {gate} to exist (${GATE_ENV})")
+    say(f"{what}: waiting for {gate} to exist (${env})")
     event = threading.Event()
     while not os.path.exists(gate):
         event.wait(0.05)

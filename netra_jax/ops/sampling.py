@@ -16,6 +16,7 @@ from netra_jax.ops import token_mask
 from netra_jax.ops.invariant import tree_sum
 from netra_jax.ops.sampling_batch import (  # noqa: F401 (re-exported: callers use sampling.<name>)
     BIAS_BUCKETS,
+    COVER_KEY,
     GREEDY_EPS,
     HIST_BUCKETS,
     MAX_LOGPROBS,
@@ -26,7 +27,9 @@ from netra_jax.ops.sampling_batch import (  # noqa: F401 (re-exported: callers u
     SamplingKey,
     _history,
     build_sampling_batch,
+    covers,
     dummy_arrays,
+    pad_to,
     row_uniforms,
     variant_keys,
 )
@@ -85,9 +88,14 @@ def logprob_program_key(num_rows: int, key: SamplingKey) -> tuple:
     return ("token_logprobs", num_rows, logprob_key(key))
 
 
+def logprob_keys(keys: Sequence[SamplingKey]) -> list[SamplingKey]:
+    """The logprob programs that go with token programs `keys` (one per processing variant, `logprob_key`)."""
+    return list(dict.fromkeys(logprob_key(k) for k in keys))
+
+
 def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[SamplingKey] | None = None) -> int:
-    """Compile the token program for every (row bucket, key) and the logprob program for every row bucket; returns
-    the number of programs run."""
+    """Compile the token program for every (row bucket, key) and the logprob programs of those keys for every row
+    bucket; returns the number of programs run."""
     keys = variant_keys() if keys is None else keys
     n = 0
     for s in row_buckets:
@@ -95,9 +103,10 @@ def warm_up(row_buckets: Sequence[int], vocab_size: int, keys: Sequence[Sampling
         for k in keys:
             jax.block_until_ready(sample(logits, jax.device_put(dummy_arrays(k, s, vocab_size)), key=k))
             n += 1
-        lk = logprob_key(SamplingKey(False, 0, 0, True))  # the common one: no bias, penalty or mask
-        jax.block_until_ready(token_logprobs(logits, tokens, jax.device_put(dummy_arrays(lk, s, vocab_size)), key=lk))
-        n += 1
+        for lk in logprob_keys(keys):
+            arrays = jax.device_put(dummy_arrays(lk, s, vocab_size))
+            jax.block_until_ready(token_logprobs(logits, tokens, arrays, key=lk))
+            n += 1
     return n
 
 
@@ -284,10 +293,16 @@ def sample(
     """Sample a batch: the token program of `key`, then the logprob program when `key.want_logprobs` (both dispatched
     asynchronously). logits: [S, V]; `a`: device or numpy arrays (numpy ones are moved by the call, once).
     programs: executables compiled ahead of time by `token_program_key` / `logprob_program_key`, run instead of
-    the jitted functions when they hold the key (which compile on a miss)."""
+    the jitted functions when they hold the key (which compile on a miss). When they hold the covering variant
+    (`COVER_KEY`) but not the key's own, numpy arrays are padded to it and it runs instead (the same results)."""
+    rows = logits.shape[0]
+    if programs and token_program_key(rows, key) not in programs and covers(COVER_KEY, key):
+        if token_program_key(rows, COVER_KEY) in programs and isinstance(a.temperature, np.ndarray):
+            a = pad_to(a, COVER_KEY, logits.shape[1])
+            key = COVER_KEY._replace(want_logprobs=key.want_logprobs)
     if key.want_logprobs:
         a = jax.device_put(a)  # read by both programs
-    rows, token_key = logits.shape[0], key._replace(want_logprobs=False)
+    token_key = key._replace(want_logprobs=False)
     exe = programs.get(token_program_key(rows, key)) if programs else None
     tokens = sample_tokens(logits, a, key=token_key) if exe is None else exe(logits, a)  # [S]
     if not key.want_logprobs:

@@ -208,8 +208,44 @@ def build_sampling_batch(rows: Sequence[RowSampling | None], num_rows: int, voca
 
 def variant_keys() -> list[SamplingKey]:
     """The token programs to compile at warm-up for each row bucket: all-greedy and sampled (top-k/top-p are decided
-    on device); bias, penalty and grammar-mask variants compile on first use."""
-    return [SamplingKey(True, 0, 0, False), SamplingKey(False, 0, 0, False)]
+    on device), and the covering one (`COVER_KEY`) that serves every batch with a bias, penalty or grammar mask."""
+    return [SamplingKey(True, 0, 0, False), SamplingKey(False, 0, 0, False), COVER_KEY]
+
+
+# The variant that serves every key it covers (`covers`): sampled (greedy rows take the argmax in it as well), the
+# largest bias and penalty-history widths and the grammar mask. A batch whose own variant is not compiled runs in it
+# with its arrays padded (`pad_to`): the same tokens and logprobs, at the cost of the widest processing.
+COVER_KEY = SamplingKey(False, BIAS_BUCKETS[-1], HIST_BUCKETS[-1], False, True)
+
+
+def covers(cover: SamplingKey, key: SamplingKey) -> bool:
+    """Whether `cover`'s program computes what `key`'s does once the arrays are padded to it (`pad_to`)."""
+    return (
+        (key.all_greedy or not cover.all_greedy)
+        and key.bias_size <= cover.bias_size
+        and key.hist_size <= cover.hist_size
+        and (cover.use_mask or not key.use_mask)
+    )
+
+
+def pad_to(a: SamplingArrays, cover: SamplingKey, vocab_size: int) -> SamplingArrays:
+    """Numpy arrays of a batch laid out for the program of `cover` (`covers(cover, key)`): bias and history columns
+    padded with the neutral entries (-1 ids, 0 values, not output), and an all-allowed mask for a batch without one."""
+    s = a.temperature.shape[0]
+
+    def cols(x: np.ndarray, width: int, fill) -> np.ndarray:
+        return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill)
+
+    allowed = a.allowed
+    if cover.use_mask and allowed is None:
+        allowed = np.full((s, token_mask.num_words(vocab_size)), -1, np.int32)
+    return a.replace(
+        bias_ids=cols(a.bias_ids, cover.bias_size, -1),
+        bias_vals=cols(a.bias_vals, cover.bias_size, 0.0),
+        hist_ids=cols(a.hist_ids, cover.hist_size, -1),
+        hist_is_output=cols(a.hist_is_output, cover.hist_size, False),
+        allowed=allowed,
+    )
 
 
 def dummy_arrays(key: SamplingKey, num_rows: int, vocab_size: int = 0) -> SamplingArrays:

@@ -16,7 +16,7 @@ from support.compiles import recorded_shapes
 
 from netra_jax import LLM, SamplingParams
 from netra_jax.engine.runner import ModelRunner
-from netra_jax.engine.warmup import engine_variants
+from netra_jax.engine.warmup import engine_variants, ready_shapes, step_label
 from netra_jax.loader import load_model
 from netra_jax.ops import sampling
 
@@ -117,10 +117,15 @@ def test_serving_after_warm_up_compiles_nothing(warmed, compiles):
         with compiles as names:
             _workload(llm)
         assert names == [], f"compiled after warm-up: {names}"
-        # control: a penalty sampler variant is not warmed, so the listener must see it compile
+        # bias and penalty batches run in the covering sampler program, compiled at warm-up
+        with compiles as names:
+            params = SamplingParams(max_tokens=2, repetition_penalty=1.3, logit_bias={9: 2.0}, seed=1, logprobs=1)
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert names == [], f"compiled after warm-up: {names}"
+        # control: the research hook's whole-prompt logits are not part of serving, so the listener sees them compile
         with compiles as control:
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, repetition_penalty=1.3, seed=1), use_tqdm=False)
-        assert control and all("sample_tokens" in n for n in control)
+            runner.prompt_logits([5, 6, 7])
+        assert "jit(_all_logits)" in control
     assert set(used) <= set(runner.all_shapes())
     assert max(s.num_tokens for s in used) == 64  # the largest compiled bucket is reachable, and reached
     assert any(s.prompt_rows for s in used)
@@ -139,14 +144,16 @@ def test_progress_counts_every_variant(warmed):
         "step": len(runner.all_shapes()),
         "widen": num_rows,
         "sampler": num_rows * len(sampling.variant_keys()),
-        "logprobs": num_rows,
+        "logprobs": num_rows * len(sampling.logprob_keys(sampling.variant_keys())),  # plain and covering
     }
     assert {k: len(v) for k, v in by_kind.items()} == expected  # the engine overlaps steps: widenings too
     for kind, seen in by_kind.items():
         assert seen == [(i, expected[kind]) for i in range(1, expected[kind] + 1)]
     assert len(lines) == len(llm.engine.warmup_report.compiled)
     step_labels = [m.group(4) for m in parsed if m.group(1) == "step"]
-    assert step_labels[0].startswith("64 tokens") and step_labels[-1] == "1 token, 1 row"  # largest first
+    ready = [step_label(s) for s in ready_shapes(runner)]  # the ready ones first: 2-token decode, 64-token prompts
+    assert step_labels[: len(ready)] == ready and ready[0].startswith("2 tokens") and ready[1].startswith("64 tokens")
+    assert step_labels[len(ready)] == "1 token, 1 row"  # then the decode buckets below the ready one
 
 
 def test_parallel_warm_up_compiles_what_one_thread_does(warmed, compiles):

@@ -271,10 +271,55 @@ def test_padding_and_non_finite_rows_return_valid_tokens():
 def test_warm_up_covers_the_common_variants():
     # as the engine calls it: logits committed to the device (the model step's output), arrays put per step
     x = jax.device_put(logits_for(12), jax.devices()[0])
-    assert sm.warm_up([S], V) == len(sm.variant_keys()) + 1 == 3  # token programs, then the logprob program
+    # token programs (greedy, sampled, covering), then the logprob programs (plain, covering)
+    assert sm.warm_up([S], V) == len(sm.variant_keys()) + 2 == 5
     with compiled_jits() as compiled:
         for rows in ([R(temperature=0.0)], [R(seed=1, num_logprobs=2)], [R(top_k=20, seed=2)], [R()] * S):
             run(rows, x)
         assert compiled.count("sample_tokens") == compiled.count("token_logprobs") == 0
         run([R(temperature=0.0, logit_bias=dict.fromkeys(range(20), 1.0))], x)  # bias variants: on first use
         assert compiled.count("sample_tokens") == 1
+
+
+def _packed(allowed: np.ndarray) -> np.ndarray:
+    """A [V] bool mask as the packed int32 words llguidance writes."""
+    bits = np.zeros(sm.token_mask.num_words(V) * 32, np.uint32)
+    bits[:V] = allowed
+    return (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint32)).sum(1).astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("want_logprobs", [False, True])
+def test_the_covering_program_gives_each_variant_its_own_results(want_logprobs):
+    """A batch whose own variant was not compiled runs in the covering one (its arrays padded) with the tokens and
+    logprobs its own program gives."""
+    x = jax.device_put(logits_for(21), jax.devices()[0])
+    lk = sm.logprob_key(sm.COVER_KEY)
+    arrays = sm.dummy_arrays(sm.COVER_KEY, S, V)
+    programs = {
+        sm.token_program_key(S, sm.COVER_KEY): sm.sample_tokens.trace(x, arrays, key=sm.COVER_KEY).lower().compile(),
+        sm.logprob_program_key(S, lk): sm.token_logprobs.trace(x, x[:, 0].astype(np.int32), arrays, key=lk)
+        .lower()
+        .compile(),
+    }
+    mask = np.random.default_rng(3).random(V) < 0.2
+    nlp = 3 if want_logprobs else None
+    batches = [
+        [R(temperature=0.0, logit_bias={7: 40.0, 9: -5.0}, num_logprobs=nlp), R(seed=4)],  # greedy + bias
+        [R(seed=5, repetition_penalty=1.3, prompt_ids=[1, 2, 3], output_ids=[4, 4], num_logprobs=nlp)],  # penalties
+        [R(temperature=0.0, allowed=_packed(mask)), R(seed=6, top_k=30, allowed=_packed(mask), num_logprobs=nlp)],
+        [R(temperature=0.0, num_logprobs=nlp)] * 3,  # a plain variant, not in `programs`: covered too
+    ]
+    for rows in batches:
+        b = sm.build_sampling_batch(rows, S, V)
+        assert sm.covers(sm.COVER_KEY, b.key) and b.key != sm.COVER_KEY
+        with compiled_jits() as compiled:
+            covered = sm.sample(x, b.arrays, key=b.key, programs=programs)
+            jax.block_until_ready(covered)
+        assert compiled.count("sample_tokens") == compiled.count("token_logprobs") == 0, compiled
+        own = sm.sample(x, jax.device_put(b.arrays), key=b.key)
+        for got, want in zip(covered, own, strict=True):
+            if want is None:
+                assert got is None
+            else:
+                np.testing.assert_array_equal(np.asarray(got)[: len(rows)], np.asarray(want)[: len(rows)])
+    assert not sm.covers(sm.COVER_KEY, sm.SamplingKey(False, 2048, 0, False))  # a wider bias than any bucket

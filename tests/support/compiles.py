@@ -36,8 +36,8 @@ def recorded_shapes(runner) -> Iterator[list]:
     used: list = []
     shape_for = runner.shape_for
 
-    def recording(num_tokens, prompt_logprobs=False):
-        shape = shape_for(num_tokens, prompt_logprobs)
+    def recording(num_tokens, prompt_logprobs=False, lora=False):
+        shape = shape_for(num_tokens, prompt_logprobs, lora)
         used.append(shape)
         return shape
 
