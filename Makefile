@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' || { echo "error: $(VENV) is not Python >= 3.12; remove it and rerun make setup" >&2; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# the C++ CPU kernels, built for this CPU now rather than at the first start (about 30 s on 2 cores)
+	$(PY) -m netra_jax.ops.cpu_kernels || echo "warning: the C++ CPU kernels did not build; the engine runs its XLA paths"
 	@touch $(STAMP)
 
 # `make test` builds the documentation and checks the import contracts first: a docstring that breaks the API

@@ -224,8 +224,8 @@ def random_adapters(work: Path, n: int, rank: int = 8) -> list[str]:
     written under `work`; their `--lora-modules` arguments."""
     import numpy as np
 
-    from netra_jax.config import load_config
     from netra_jax.engine.factory import resolve_model_path
+    from netra_jax.loader import load_config
     from netra_jax.models.lora import LoRAAdapter, save_peft_adapter, target_shapes
 
     cfg = load_config(resolve_model_path(None))

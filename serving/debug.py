@@ -52,6 +52,8 @@ def install_debug_routes(app: FastAPI) -> None:
             steps=st.engine.num_steps,
             streams=st.engine.num_unfinished,
             xla_compilations=CompileCounter.count,
+            xla_compilations_outside_warmup=CompileCounter.outside_warmup,
+            programs_pending=st.engine.engine.programs_pending,
             recent_compilations=list(CompileCounter.recent),
         )
         return snap

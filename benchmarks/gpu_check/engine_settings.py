@@ -82,19 +82,20 @@ def llm_kwargs(size: dict, compiled: str | None = None) -> dict:
 
 def serve_flags(size: dict, warmup: bool, compiled: str | None = None, quantization: str | None = None) -> list[str]:
     """The same settings as `netra-jax serve` flags; `warmup`: let the server compile every program it did not load
-    before /ready answers."""
-    flags = ["--load-format", "dummy"] + ([] if warmup else ["--no-warmup"])
+    before /ready answers (`--warmup full`: nothing compiles in the background of a sweep)."""
+    flags = ["--warmup", "full"] if warmup else ["--no-warmup"]
     flags += ["--compiled", compiled] if compiled else []
+    return flags + compile_flags(size, quantization)
+
+
+def compile_flags(size: dict, quantization: str | None = None) -> list[str]:
+    """The engine's flags of a `sizing`, as `netra-jax compile` takes them (the bundle the device run loads)."""
+    flags = ["--load-format", "dummy"]
     flags += ["--quantization", quantization] if quantization else []
     for k, v in _options(size).items():
         flag = "--" + k.replace("_", "-")
         flags += [flag] if v is True else [flag, str(v)]
     return flags
-
-
-def compile_flags(size: dict, quantization: str | None = None) -> list[str]:
-    """`netra-jax compile` flags of a `sizing` (the bundle the device run loads)."""
-    return serve_flags(size, True, quantization=quantization)
 
 
 @dataclasses.dataclass(frozen=True)

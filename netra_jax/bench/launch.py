@@ -1,5 +1,6 @@
-"""`netra-jax bench serve --launch`: start `netra-jax serve` as a subprocess on a free loopback port, wait until its
-/ready answers 200 (model loaded, every step bucket compiled), hand its URL to the sweep, then SIGTERM it and wait."""
+"""`netra-jax bench serve --launch`: start `netra-jax serve --warmup full` as a subprocess on a free loopback port,
+wait until its /ready answers 200 (model loaded, every program compiled: no background compile competes with the
+sweep), hand its URL to the sweep, then SIGTERM it and wait."""
 
 from __future__ import annotations
 
@@ -77,12 +78,15 @@ def launched(
     headers: dict | None = None,
     pid_file: str | None = None,
 ) -> Iterator[str]:
-    """Run `netra-jax serve SERVER_ARGS --host HOST --port <free>` for the duration of the block, which gets the base
+    """Run `netra-jax serve SERVER_ARGS [--warmup full] --host HOST --port <free>` (full unless SERVER_ARGS says
+    otherwise) for the duration of the block, which gets the base
     URL once the server is ready. Its output goes to `log_path` (default: a file in the temp directory); its process
     id to `pid_file` when given (the server runs in its own session: a caller killed before the block ends can be
     cleaned up after by that id)."""
     port = free_port(host)
-    cmd = [*SERVE_COMMAND, "serve", *shlex.split(server_args), "--host", host, "--port", str(port)]
+    args = shlex.split(server_args)
+    full = [] if any(a == "--warmup" or a.startswith("--warmup=") for a in args) else ["--warmup", "full"]
+    cmd = [*SERVE_COMMAND, "serve", *args, *full, "--host", host, "--port", str(port)]
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"netra-jax-serve-{port}-", suffix=".log")
         with open(fd, "w"):

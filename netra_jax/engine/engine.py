@@ -31,7 +31,7 @@ from netra_jax.engine.scheduler import Scheduler, SchedulerOutput
 from netra_jax.engine.spec import accept, make_proposer
 from netra_jax.engine.spec.policy import Speculation
 from netra_jax.engine.step_trace import StepTrace, trace_path_from_env
-from netra_jax.engine.warmup import WarmupReport, engine_variants, warm_up
+from netra_jax.engine.warmup import StepLimits, WarmupReport, engine_variants, warm_up
 from netra_jax.engine.weights import Sleep, placed_like
 from netra_jax.engine_config import EngineConfig
 from netra_jax.lora_request import LoRARequest
@@ -203,10 +203,24 @@ class LLMEngine:
             progress=progress,
             workers=workers,
             background=background,
-            on_change=self.scheduler.limit_step_tokens,
+            on_change=self._limit_steps,
         )
         self.ready = True
         return self.warmup_report.seconds
+
+    def _limit_steps(self, limits: StepLimits | None) -> None:
+        """Keep the scheduler to what a background warm-up has compiled so far (None: everything is)."""
+        if limits is None:
+            self.scheduler.limit_step_tokens(None)
+            self.scheduler.hold_waiting(None)
+            return
+        self.scheduler.limit_step_tokens(limits.max_tokens)
+        held = limits.held
+
+        def hold(req) -> bool:
+            return (req.sampling_params.prompt_logprobs is not None, bool(req.lora_id)) in held
+
+        self.scheduler.hold_waiting(hold if held else None)
 
     @property
     def programs_pending(self) -> int:

@@ -5,6 +5,7 @@ Steps may overlap: a request can be scheduled again before its previous step's s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from netra_jax.engine.block_pool import BlockPool, chain_hashes
 from netra_jax.engine.buckets import fit_chunk, token_buckets
@@ -54,6 +55,7 @@ class Scheduler:
         self.num_steps = 0
         self._prompt_rows_left = PROMPT_LOGPROB_ROWS  # of the step being scheduled
         self.step_token_limit: int | None = None  # see limit_step_tokens
+        self._hold: Callable[[Request], bool] | None = None  # see hold_waiting
 
     # ------------------------------------------------------------------ queries
     @property
@@ -136,6 +138,11 @@ class Scheduler:
             raise ValueError(f"a step token limit must be positive, got {limit}")
         self.step_token_limit = limit
 
+    def hold_waiting(self, hold: Callable[[Request], bool] | None) -> None:
+        """While set, waiting requests for which `hold(request)` is true stay in the queue (those behind them are
+        admitted): requests that need a program the engine is still compiling wait for it. None: none is held."""
+        self._hold = hold
+
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -194,6 +201,9 @@ class Scheduler:
                 deferred.append(self._waiting.pop())
                 continue
             if not self._lora_fits(req):  # every adapter slot is held by running requests of other adapters
+                deferred.append(self._waiting.pop())
+                continue
+            if self._hold is not None and self._hold(req):  # its program is still compiling
                 deferred.append(self._waiting.pop())
                 continue
             hits: list[int] = []

@@ -32,6 +32,7 @@ __all__ = [
     "READY_DECODE_TOKENS",
     "READY_PREFILL_TOKENS",
     "BackgroundCompile",
+    "StepLimits",
     "Variant",
     "WarmupReport",
     "compile_variants",
@@ -39,7 +40,7 @@ __all__ = [
     "engine_variants",
     "ready_shapes",
     "sampler_label",
-    "step_token_limit",
+    "step_limits",
     "usable_steps",
     "step_label",
     "warm_up",
@@ -60,8 +61,9 @@ Progress = Callable[[str], None]
 # (decode of 1 / 8 / 64 sequences 14 / 33 / 196 ms, prefill of 256 / 512 / 2048 tokens 0.54 / 1.06 / 4.4 s). So the
 # ready set is two buckets: one holding every running sequence's decode (at most 64 tokens: 64 sequences pad into it
 # at no cost, a lone one at 14x its own bucket's until that compiles) and one of 256 tokens for prompts (chunked to it
-# meanwhile), which also computes prompt logprobs' 256 rows; both sample 64 rows, so one set of sampler programs
-# serves them. The other buckets follow in the background, small decode buckets first.
+# meanwhile); both sample 64 rows, so one set of sampler programs serves them. Requests for prompt logprobs wait in
+# the queue for their own bucket, the first to compile after the ready set; the other buckets follow, small decode
+# buckets first.
 READY_DECODE_TOKENS = 64
 READY_PREFILL_TOKENS = 256
 
@@ -146,24 +148,25 @@ def _lower_logprobs(
 
 def ready_shapes(runner: ModelRunner) -> list[BatchShape]:
     """The step shapes a server compiles before it answers (see READY_DECODE_TOKENS): a decode bucket holding every
-    running sequence (up to READY_DECODE_TOKENS), a prompt bucket of READY_PREFILL_TOKENS and its prompt-logprob
-    variant (each capped at the largest step)."""
+    running sequence (up to READY_DECODE_TOKENS) and a prompt bucket of READY_PREFILL_TOKENS (each capped at the
+    largest step)."""
     top = runner.max_step_tokens
     decode = runner.shape_for(min(runner.max_seqs_bucket, READY_DECODE_TOKENS, top))
-    prefill = min(READY_PREFILL_TOKENS, top)
-    return list(dict.fromkeys([decode, runner.shape_for(prefill), runner.shape_for(prefill, True)]))
+    return list(dict.fromkeys([decode, runner.shape_for(min(READY_PREFILL_TOKENS, top))]))
 
 
 def _step_order(runner: ModelRunner) -> list[BatchShape]:
-    """Every reachable step shape in the order to compile them: the ready ones, then decode buckets from the
-    smallest up (a lone sequence stops padding), the largest plain and prompt-logprob buckets (long prompts stop
-    being chunked), then the rest from the largest down (the longest compiles first)."""
+    """Every reachable step shape in the order to compile them: the ready ones; the prompt-logprob bucket of the
+    ready prompt size (requests for prompt logprobs wait for it); decode buckets from the smallest up (a lone
+    sequence stops padding); the largest plain and prompt-logprob buckets (long prompts stop being chunked); then the
+    rest from the largest down (the longest compiles first)."""
     shapes = runner.all_shapes()
     ready = ready_shapes(runner)
+    plp = runner.shape_for(min(READY_PREFILL_TOKENS, runner.max_step_tokens), True)
     decode = [s for s in shapes if not s.prompt_rows and s.num_tokens < ready[0].num_tokens]
-    top = [max((s for s in shapes if bool(s.prompt_rows) == plp), key=lambda s: s.num_tokens) for plp in (0, 1)]
+    top = [max((s for s in shapes if bool(s.prompt_rows) == p), key=lambda s: s.num_tokens) for p in (0, 1)]
     rest = sorted(shapes, key=lambda s: (-s.num_tokens, -s.prompt_rows))
-    return list(dict.fromkeys([*ready, *decode, *top, *rest]))
+    return list(dict.fromkeys([*ready, plp, *decode, *top, *rest]))
 
 
 def engine_variants(
@@ -216,9 +219,19 @@ def usable_steps(variants: Sequence[Variant], programs: Mapping[tuple, Any]) -> 
     )
 
 
-def step_token_limit(variants: Sequence[Variant], usable: frozenset[tuple]) -> int | None:
-    """The most tokens a step may hold so that every kind of step (plain and with prompt logprobs; with and without
-    an adapter) has a usable program holding it; None when none is usable yet."""
+@dataclass(frozen=True)
+class StepLimits:
+    """What a partly compiled engine can run (`step_limits`): steps of at most `max_tokens` tokens, and no new
+    request of the `held` kinds, (prompt logprobs, adapter) pairs with no usable step program yet."""
+
+    max_tokens: int | None
+    held: frozenset[tuple[bool, bool]] = frozenset()
+
+
+def step_limits(variants: Sequence[Variant], usable: frozenset[tuple]) -> StepLimits:
+    """The limits that keep a partly compiled engine on its `usable` steps: a step may hold the largest number of
+    tokens every kind of step (plain and with prompt logprobs; with and without an adapter) with a usable program
+    has one for, and requests of the kinds with none wait."""
     largest: dict[tuple, int] = {}
     for v in variants:
         if v.kind == "step":
@@ -226,8 +239,9 @@ def step_token_limit(variants: Sequence[Variant], usable: frozenset[tuple]) -> i
             kind = (bool(shape.prompt_rows), lora)
             size = shape.num_tokens if v.key in usable else 0
             largest[kind] = max(largest.get(kind, 0), size)
-    limit = min(largest.values(), default=0)
-    return limit or None
+    runnable = [n for n in largest.values() if n]
+    held = frozenset(k for k, n in largest.items() if not n)
+    return StepLimits(min(runnable) if runnable else None, held)
 
 
 def default_workers() -> int:
@@ -300,7 +314,7 @@ def compile_variants(
 class BackgroundCompile:
     """Compiles the variants a server does not wait for, in a thread of its own after it answers (`workers` compile
     threads, default half the CPUs: the engine keeps the rest). Each program joins `runner.programs` as it is
-    compiled; `runner.usable` and `on_change(step token limit)` follow as steps become usable, and once all are
+    compiled; `runner.usable` and `on_change(step limits)` follow as steps become usable, and once all are
     compiled the restriction ends (`install` and `finish` are `warm_up`'s). A failed compile is logged and kept in
     `error`; the engine goes on with the programs it has."""
 
@@ -371,7 +385,7 @@ def warm_up(
     progress: Progress | None = None,
     workers: int | None = None,
     background: bool = False,
-    on_change: Callable[[int | None], None] | None = None,
+    on_change: Callable[[StepLimits | None], None] | None = None,
 ) -> WarmupReport:
     """Compile what an engine of these parts may call: the runner's variants (`engine_variants`, through
     `compile_variants`) but those loaded compiled already (`ModelRunner.programs`, from a bundle), then the
@@ -379,7 +393,7 @@ def warm_up(
     program is installed in `runner.programs`, which the runner and sampler run. background: compile only the
     ready variants (and the proposer's) now and return with the rest compiling in a `BackgroundCompile`
     (`WarmupReport.background`); meanwhile steps run only in usable programs (`runner.usable`), and `on_change` gets
-    the step token limit that keeps them there (None once all are compiled)."""
+    the limits that keep them there (`step_limits`; None once all are compiled)."""
     t0 = time.perf_counter()
     say = progress or log.info
     report = WarmupReport([], 1)
@@ -388,7 +402,9 @@ def warm_up(
     else:
         variants = engine_variants(runner, vocab_size)
         todo = [v for v in variants if v.key not in runner.programs]
-        now = [v for v in todo if v.ready] if background else todo
+        # steps first: they take longest to compile (or to load from a cache), so lowering the small programs after
+        # them overlaps their compiles
+        now = sorted([v for v in todo if v.ready] if background else todo, key=lambda v: v.kind != "step")
         later = [v for v in todo if not v.ready] if background else []
         lock = threading.Lock()
 
@@ -397,7 +413,7 @@ def warm_up(
             done = len(usable) == sum(v.kind == "step" for v in variants)
             runner.usable = None if done else usable
             if on_change is not None:
-                on_change(None if done else step_token_limit(variants, usable))
+                on_change(None if done else step_limits(variants, usable))
 
         def install(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
             with lock:

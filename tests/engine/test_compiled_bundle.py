@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import jax
 import pytest
 from support.checkpoints import FIXTURES, REPO, reference
@@ -29,8 +30,8 @@ from netra_jax.engine.aot import compile_bundle
 from netra_jax.engine_args import EngineArgs
 
 MODEL = FIXTURES / "tiny-llama"
-# two sequences of at most 128 tokens, steps of at most 64: 16 programs (8 steps, 2 widenings, 4 token programs,
-# 2 logprob programs), about 15 s to compile on two cores
+# two sequences of at most 128 tokens, steps of at most 64: 20 programs (8 steps, 2 widenings, 6 token programs,
+# 4 logprob programs), about 15 s to compile on two cores
 KW = dict(dtype="float32", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64)
 FLAGS = ["--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 PROGRAMS = {"_step", "_widen_ids", "sample_tokens", "token_logprobs"}  # the jitted functions a bundle holds
@@ -89,7 +90,7 @@ def test_bundle_layout(cpu_bundle):
     manifest = bundle.read_manifest(out)
     programs = manifest["programs"]
     kinds = [p["kind"] for p in programs]
-    assert {k: kinds.count(k) for k in set(kinds)} == {"step": 8, "widen": 2, "sampler": 4, "logprobs": 2}
+    assert {k: kinds.count(k) for k in set(kinds)} == {"step": 8, "widen": 2, "sampler": 6, "logprobs": 4}
     assert manifest["target"] == "cpu" and manifest["format"] == bundle.FORMAT
     sig = manifest["signature"]
     assert sig["platform"] == "cpu" and sig["jax"] == jax.__version__
@@ -118,6 +119,28 @@ def test_loaded_bundle_compiles_nothing_and_matches_transformers(cpu_bundle, cap
     assert tokens == [c["greedy_ids"] for c in _cases()]
     assert len(res.outputs[0].token_ids) == 6 and len(res.outputs[0].logprobs) == 6 and res.prompt_logprobs
     assert not PROGRAMS & set(compiled), f"compiled although loaded: {compiled}"
+
+
+def test_server_started_from_a_bundle_compiles_nothing(cpu_bundle):
+    """`netra-jax serve --compiled DIR` in a fresh process: every program loaded, none compiled at warm-up or on the
+    request path, and the reference tokens."""
+    from support.server import ServerProcess, scrape
+
+    out, _ = cpu_bundle
+    n = len(bundle.read_manifest(out)["programs"])
+    server = ServerProcess(*FLAGS, "--compiled", str(out), model=str(MODEL)).wait_ready()
+    try:
+        assert f"loaded {n} compiled programs from {out}" in server.text()
+        assert "(0 variants compiled)" in server.text(), server.text()[-2000:]
+        before = scrape(server.url)["netra_xla_compilations_outside_warmup"]
+        case = _cases()[0]
+        body = {"model": "tiny-llama", "prompt": case["prompt_ids"], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body | {"return_token_ids": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == case["greedy_ids"][:4]
+        assert scrape(server.url)["netra_xla_compilations_outside_warmup"] == before
+        assert scrape(server.url)["netra_programs_pending"] == 0
+    finally:
+        server.stop()
 
 
 def test_mismatched_configuration_warns_and_compiles(cpu_bundle, caplog):

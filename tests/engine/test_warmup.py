@@ -153,7 +153,8 @@ def test_progress_counts_every_variant(warmed):
     step_labels = [m.group(4) for m in parsed if m.group(1) == "step"]
     ready = [step_label(s) for s in ready_shapes(runner)]  # the ready ones first: 2-token decode, 64-token prompts
     assert step_labels[: len(ready)] == ready and ready[0].startswith("2 tokens") and ready[1].startswith("64 tokens")
-    assert step_labels[len(ready)] == "1 token, 1 row"  # then the decode buckets below the ready one
+    assert step_labels[len(ready)].startswith("64 tokens") and "prompt-logprob" in step_labels[len(ready)]
+    assert step_labels[len(ready) + 1] == "1 token, 1 row"  # then the decode buckets below the ready one
 
 
 def test_parallel_warm_up_compiles_what_one_thread_does(warmed, compiles):

@@ -2,13 +2,15 @@
 ($NETRA_JAX_BACKGROUND_GATE): once /ready it serves a scripted mix of every feature (greedy and seeded sampling,
 logprobs, prompt logprobs, logit bias, penalties, n > 1, structured output, streaming, both adapters' first
 requests, prompts longer than the ready buckets) with zero compilations on the request path and the reference
-tokens while its steps pad up into the ready buckets; then the background compile finishes and
-/metrics counts no program pending. Also: `--warmup full` compiles everything before it is ready."""
+tokens while its steps pad up into the ready buckets; a request for prompt logprobs waits in the queue until its
+program compiles; then the background compile finishes, /metrics counts no program pending, and the same requests
+give the same answers. Also: `--warmup full` compiles everything before it is ready."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -51,9 +53,6 @@ def _mix(url: str) -> list:
     out = _completion(url, prompt=prompt, temperature=0.8, seed=3, logprobs=3, n=2)
     assert len(out["choices"]) == 2 and all(len(c["logprobs"]["top_logprobs"]) == 6 for c in out["choices"])
     seen.append([c["text"] for c in out["choices"]])
-    out = _completion(url, prompt=prompt, temperature=0, echo=True, logprobs=1, max_tokens=2)
-    assert out["choices"][0]["logprobs"]["token_logprobs"][0] is None  # prompt logprobs, the first has none
-    assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == len(prompt) + 2
     out = _completion(url, prompt=prompt, temperature=0, logit_bias={"7": 100}, return_token_ids=True)
     assert out["choices"][0]["token_ids"] == [7] * 6
     out = _completion(url, prompt=prompt, temperature=0.7, seed=1, presence_penalty=1.0, repetition_penalty=1.2)
@@ -73,6 +72,13 @@ def _mix(url: str) -> list:
     return seen
 
 
+def _prompt_logprobs(url: str, prompt: list[int]) -> list:
+    out = _completion(url, prompt=prompt, temperature=0, echo=True, logprobs=1, max_tokens=2)
+    lps = out["choices"][0]["logprobs"]["token_logprobs"]
+    assert lps[0] is None and len(lps) == len(prompt) + 2  # the prompt's logprobs (the first has none), then 2
+    return lps
+
+
 def test_ready_on_its_first_programs_and_nothing_compiles_on_the_request_path(tmp_path):
     gate = tmp_path / "background may start"
     modules = [f"all={LORA / 'llama-all-r8'}", f"qv={LORA / 'llama-qv-r4'}"]
@@ -89,12 +95,22 @@ def test_ready_on_its_first_programs_and_nothing_compiles_on_the_request_path(tm
         metrics = scrape(url)
         assert metrics[REQUEST_PATH] == before, server.text()[-3000:]
         assert metrics["netra_programs_pending"] == pending  # served with the ready programs alone
+        # a request for prompt logprobs waits in the queue for its step program, the first compiled after /ready
+        prompt = reference(MODEL)["cases"][1]["prompt_ids"]
+        held: dict = {}
+        waiting = threading.Thread(target=lambda: held.update(lps=_prompt_logprobs(url, prompt)))
+        waiting.start()
+        waiting.join(2.0)
+        assert waiting.is_alive() and scrape(url)["netra_num_requests_waiting"] == 1
         gate.touch()
+        waiting.join(120)
+        assert held["lps"] and scrape(url)[REQUEST_PATH] == before
         deadline = time.monotonic() + 300
         while scrape(url)["netra_programs_pending"] and time.monotonic() < deadline:
             time.sleep(0.5)
         assert int(server.wait_for(DONE).group(1)) == pending
         assert _mix(url) == first  # every bucket compiled: the same answers, nothing compiled on the request path
+        assert _prompt_logprobs(url, prompt) == held["lps"]
         assert scrape(url)[REQUEST_PATH] == before
     finally:
         server.stop()
@@ -111,3 +127,24 @@ def test_warmup_full_is_ready_with_every_program_compiled():
         assert scrape(server.url)[REQUEST_PATH] == before
     finally:
         server.stop()
+
+
+def test_the_request_path_counter_counts_compiles_outside_the_warm_up_threads():
+    """The control of the tests above: a compile in a thread of the warm-up's name is not on the request path, one
+    anywhere else is."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from netra_jax.engine.warmup import COMPILE_THREADS
+    from netra_jax.serving.metrics import CompileCounter
+
+    CompileCounter.install()
+    count, outside = CompileCounter.count, CompileCounter.outside_warmup
+    worker = threading.Thread(target=lambda: jax.jit(lambda x: x * 3 + 1)(jnp.ones(7)), name=f"{COMPILE_THREADS}_0")
+    worker.start()
+    worker.join()
+    assert CompileCounter.count > count and CompileCounter.outside_warmup == outside
+    jax.jit(lambda x: x * 5 - 2)(jnp.ones(9))
+    assert CompileCounter.outside_warmup > outside

@@ -32,8 +32,8 @@ def server():
 
 @pytest.fixture(scope="module", autouse=True)
 def compilations_at_start(server) -> float:
-    """XLA compilations once the server is ready (warm-up done), before this module's first request."""
-    return scrape(server.url)["netra_xla_compilations"]
+    """XLA compilations on the request path once the server is ready, before this module's first request."""
+    return scrape(server.url)["netra_xla_compilations_outside_warmup"]
 
 
 def post(server, path: str, body: dict) -> dict:
@@ -247,14 +247,12 @@ def test_lm_eval_local_completions_equals_transformers(server):
 # ---------------------------------------------------------------------------------------------------- last
 def test_no_compilations_after_warm_up(server, compilations_at_start):
     """Everything this module asked for, and long prompts (60 and 200 tokens: 2 and 7 chunks) with the most
-    alternatives, streamed or not, ran on the step variants compiled at warm-up: the process compiled nothing since."""
+    alternatives, streamed or not, ran on the programs the warm-up compiled: nothing compiled on the request path."""
     rng = random.Random(3)
     for n in (60, 200):
         ids = [rng.randrange(3, 512) for _ in range(n)]
         post(server, "/v1/completions", {"prompt": ids, "prompt_logprobs": 20, "max_tokens": 2, "temperature": 0.7})
         post(server, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 0})
         stream(server, {"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 2, "n": 2, "seed": n})
-    assert scrape(server.url)["netra_xla_compilations"] == compilations_at_start
-    # control: a penalty sampler variant is not warmed up, so the counter must see it compile
-    post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "repetition_penalty": 1.3})
-    assert scrape(server.url)["netra_xla_compilations"] > compilations_at_start
+    post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "repetition_penalty": 1.3})  # covered too
+    assert scrape(server.url)["netra_xla_compilations_outside_warmup"] == compilations_at_start

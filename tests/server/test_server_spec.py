@@ -1,5 +1,6 @@
 """A real `netra-jax serve --speculative-config` process: completions equal the non-speculative engine's greedy
-tokens, /metrics counts proposals and acceptances, and a bad --speculative-config is one line with exit status 2."""
+tokens with nothing compiled on the request path, /metrics counts proposals and acceptances, and a bad
+--speculative-config is one line with exit status 2."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_speculative_server_matches_reference_and_reports_acceptance():
     cases = reference(MODEL)["cases"]
     with running_server(*SMALL, "--speculative-config", json.dumps(NGRAM), model=str(FIXTURES / MODEL)) as srv:
         client = openai_client(srv)
+        compiled = _metrics(srv.url)[("netra_xla_compilations_outside_warmup", ())]
         for case in cases:
             r = client.completions.create(
                 model=MODEL,
@@ -41,6 +43,7 @@ def test_speculative_server_matches_reference_and_reports_acceptance():
         repeated = (cases[0]["prompt_ids"][:6] * 8)[:40]  # a prompt whose n-grams recur: proposals are made
         client.completions.create(model=MODEL, prompt=repeated, max_tokens=24, temperature=0)
         m = _metrics(srv.url)
+    assert m[("netra_xla_compilations_outside_warmup", ())] == compiled  # nothing compiled on the request path
     drafts = m[("netra_spec_decode_num_drafts", ())]
     proposed = m[("netra_spec_decode_num_draft_tokens", ())]
     accepted = m[("netra_spec_decode_num_accepted_tokens", ())]

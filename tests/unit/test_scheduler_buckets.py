@@ -153,3 +153,46 @@ def test_cpu_default_and_flag():
     assert engine_config(p.parse_args([])).scheduler.align_chunks_to_buckets is None
     off = engine_config(p.parse_args(["--no-align-chunks-to-buckets"]))
     assert off.scheduler.align_chunks_to_buckets is False
+
+
+def test_token_buckets_from_a_smallest_bucket():
+    assert token_buckets(8192, 64) == (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    assert token_buckets(40, 64) == (40,) and token_buckets(64, 64) == (64,)
+
+
+def test_a_step_token_limit_chunks_prompts_and_lifting_it_restores_the_budget():
+    """While larger step programs compile (engine/warmup.py), steps hold at most the limit: a prompt is chunked to
+    it, decodes still run, and the outputs are the unlimited scheduler's."""
+    sched, pool, runner = make(budget=64, max_model_len=256)
+    prompt = list(range(1, 101))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    req = Request("a", prompt, sp)
+    sched.add_request(req)
+    sched.limit_step_tokens(16)
+    sizes = []
+    while sched.has_unfinished():
+        out, _ = run_step(sched, runner)
+        sizes.append(out.num_batched_tokens)
+        if len(sizes) == 3:
+            sched.limit_step_tokens(None)
+    assert sizes[:3] == [16, 16, 16] and sizes[3] == 52 and max(sizes) <= 64
+    assert req.output_token_ids == reference(prompt, sp, len(prompt) + 4)
+    with pytest.raises(ValueError):
+        sched.limit_step_tokens(0)
+
+
+def test_held_requests_wait_while_others_are_admitted():
+    sched, pool, runner = make(budget=64, max_model_len=256)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    held = Request("held", [5, 6, 7, 8], sp)
+    for req in (held, Request("free", [5, 6, 7, 9], sp)):
+        sched.add_request(req)
+    sched.hold_waiting(lambda req: req.request_id == "held")
+    out, _ = run_step(sched, runner)
+    assert [s.request_id for s in out.scheduled] == ["free"] and sched.num_waiting == 1
+    sched.hold_waiting(None)
+    out, _ = run_step(sched, runner)
+    assert "held" in [s.request_id for s in out.scheduled]
+    while sched.has_unfinished():
+        run_step(sched, runner)
+    assert held.output_token_ids == reference([5, 6, 7, 8], sp, 4 + 2)
