@@ -205,7 +205,6 @@ def serve(args: argparse.Namespace) -> int:
     from netra_jax.engine.async_engine import AsyncEngine
     from netra_jax.engine.factory import resolve_model_path
     from netra_jax.engine_args import CLIError, engine_config, load_engine, one_line
-    from netra_jax.serving.app import create_app
     from netra_jax.serving.context import served_model_name
     from netra_jax.serving.lora_modules import ServedAdapters, parse_lora_modules
     from netra_jax.tokenization.chat_template import NoChatTemplateError
@@ -272,26 +271,9 @@ def serve(args: argparse.Namespace) -> int:
             print(f"netra-jax serve: --lora-modules {m.name}: {one_line(e)}", file=sys.stderr)
             return 2
         print(f"netra-jax: LoRA adapter {m.name!r} from {m.path}", flush=True)
-    ae = AsyncEngine(engine, step_timeout=args.step_timeout)
+    # warm-up starts now: the server's own imports and set-up below overlap its first compiles
     warm = threading.Event()
     bound: dict[str, tuple[str, int]] = {}
-    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
-    app = create_app(
-        ae,
-        name,
-        args.api_key,
-        chat_template=template,
-        max_body_bytes=args.max_body_bytes,
-        cors_origins=origins,
-        ready=warm.is_set,
-        chat_output=chat_output,
-        adapters=adapters,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-    )
-    if args.enable_debug_endpoints:
-        from netra_jax.serving.debug import install_debug_routes
-
-        install_debug_routes(app)
     lock = threading.Lock()
 
     def announce() -> None:
@@ -311,7 +293,12 @@ def serve(args: argparse.Namespace) -> int:
         if cfg.warmup:
             print("netra-jax: warming up (/health answers 200, /ready 503 until done) ...", flush=True)
             say = lambda line: print(f"netra-jax: {line}", flush=True)  # noqa: E731
-            secs = engine.warmup(progress=say, background=args.warmup == "early")
+            try:
+                secs = engine.warmup(progress=say, background=args.warmup == "early")
+            except Exception as e:  # a server that cannot compile its programs cannot serve: say why and exit
+                print(f"netra-jax: warm-up failed: {one_line(e)}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
             report = engine.warmup_report
             rest = f"; {report.pending} more compiling in the background" if report.pending else ""
             say(f"warm-up done in {secs:.1f}s ({len(report.compiled)} variants compiled{rest})")
@@ -319,6 +306,26 @@ def serve(args: argparse.Namespace) -> int:
         announce()
 
     threading.Thread(target=warm_up, name="netra-warmup", daemon=True).start()
+    ae = AsyncEngine(engine, step_timeout=args.step_timeout)
+    from netra_jax.serving.app import create_app
+
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
+    app = create_app(
+        ae,
+        name,
+        args.api_key,
+        chat_template=template,
+        max_body_bytes=args.max_body_bytes,
+        cors_origins=origins,
+        ready=warm.is_set,
+        chat_output=chat_output,
+        adapters=adapters,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+    )
+    if args.enable_debug_endpoints:
+        from netra_jax.serving.debug import install_debug_routes
+
+        install_debug_routes(app)
     state = app.state.server
 
     def on_drain() -> None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MANIFEST",
     "LoadReport",
+    "ProgramStore",
     "device_name",
     "engine_signature",
     "load",
@@ -192,6 +193,65 @@ def _key_text(key: tuple) -> str:
     return repr(key)
 
 
+def _dump(compiled: jax.stages.Compiled, preset: int = 6) -> bytes:
+    """A compiled program as the bytes of one file (serialized, pickled, lzma-compressed)."""
+    from jax.experimental import serialize_executable
+
+    return lzma.compress(pickle.dumps(serialize_executable.serialize(compiled)), preset=preset)
+
+
+def _restore(payload: bytes) -> jax.stages.Compiled:
+    """The program `_dump` wrote, loaded onto this machine's device."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.deserialize_and_load(*pickle.loads(lzma.decompress(payload)))
+
+
+class ProgramStore:
+    """One engine configuration's compiled programs kept on this machine between a server's starts: under `root`, a
+    directory per signature (`engine_signature`), a file per program named by a digest of its key. A warm start
+    loads the programs found there without tracing or lowering them (what a start on jax's persistent compilation
+    cache spends most of its time on), and a start that compiles writes what it compiled; jax's cache stays beneath
+    it for everything else. A file that cannot be read counts as missing and is removed; one that cannot be
+    written is left out (logged)."""
+
+    def __init__(self, root: str | Path, sig: dict[str, str]) -> None:
+        self.dir = Path(root) / _digest(json.dumps(sig, sort_keys=True))
+        self._sig = sig
+
+    def _path(self, key: tuple) -> Path:
+        return self.dir / f"{_digest(_key_text(key))}.xz"
+
+    def has(self, key: tuple) -> bool:
+        return self._path(key).is_file()
+
+    def load(self, key: tuple) -> jax.stages.Compiled | None:
+        """The stored program of `key`, or None (not stored, or unreadable: then removed)."""
+        path = self._path(key)
+        try:
+            return _restore(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # damaged, truncated, or refused by this runtime: compile instead
+            log.warning("stored program %s unreadable, compiling it instead: %s", path, type(e).__name__)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, key: tuple, compiled: jax.stages.Compiled) -> None:
+        """Store `compiled` under `key` (atomically: a reader sees a whole file or none)."""
+        path = self._path(key)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            sig = self.dir / "signature.json"
+            if not sig.exists():
+                sig.write_text(json.dumps(self._sig, indent=1) + "\n")
+            tmp = path.with_suffix(f".{threading.get_native_id()}.tmp")
+            tmp.write_bytes(_dump(compiled, preset=1))
+            tmp.replace(path)
+        except Exception as e:  # a full disk, a read-only cache, an executable that does not serialize
+            log.warning("cannot store the compiled program %s: %s: %s", _key_text(key), type(e).__name__, e)
+
+
 def write(
     out_dir: str | Path,
     variants: list[Variant],
@@ -206,8 +266,6 @@ def write(
     serialize each into `out_dir/programs/`, and write the manifest with the signature `sig`; returns the manifest.
     Call it in a process without jax's persistent compilation cache: an executable read back from it does not
     serialize whole."""
-    from jax.experimental import serialize_executable
-
     from netra_jax.engine.warmup import compile_variants
 
     out = Path(out_dir)
@@ -219,7 +277,7 @@ def write(
 
     def save(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
         i = index[id(v)]
-        payload = lzma.compress(pickle.dumps(serialize_executable.serialize(compiled)), preset=6)
+        payload = _dump(compiled)
         name = f"programs/{i:04d}-{v.kind}.xz"
         (out / name).write_bytes(payload)
         with lock:
@@ -310,16 +368,13 @@ def load(bundle_dir: str | Path, runner: ModelRunner, sig: dict[str, str], varia
         report.mismatch = f"compiled for another configuration: {'; '.join(diff)}"
         return report
     files = {row["key"]: row["file"] for row in manifest.get("programs", [])}
-    from jax.experimental import serialize_executable
-
     loaded = {}
     try:
         for v in variants:
             name = files.get(_key_text(v.key))
             if name is None:
                 continue
-            payload, in_tree, out_tree = pickle.loads(lzma.decompress((Path(bundle_dir) / name).read_bytes()))
-            loaded[v.key] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            loaded[v.key] = _restore((Path(bundle_dir) / name).read_bytes())
             report.programs.append(f"{v.kind} ({v.label})")
     except Exception as e:  # a damaged or truncated file, or one the runtime refuses: compile instead
         report.mismatch = f"cannot load {name}: {type(e).__name__}: {str(e)[:300]}"

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -192,7 +193,9 @@ class LLMEngine:
         (see `engine.warmup.warm_up`); returns seconds spent. `warmup_report` then says what was compiled.
         background: return once the programs the first requests need are compiled (`warmup.ready_shapes`), the
         rest compiling in a background thread (`programs_pending`); until they are, steps pad up into the compiled
-        buckets and the scheduler chunks prompts to the largest of them."""
+        buckets and the scheduler chunks prompts to the largest of them. A server's warm-up (background) also keeps
+        its programs in a `bundle.ProgramStore` beside the persistent compilation cache and loads them from there
+        on its next start."""
         self._check_awake()
         self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
         self.warmup_report = warm_up(
@@ -204,9 +207,19 @@ class LLMEngine:
             workers=workers,
             background=background,
             on_change=self._limit_steps,
+            busy=lambda: self.scheduler.num_running + self.scheduler.num_waiting > 0,
+            store=self._program_store() if background else None,
         )
         self.ready = True
         return self.warmup_report.seconds
+
+    def _program_store(self) -> bundle.ProgramStore | None:
+        """Where a server keeps its compiled programs between starts (`bundle.ProgramStore`): beside jax's
+        persistent compilation cache when that is on (`<cache>/xla` -> `<cache>/xla-programs`)."""
+        xla = jax.config.jax_compilation_cache_dir
+        if self.config.compilation_cache_dir == "" or not xla:
+            return None
+        return bundle.ProgramStore(Path(f"{xla.rstrip('/')}-programs"), bundle.engine_signature(self))
 
     def _limit_steps(self, limits: StepLimits | None) -> None:
         """Keep the scheduler to what a background warm-up has compiled so far (None: everything is)."""

@@ -6,6 +6,7 @@ compiled and compiles the rest in the background (`BackgroundCompile`), its step
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from netra_jax.engine.step_layout import BatchShape
 from netra_jax.ops import sampling
 
 if TYPE_CHECKING:
+    from netra_jax.engine.bundle import ProgramStore
     from netra_jax.engine.runner import ModelRunner
 
 __all__ = [
@@ -208,7 +210,11 @@ def engine_variants(
         for lora in (False, True) if runner.lora is not None else (False,):
             label = step_label(s) + (", LoRA" if lora else "")
             lower = partial(runner.lower_step, s, lora=lora)
-            out.append(Variant("step", label, lower, step_key(s, lora), needs, is_ready))
+            # with adapters, two of the four are ready: the plain decode bucket and the adapters' prompt bucket
+            # (adapters' decode pads into the latter, plain prompts are chunked to the former, until their own
+            # programs compile, the first after /ready)
+            ready_now = is_ready and (runner.lora is None or (s == ready_shapes(runner)[-1]) == lora)
+            out.append(Variant("step", label, lower, step_key(s, lora), needs, ready_now))
     return out
 
 
@@ -260,6 +266,9 @@ def compile_variants(
     on_compiled: Callable[[Variant, jax.stages.Compiled, float], None] | None = None,
     compiler_options: dict[str, Any] | None = None,
     quiet: bool = False,
+    before_each: Callable[[], None] | None = None,
+    nice: int = 0,
+    store: ProgramStore | None = None,
 ) -> WarmupReport:
     """Trace and lower each variant in this thread (tracing holds the GIL) and compile it in a pool of `workers`
     threads as soon as it is lowered, so lowering the next one overlaps the compiles; returns once all are compiled
@@ -268,7 +277,11 @@ def compile_variants(
     (...)") as its compile starts; by default they are logged at INFO. `on_compiled(variant, compiled, seconds)` is
     called in the compiling thread once each is compiled (a bundle writer serializes it there); `compiler_options`:
     XLA options for every compile (a compile-only GPU device's, `engine.aot`). quiet: no line per variant, one per
-    step program and its count left ("compiling in the background: step variant (...), 12 left")."""
+    step program and its count left ("compiling in the background: step variant (...); 12 more after it").
+    `before_each()` is called before each variant is lowered; `nice`: the compile threads' scheduling niceness
+    (Linux; a background compile leaves the CPUs to the engine). With a `store` (`bundle.ProgramStore`), the
+    variants it holds are loaded from it in the pool, neither traced nor lowered ("loading ..." lines), and each
+    one compiled here is written to it (not one read back from jax's persistent cache)."""
     t0 = time.perf_counter()
     workers = workers or default_workers()
     say = progress or log.info
@@ -282,25 +295,59 @@ def compile_variants(
 
     def compile_one(v: Variant, lowered: jax.stages.Lowered) -> None:
         t = time.perf_counter()
+        _CACHE_HIT.hit = False
         with jax.default_device(device):
             compiled = lowered.compile(compiler_options)
+        if store is not None and not _CACHE_HIT.hit:
+            store.save(v.key, compiled)
         if on_compiled is not None:
             on_compiled(v, compiled, time.perf_counter() - t)
 
-    with ThreadPoolExecutor(workers, thread_name_prefix=COMPILE_THREADS) as pool:
+    def load_one(v: Variant) -> bool:
+        """Load `v` from the store; False when it could not (it is compiled instead)."""
+        t = time.perf_counter()
+        compiled = store.load(v.key)
+        if compiled is None:
+            return False
+        if on_compiled is not None:
+            on_compiled(v, compiled, time.perf_counter() - t)
+        return True
+
+    def start(v: Variant, verb: str) -> None:
+        seen[v.kind] += 1
+        if not quiet:
+            say(f"{verb} {v.kind} variant {seen[v.kind]} of {totals[v.kind]} ({v.label})")
+        elif v.kind == "step":
+            left = len(variants) - len(report.compiled) - 1
+            say(f"{verb} in the background: step variant ({v.label}); {left} more after it")
+        report.compiled.append((v.kind, v.label))
+
+    def lower_and_compile(v: Variant, announce: bool = True) -> None:
+        if before_each is not None:
+            before_each()
+        t = time.perf_counter()
+        lowered = v.lower()
+        report.lower_s += time.perf_counter() - t
+        if announce:
+            start(v, "compiling")
+        futures.append(pool.submit(compile_one, v, lowered))
+
+    if store is not None:
+        _watch_cache_hits()
+    stored = [v for v in variants if store is not None and store.has(v.key)]
+    stored_ids = {id(v) for v in stored}
+    with ThreadPoolExecutor(workers, COMPILE_THREADS, initializer=_renice, initargs=(nice,)) as pool:
         try:
+            loads = []
+            for v in stored:  # no tracing: straight to the pool
+                start(v, "loading")
+                loads.append((v, pool.submit(load_one, v)))
             for v in variants:
-                t = time.perf_counter()
-                lowered = v.lower()
-                report.lower_s += time.perf_counter() - t
-                seen[v.kind] += 1
-                if not quiet:
-                    say(f"compiling {v.kind} variant {seen[v.kind]} of {totals[v.kind]} ({v.label})")
-                elif v.kind == "step":
-                    left = len(variants) - len(report.compiled)
-                    say(f"compiling in the background: step variant ({v.label}); {left} more after it")
-                report.compiled.append((v.kind, v.label))
-                futures.append(pool.submit(compile_one, v, lowered))
+                if id(v) not in stored_ids:
+                    lower_and_compile(v)
+            for v, f in loads:
+                if not f.result():  # unreadable: compiled after all
+                    lower_and_compile(v, announce=False)
             for f in futures:
                 f.result()
         except BaseException:
@@ -311,12 +358,42 @@ def compile_variants(
     return report
 
 
+_CACHE_HIT = threading.local()  # per compile thread: whether its last compile was read from jax's persistent cache
+_CACHE_HITS_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+@functools.cache
+def _watch_cache_hits() -> None:
+    """Note jax's persistent-cache hits per thread (an executable read back from it is not stored again)."""
+
+    def on_event(event: str, **kwargs) -> None:
+        if event == _CACHE_HITS_EVENT:
+            _CACHE_HIT.hit = True
+
+    jax.monitoring.register_event_listener(on_event)
+
+
+def _renice(nice: int) -> None:
+    """Lower this thread's scheduling priority by `nice` (Linux schedules threads as tasks; elsewhere nothing)."""
+    if nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+
+
+YIELD_S = 1.0  # the longest a background compile waits for the engine to go idle before lowering its next program
+
+
 class BackgroundCompile:
     """Compiles the variants a server does not wait for, in a thread of its own after it answers (`workers` compile
     threads, default half the CPUs: the engine keeps the rest). Each program joins `runner.programs` as it is
     compiled; `runner.usable` and `on_change(step limits)` follow as steps become usable, and once all are
-    compiled the restriction ends (`install` and `finish` are `warm_up`'s). A failed compile is logged and kept in
-    `error`; the engine goes on with the programs it has."""
+    compiled the restriction ends (`install` and `finish` are `warm_up`'s). It stays out of the requests' way: its
+    threads run at a lower priority (niceness 10), and while `busy()` (requests in the engine) it waits up to
+    YIELD_S before lowering each program (lowering holds the GIL), so a lone request runs without it and steady
+    traffic still lets it finish. A failed compile is logged and kept in `error`; the engine goes on with the
+    programs it has."""
 
     def __init__(
         self,
@@ -326,8 +403,12 @@ class BackgroundCompile:
         *,
         workers: int | None = None,
         progress: Progress | None = None,
+        busy: Callable[[], bool] | None = None,
+        store: ProgramStore | None = None,
     ) -> None:
         self.variants = list(variants)
+        self._busy = busy
+        self._store = store
         self.total = len(self.variants)
         self.compiled = 0
         self.error: BaseException | None = None
@@ -359,12 +440,26 @@ class BackgroundCompile:
         self._install(v, compiled, seconds)
         self.compiled += 1
 
+    def _yield(self) -> None:
+        """Wait while the engine is busy, up to YIELD_S."""
+        deadline = time.monotonic() + YIELD_S
+        while self._busy is not None and self._busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def _run(self) -> None:
         _wait_for_gate(self._say, BACKGROUND_GATE_ENV, "background compile held")
+        _renice(10)
         t0 = time.perf_counter()
         try:
             compile_variants(
-                self.variants, workers=self._workers, progress=self._say, on_compiled=self._on_compiled, quiet=True
+                self.variants,
+                workers=self._workers,
+                progress=self._say,
+                on_compiled=self._on_compiled,
+                quiet=True,
+                before_each=self._yield,
+                nice=10,
+                store=self._store,
             )
             self._finish()
             self.seconds = time.perf_counter() - t0
@@ -386,6 +481,8 @@ def warm_up(
     workers: int | None = None,
     background: bool = False,
     on_change: Callable[[StepLimits | None], None] | None = None,
+    busy: Callable[[], bool] | None = None,
+    store: ProgramStore | None = None,
 ) -> WarmupReport:
     """Compile what an engine of these parts may call: the runner's variants (`engine_variants`, through
     `compile_variants`) but those loaded compiled already (`ModelRunner.programs`, from a bundle), then the
@@ -393,7 +490,9 @@ def warm_up(
     program is installed in `runner.programs`, which the runner and sampler run. background: compile only the
     ready variants (and the proposer's) now and return with the rest compiling in a `BackgroundCompile`
     (`WarmupReport.background`); meanwhile steps run only in usable programs (`runner.usable`), and `on_change` gets
-    the limits that keep them there (`step_limits`; None once all are compiled)."""
+    the limits that keep them there (`step_limits`; None once all are compiled); `busy()`: whether requests are in
+    the engine (the background compile makes way for them, see `BackgroundCompile`); `store`: programs kept
+    between starts, loaded instead of compiled and written when compiled (`compile_variants`)."""
     t0 = time.perf_counter()
     say = progress or log.info
     report = WarmupReport([], 1)
@@ -422,13 +521,14 @@ def warm_up(
                     refresh()
 
         runner.usable = usable_steps(variants, runner.programs) if later else None
-        report = compile_variants(now, workers=workers, progress=say, on_compiled=install)
+        report = compile_variants(now, workers=workers, progress=say, on_compiled=install, store=store)
         refresh()
         if proposer is not None:
             say("compiling the speculative proposer's variants")
             proposer.warmup()
         if later:
-            report.background = BackgroundCompile(later, install, refresh, progress=say).start()
+            background_compile = BackgroundCompile(later, install, refresh, progress=say, busy=busy, store=store)
+            report.background = background_compile.start()
     _wait_for_gate(say)
     report.seconds = time.perf_counter() - t0
     return report

@@ -12,7 +12,7 @@ from support.server import MODEL, READY, SMALL, ServerProcess
 from netra_jax.engine.warmup import GATE_ENV
 
 LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
-PROGRESS = re.compile(r"compiling (step|widen|sampler) variant (\d+) of (\d+) \(")
+PROGRESS = re.compile(r"(?:compiling|loading) (step|widen|sampler) variant (\d+) of (\d+) \(")
 
 
 def test_health_answers_while_warming_up_and_ready_after(tmp_path):
