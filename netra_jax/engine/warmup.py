@@ -210,10 +210,9 @@ def engine_variants(
         for lora in (False, True) if runner.lora is not None else (False,):
             label = step_label(s) + (", LoRA" if lora else "")
             lower = partial(runner.lower_step, s, lora=lora)
-            # with adapters, two of the four are ready: the plain decode bucket and the adapters' prompt bucket
-            # (adapters' decode pads into the latter, plain prompts are chunked to the former, until their own
-            # programs compile, the first after /ready)
-            ready_now = is_ready and (runner.lora is None or (s == ready_shapes(runner)[-1]) == lora)
+            # of the adapters' steps only the decode bucket's is ready: it holds a short prompt too, and longer
+            # ones are chunked to it until the adapters' prompt bucket compiles, the first after /ready
+            ready_now = is_ready and (not lora or s == ready_shapes(runner)[0])
             out.append(Variant("step", label, lower, step_key(s, lora), needs, ready_now))
     return out
 
