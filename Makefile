@@ -108,10 +108,10 @@ bench-score: setup
 # cores; CI runs it for the H100 and A100 with 2-layer step programs through the tests); GPU_COMPILE_ARGS="--only
 # kernels", "--cases mosaic/gemma", "--depth 2" or "--self-test" for parts of it.
 # `make gpu-bundles` compiles the GPU check's 8B serving engine with bf16 weights for the H100 and the H200 into
-# benchmarks/bundles/<target>-bf16 (git-ignored; 60 programs and 18.5 MiB each, about 5 minutes each on 2 cores),
+# benchmarks/bundles/<target>-bf16 (git-ignored; 38 programs and 13.8 MiB each, about 2-3 minutes each on 2 cores),
 # which benchmarks/gpu_check.sh loads on that device instead of compiling; build them from the commit the device
 # runs (a bundle names the sources' digest). The device carries 64 MiB besides the repository: both bundles and the
-# wheels take 43. GPU_BUNDLES_ARGS="--targets h100 --variants bf16,fp8" for others.
+# wheels take 34. GPU_BUNDLES_ARGS="--targets h100 --variants bf16,fp8" for others.
 CUDA_SITE ?= $(VENV)/cuda13
 GPU_COMPILE_ARGS ?=
 GPU_BUNDLES_ARGS ?= --targets h100,h200 --variants bf16

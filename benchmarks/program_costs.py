@@ -36,6 +36,7 @@ def compile_costs(engine) -> list[dict]:
     from netra_jax.engine.warmup import engine_variants
 
     out = []
+    engine.runner.set_prompt_logprob_buckets(fine=False)  # the warm-up's set (engine.warmup)
     for v in engine_variants(engine.runner, engine.vocab_size):
         t0 = time.perf_counter()
         lowered = v.lower()

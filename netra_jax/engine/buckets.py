@@ -14,7 +14,7 @@ __all__ = ["ACCELERATOR_SMALLEST_BUCKET", "bucket_of", "fit_chunk", "token_bucke
 # H100 or H200 for 1- and 2-byte weights (990 TFLOP/s, 3.35-4.8 TB/s), so padding a step up to 64 tokens costs a
 # fraction of its weight reads and the buckets below 64 would only add programs (six fewer step programs, and their
 # samplers, at 512 sequences). On a CPU a step costs in proportion to its tokens from a few tokens up (2-core EPYC,
-# SmolLM2-135M Q4_1: decode of 1 / 4 / 16 / 64 sequences 14 / 19 / 65 / 196 ms, results/2026-12-07-program_costs.json),
+# SmolLM2-135M Q4_1: decode of 1 / 4 / 16 / 64 sequences 14 / 20 / 55 / 158 ms, results/2026-12-07-program_costs.json),
 # so CPU buckets start at 1.
 ACCELERATOR_SMALLEST_BUCKET = 64
 

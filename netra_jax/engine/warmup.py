@@ -58,11 +58,11 @@ Progress = Callable[[str], None]
 
 
 # The step buckets compiled before a server answers (`ready_shapes`), chosen from `benchmarks/program_costs.py`
-# (SmolLM2-135M on a 2-core EPYC, results/2026-12-07-program_costs.json): a step program takes 2.3-4.4 s to compile
-# and 0.5-0.9 s to load from a cache, whatever its bucket, while a CPU step costs about in proportion to its tokens
-# (decode of 1 / 8 / 64 sequences 14 / 33 / 196 ms, prefill of 256 / 512 / 2048 tokens 0.54 / 1.06 / 4.4 s). So the
+# (SmolLM2-135M on a 2-core EPYC, results/2026-12-07-program_costs.json): a step program takes 2.0-3.9 s to compile
+# and 0.5-1.3 s to load from a cache, whatever its bucket, while a CPU step costs about in proportion to its tokens
+# (decode of 1 / 8 / 64 sequences 14 / 28 / 158 ms, prefill of 256 / 512 / 2048 tokens 0.50 / 1.03 / 5.5 s). So the
 # ready set is two buckets: one holding every running sequence's decode (at most 64 tokens: 64 sequences pad into it
-# at no cost, a lone one at 14x its own bucket's until that compiles) and one of 256 tokens for prompts (chunked to it
+# at no cost, a lone one at 11x its own bucket's until that compiles) and one of 256 tokens for prompts (chunked to it
 # meanwhile); both sample 64 rows, so one set of sampler programs serves them. Requests for prompt logprobs wait in
 # the queue for their own bucket, the first to compile after the ready set; the other buckets follow, small decode
 # buckets first.
