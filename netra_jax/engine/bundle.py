@@ -14,8 +14,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import lzma
-import pickle
 import platform
 import threading
 import time
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from netra_jax.engine import program_store
 from netra_jax.engine_config import EngineConfig
 
 if TYPE_CHECKING:
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MANIFEST",
     "LoadReport",
-    "ProgramStore",
     "device_name",
     "engine_signature",
     "load",
@@ -55,8 +53,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # netra_jax/
 _TRACED = ("engine", "ops", "quant", "paged.py", "parallel.py", "config.py")
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+_digest = program_store.digest
 
 
 def source_digest() -> str:
@@ -189,67 +186,7 @@ def sized_like(config: EngineConfig, manifest: dict) -> EngineConfig:
     return dataclasses.replace(config, cache=dataclasses.replace(cache, num_pages=pages))
 
 
-def _key_text(key: tuple) -> str:
-    return repr(key)
-
-
-def _dump(compiled: jax.stages.Compiled, preset: int = 6) -> bytes:
-    """A compiled program as the bytes of one file (serialized, pickled, lzma-compressed)."""
-    from jax.experimental import serialize_executable
-
-    return lzma.compress(pickle.dumps(serialize_executable.serialize(compiled)), preset=preset)
-
-
-def _restore(payload: bytes) -> jax.stages.Compiled:
-    """The program `_dump` wrote, loaded onto this machine's device."""
-    from jax.experimental import serialize_executable
-
-    return serialize_executable.deserialize_and_load(*pickle.loads(lzma.decompress(payload)))
-
-
-class ProgramStore:
-    """One engine configuration's compiled programs kept on this machine between a server's starts: under `root`, a
-    directory per signature (`engine_signature`), a file per program named by a digest of its key. A warm start
-    loads the programs found there without tracing or lowering them (what a start on jax's persistent compilation
-    cache spends most of its time on), and a start that compiles writes what it compiled; jax's cache stays beneath
-    it for everything else. A file that cannot be read counts as missing and is removed; one that cannot be
-    written is left out (logged)."""
-
-    def __init__(self, root: str | Path, sig: dict[str, str]) -> None:
-        self.dir = Path(root) / _digest(json.dumps(sig, sort_keys=True))
-        self._sig = sig
-
-    def _path(self, key: tuple) -> Path:
-        return self.dir / f"{_digest(_key_text(key))}.xz"
-
-    def has(self, key: tuple) -> bool:
-        return self._path(key).is_file()
-
-    def load(self, key: tuple) -> jax.stages.Compiled | None:
-        """The stored program of `key`, or None (not stored, or unreadable: then removed)."""
-        path = self._path(key)
-        try:
-            return _restore(path.read_bytes())
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # damaged, truncated, or refused by this runtime: compile instead
-            log.warning("stored program %s unreadable, compiling it instead: %s", path, type(e).__name__)
-            path.unlink(missing_ok=True)
-            return None
-
-    def save(self, key: tuple, compiled: jax.stages.Compiled) -> None:
-        """Store `compiled` under `key` (atomically: a reader sees a whole file or none)."""
-        path = self._path(key)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            sig = self.dir / "signature.json"
-            if not sig.exists():
-                sig.write_text(json.dumps(self._sig, indent=1) + "\n")
-            tmp = path.with_suffix(f".{threading.get_native_id()}.tmp")
-            tmp.write_bytes(_dump(compiled, preset=1))
-            tmp.replace(path)
-        except Exception as e:  # a full disk, a read-only cache, an executable that does not serialize
-            log.warning("cannot store the compiled program %s: %s: %s", _key_text(key), type(e).__name__, e)
+_key_text = program_store.key_text
 
 
 def write(
@@ -277,7 +214,7 @@ def write(
 
     def save(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
         i = index[id(v)]
-        payload = _dump(compiled)
+        payload = program_store.dump(compiled)
         name = f"programs/{i:04d}-{v.kind}.xz"
         (out / name).write_bytes(payload)
         with lock:
@@ -374,7 +311,7 @@ def load(bundle_dir: str | Path, runner: ModelRunner, sig: dict[str, str], varia
             name = files.get(_key_text(v.key))
             if name is None:
                 continue
-            loaded[v.key] = _restore((Path(bundle_dir) / name).read_bytes())
+            loaded[v.key] = program_store.restore((Path(bundle_dir) / name).read_bytes())
             report.programs.append(f"{v.kind} ({v.label})")
     except Exception as e:  # a damaged or truncated file, or one the runtime refuses: compile instead
         report.mismatch = f"cannot load {name}: {type(e).__name__}: {str(e)[:300]}"

@@ -24,6 +24,7 @@ from netra_jax.engine.lora_slots import LoRASlots
 from netra_jax.engine.observer import EngineObserver
 from netra_jax.engine.output_processor import OutputProcessor
 from netra_jax.engine.outputs import RequestOutput
+from netra_jax.engine.program_store import ProgramStore
 from netra_jax.engine.request_queue import check_priority
 from netra_jax.engine.request_state import RequestState, SampleState
 from netra_jax.engine.runner import ModelRunner, StepResult, max_useful_pages, num_pages_for
@@ -194,7 +195,7 @@ class LLMEngine:
         background: return once the programs the first requests need are compiled (`warmup.ready_shapes`), the
         rest compiling in a background thread (`programs_pending`); until they are, steps pad up into the compiled
         buckets and the scheduler chunks prompts to the largest of them. A server's warm-up (background) also keeps
-        its programs in a `bundle.ProgramStore` beside the persistent compilation cache and loads them from there
+        its programs in a `ProgramStore` beside the persistent compilation cache and loads them from there
         on its next start."""
         self._check_awake()
         self.runner.set_prompt_logprob_buckets(fine=False)  # few variants, as every one is compiled now
@@ -213,13 +214,13 @@ class LLMEngine:
         self.ready = True
         return self.warmup_report.seconds
 
-    def _program_store(self) -> bundle.ProgramStore | None:
-        """Where a server keeps its compiled programs between starts (`bundle.ProgramStore`): beside jax's
+    def _program_store(self) -> ProgramStore | None:
+        """Where a server keeps its compiled programs between starts (`ProgramStore`): beside jax's
         persistent compilation cache when that is on (`<cache>/xla` -> `<cache>/xla-programs`)."""
         xla = jax.config.jax_compilation_cache_dir
         if self.config.compilation_cache_dir == "" or not xla:
             return None
-        return bundle.ProgramStore(Path(f"{xla.rstrip('/')}-programs"), bundle.engine_signature(self))
+        return ProgramStore(Path(f"{xla.rstrip('/')}-programs"), bundle.engine_signature(self))
 
     def _limit_steps(self, limits: StepLimits | None) -> None:
         """Keep the scheduler to what a background warm-up has compiled so far (None: everything is)."""

@@ -24,7 +24,7 @@ from netra_jax.engine.step_layout import BatchShape
 from netra_jax.ops import sampling
 
 if TYPE_CHECKING:
-    from netra_jax.engine.bundle import ProgramStore
+    from netra_jax.engine.program_store import ProgramStore
     from netra_jax.engine.runner import ModelRunner
 
 __all__ = [
@@ -278,7 +278,7 @@ def compile_variants(
     XLA options for every compile (a compile-only GPU device's, `engine.aot`). quiet: no line per variant, one per
     step program and its count left ("compiling in the background: step variant (...); 12 more after it").
     `before_each()` is called before each variant is lowered; `nice`: the compile threads' scheduling niceness
-    (Linux; a background compile leaves the CPUs to the engine). With a `store` (`bundle.ProgramStore`), the
+    (Linux; a background compile leaves the CPUs to the engine). With a `store` (`program_store.ProgramStore`), the
     variants it holds are loaded from it in the pool, neither traced nor lowered ("loading ..." lines), and each
     one compiled here is written to it (not one read back from jax's persistent cache)."""
     t0 = time.perf_counter()
