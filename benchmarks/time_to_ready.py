@@ -220,26 +220,15 @@ def _one_token(model: str) -> dict:
 
 
 def random_adapters(work: Path, n: int, rank: int = 8) -> list[str]:
-    """`n` PEFT adapters of rank `rank` on every projection of the default model, random factors (N(0, 0.02)),
-    written under `work`; their `--lora-modules` arguments."""
-    import numpy as np
-
+    """`n` PEFT adapters of rank `rank` on every projection of the default model, random factors
+    (`benchmarks.step_profile.lora.random_adapters`), written under `work`; their `--lora-modules` arguments."""
+    from benchmarks.step_profile.lora import random_adapters as adapters
     from netra_jax.engine.factory import resolve_model_path
     from netra_jax.loader import load_config
-    from netra_jax.models.lora import LoRAAdapter, save_peft_adapter, target_shapes
+    from netra_jax.models.lora import save_peft_adapter
 
     cfg = load_config(resolve_model_path(None))
-    rng = np.random.default_rng(0)
-    modules = []
-    for k in range(n):
-        weights = {}
-        for i in range(cfg.num_layers):
-            for t, (fan_in, fan_out) in target_shapes(cfg, i).items():
-                a = rng.normal(0, 0.02, (fan_in, rank)).astype(np.float32)
-                weights[(i, t)] = (a, rng.normal(0, 0.02, (rank, fan_out)).astype(np.float32))
-        path = save_peft_adapter(LoRAAdapter(f"adapter{k}", rank, weights), work / f"adapter{k}")
-        modules.append(f"adapter{k}={path}")
-    return modules
+    return [f"{a.name}={save_peft_adapter(a, work / a.name)}" for a in adapters(cfg, n, rank)]
 
 
 def start_once(cache_root: Path, server_args: list[str], env: dict, timeout: float, log_dir: Path, tag: str) -> dict:

@@ -186,7 +186,7 @@ def engine_variants(
     keys = sampling.variant_keys() if keys is None else keys
     lkeys = sampling.logprob_keys(keys)
     dev = runner.compile_for
-    ready = set(ready_shapes(runner))
+    ready = ready_shapes(runner)
     out: list[Variant] = []
     if runner.lora is not None:
         out.append(Variant("lora", "adapter slot write", runner.lower_lora_slot, LORA_SLOT_KEY, ready=True))
@@ -212,7 +212,7 @@ def engine_variants(
             lower = partial(runner.lower_step, s, lora=lora)
             # of the adapters' steps only the decode bucket's is ready: it holds a short prompt too, and longer
             # ones are chunked to it until the adapters' prompt bucket compiles, the first after /ready
-            ready_now = is_ready and (not lora or s == ready_shapes(runner)[0])
+            ready_now = is_ready and (not lora or s == ready[0])
             out.append(Variant("step", label, lower, step_key(s, lora), needs, ready_now))
     return out
 

@@ -301,7 +301,8 @@ def test_every_step_program_fits_the_memory_sizing(compile_check):
         steps = res["steps"]
         for model in configs.STEP_MODELS:
             mine = [s for s in steps if s["model"] == model]
-            assert len(mine) >= 16 and len({(s["num_tokens"], s["prompt_rows"]) for s in mine}) == len(mine)
+            assert len(mine) >= 12 and len({(s["num_tokens"], s["prompt_rows"]) for s in mine}) == len(mine)
+            assert min(s["num_tokens"] for s in mine) == 64  # GPU buckets start at 64 (engine/buckets.py)
             for s in mine:
                 assert not s["problems"], (target, s)
                 assert s["anatomy"]["launches"] > 0 and s["anatomy"]["host_launches"] >= 1

@@ -441,7 +441,8 @@ def test_launch_starts_waits_for_ready_and_stops_the_server(tmp_path, monkeypatc
     )
     assert rc == 0
     printed, text = capsys.readouterr().out, log.read_text()
-    assert "argv ['serve', 'some/model', '--dtype', 'float32', '--host', '127.0.0.1', '--port'," in text
+    # every program compiled before /ready: no background compile beside the sweep
+    assert "argv ['serve', 'some/model', '--dtype', 'float32', '--warmup', 'full', '--host', '127.0.0.1'," in text
     assert text.count("ready poll") >= 3 and "0 to go" in text  # polled through two 503s
     assert "server ready on http://127.0.0.1:" in printed and "server stopped (exit status" in printed
     (res,) = [json.loads(f.read_text()) for f in tmp_path.glob("*-serve_launched.json")]

@@ -200,15 +200,16 @@ def test_no_compilations_after_warmup(llm):
             )
         for start in range(0, 100, 25):  # waves of different batch compositions
             llm.generate(reqs[start : start + 25], params[start : start + 25], use_tqdm=False)
-        after_warm = list(compiled)
-        # control: a variant warm-up leaves out, and one no earlier request compiled (penalties with a bias of over
-        # 128 entries, the largest bias bucket), so the counter must see it compile
+        # penalties with a bias of over 128 entries and logprobs: the covering sampler programs, compiled at warm-up
         bias = dict.fromkeys(range(3, 140), 0.0)
-        control = SamplingParams(max_tokens=2, repetition_penalty=1.3, logit_bias=bias, seed=1)
-        llm.generate(reqs[0], control, use_tqdm=False)
+        covered = SamplingParams(max_tokens=2, repetition_penalty=1.3, logit_bias=bias, seed=1, logprobs=2)
+        llm.generate(reqs[0], covered, use_tqdm=False)
+        after_warm = list(compiled)
+        # control: the research hook's whole-prompt logits are not a serving program, so the counter sees them compile
+        llm.engine.runner.prompt_logits([5, 6, 7])
     model_steps = [n for n in after_warm if n in ("_step", "sample_tokens", "token_logprobs", "_widen_ids")]
     assert model_steps == [], f"compiled after warm-up: {model_steps}"
-    assert "sample_tokens" in compiled[len(after_warm) :]
+    assert "_all_logits" in compiled[len(after_warm) :]
 
 
 @pytest.mark.parametrize(
