@@ -391,8 +391,8 @@ class BackgroundCompile:
     compiled the restriction ends (`install` and `finish` are `warm_up`'s). It stays out of the requests' way: its
     threads run at a lower priority (niceness 10), and while `busy()` (requests in the engine) it waits up to
     YIELD_S before lowering each program (lowering holds the GIL), so a lone request runs without it and steady
-    traffic still lets it finish. A failed compile is logged and kept in `error`; the engine goes on with the
-    programs it has."""
+    traffic still lets it finish. A failed compile is logged and kept in `error`, and `give_up()` lifts the
+    restriction: the engine goes on with the programs it has and compiles others on first use."""
 
     def __init__(
         self,
@@ -404,8 +404,10 @@ class BackgroundCompile:
         progress: Progress | None = None,
         busy: Callable[[], bool] | None = None,
         store: ProgramStore | None = None,
+        give_up: Callable[[], None] | None = None,
     ) -> None:
         self.variants = list(variants)
+        self._give_up = give_up
         self._busy = busy
         self._store = store
         self.total = len(self.variants)
@@ -466,6 +468,8 @@ class BackgroundCompile:
         except BaseException as e:  # noqa: BLE001 (kept and logged: the engine serves with what it has)
             self.error = e
             log.error("background compile failed after %d of %d programs: %r", self.compiled, self.total, e)
+            if self._give_up is not None:  # no request waits for a program that will not come
+                self._give_up()
         finally:
             self._done.set()
 
@@ -526,7 +530,16 @@ def warm_up(
             say("compiling the speculative proposer's variants")
             proposer.warmup()
         if later:
-            background_compile = BackgroundCompile(later, install, refresh, progress=say, busy=busy, store=store)
+
+            def give_up() -> None:
+                with lock:
+                    runner.usable = None
+                    if on_change is not None:
+                        on_change(None)
+
+            background_compile = BackgroundCompile(
+                later, install, refresh, progress=say, busy=busy, store=store, give_up=give_up
+            )
             report.background = background_compile.start()
     _wait_for_gate(say)
     report.seconds = time.perf_counter() - t0

@@ -192,3 +192,22 @@ def test_steps_lower_alike_however_the_parameters_were_placed():
         )
         texts.append([runner.lower_step(s).as_text() for s in runner.all_shapes()[:2]])
     assert texts[0] == texts[1]
+
+
+def test_a_failed_background_compile_lifts_the_restriction():
+    """A background compile that fails keeps its error and gives up the restriction (`warm_up` then lets steps
+    compile on first use), so no request waits for a program that will not come."""
+    from netra_jax.engine.warmup import BackgroundCompile, Variant
+
+    def broken():
+        raise RuntimeError("cannot lower")
+
+    called: list[str] = []
+    bg = BackgroundCompile(
+        [Variant("step", "broken", broken, ("step", "broken", False))],
+        lambda *a: called.append("install"),
+        lambda: called.append("finish"),
+        give_up=lambda: called.append("give up"),
+    ).start()
+    assert bg.wait(60) and bg.done
+    assert isinstance(bg.error, RuntimeError) and called == ["give up"] and bg.pending == 1
