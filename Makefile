@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the C++ CPU kernels, built for this CPU now rather than at the first start (about 30 s on 2 cores)
-	$(PY) -m netra_jax.ops.cpu_kernels || echo "warning: the C++ CPU kernels did not build; the engine runs its XLA paths"
+	$(PY) -c 'from netra_jax.ops import cpu_kernels; print("C++ CPU kernels:", cpu_kernels.build())' || echo "warning: the C++ CPU kernels did not build; the engine runs its XLA paths"
 	@touch $(STAMP)
 
 # `make test` builds the documentation and checks the import contracts first: a docstring that breaks the API

@@ -168,7 +168,3 @@ def register_builds(
 
     with ThreadPoolExecutor(len(builds)) as pool:
         return dict(zip(builds, pool.map(one, builds), strict=True))
-
-
-if __name__ == "__main__":  # `python -m netra_jax.ops.cpu_kernels`: build them now (`make setup` does, once)
-    print(f"C++ CPU kernels: {build()}")
