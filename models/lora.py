@@ -60,6 +60,7 @@ __all__ = [
     "set_slot",
     "slot_blocks",
     "target_shapes",
+    "write_slot",
 ]
 
 ATTENTION_TARGETS = ("q", "k", "v", "o")
@@ -435,37 +436,35 @@ def set_slot(
     cleared when adapter is None; tp: the tensor-parallel size the slots serve (column-parallel B device-major, see
     the module docstring). Functional: returns new arrays (differentiable in the adapter's factors, as
     `adapter_slots`, whose layout it writes for tp = 1)."""
+    return write_slot(slots, slot, slot_blocks(cfg, adapter, slots, tp, xp=jnp))
+
+
+def slot_blocks(
+    cfg: ModelConfig, adapter: LoRAAdapter | None, slots: list[LayerLoRA], tp: int = 1, xp=np
+) -> list[dict]:
+    """What `set_slot` writes into one slot of `slots`: per layer {group: (a [in, Rg], b [Rg, out])} in the slots'
+    dtypes (zeros for None: a cleared slot), built with the array module `xp` (numpy: on the host, as a server
+    loads an adapter; jnp: differentiable). LoRAError naming the adapter for weights that do not fit the model or
+    the slots' rank."""
     max_rank = slots[0]["o"][0].shape[2]  # the o group has one target: its Rg is the slots' rank
     weights = {} if adapter is None else adapter.weights
     try:
         _check_keys(cfg, weights)
-        blocks = [_layer_blocks(cfg, i, weights, max_rank, jnp.float32, tp) for i in range(len(slots))]
-    except LoRAError as e:
-        raise LoRAError(f"adapter {adapter.name!r}: {e}") from None
-    return [
-        {
-            g: (a.at[:, slot].set(blk[g][0].astype(a.dtype)), b.at[slot].set(blk[g][1].astype(b.dtype)))
-            for g, (a, b) in layer.items()
-        }
-        for layer, blk in zip(slots, blocks, strict=True)
-    ]
-
-
-def slot_blocks(cfg: ModelConfig, adapter: LoRAAdapter | None, slots: list[LayerLoRA], tp: int = 1) -> list[dict]:
-    """What `set_slot` writes into one slot of `slots`, built on the host: per layer {group: (a [in, Rg], b [Rg,
-    out])} numpy arrays in the slots' dtypes (zeros for None: a cleared slot). LoRAError naming the adapter for
-    weights that do not fit the model or the slots' rank."""
-    max_rank = slots[0]["o"][0].shape[2]
-    weights = {} if adapter is None else {k: (np.asarray(a), np.asarray(b)) for k, (a, b) in adapter.weights.items()}
-    try:
-        _check_keys(cfg, weights)
         out = []
         for i, layer in enumerate(slots):
-            blk = _layer_blocks(cfg, i, weights, max_rank, np.float32, tp, xp=np)
+            blk = _layer_blocks(cfg, i, weights, max_rank, np.float32, tp, xp=xp)
             out.append({g: (blk[g][0].astype(a.dtype), blk[g][1].astype(b.dtype)) for g, (a, b) in layer.items()})
         return out
     except LoRAError as e:
         raise LoRAError(f"adapter {adapter.name!r}: {e}") from None
+
+
+def write_slot(slots: list[LayerLoRA], slot, blocks: list[dict]) -> list[LayerLoRA]:
+    """`slots` with slot `slot` (an int, or an int32 scalar array under jit) holding `blocks` (`slot_blocks`)."""
+    return [
+        {g: (a.at[:, slot].set(blk[g][0]), b.at[slot].set(blk[g][1])) for g, (a, b) in layer.items()}
+        for layer, blk in zip(slots, blocks, strict=True)
+    ]
 
 
 def lora_delta(x: jax.Array, group: tuple[jax.Array, jax.Array], slots: jax.Array, backend: str = "xla") -> jax.Array:

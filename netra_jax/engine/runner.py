@@ -32,7 +32,7 @@ from netra_jax.engine.step_layout import (
 )
 from netra_jax.engine_config import CacheConfig, LoRAConfig
 from netra_jax.models.hooks import Hooks, HookSpec, StepHooks
-from netra_jax.models.lora import LoRAAdapter, empty_slots, slot_blocks, slot_specs
+from netra_jax.models.lora import LoRAAdapter, empty_slots, slot_blocks, slot_specs, write_slot
 from netra_jax.models.transformer import forward, init_kv_cache
 from netra_jax.ops.sampling_batch import MAX_LOGPROBS
 
@@ -158,13 +158,7 @@ def widen_key(num_rows: int) -> tuple:
     return ("widen", num_rows)
 
 
-@jax.jit
-def _write_slot(slots: list, slot: jax.Array, blocks: list) -> list:
-    """`slots` (`models.lora.empty_slots`' layout) with slot `slot` [] int32 holding `blocks` (`slot_blocks`)."""
-    return [
-        {g: (a.at[:, slot].set(blk[g][0]), b.at[slot].set(blk[g][1])) for g, (a, b) in layer.items()}
-        for layer, blk in zip(slots, blocks, strict=True)
-    ]
+_write_slot = jax.jit(write_slot)  # one program for every adapter and slot (the slot a traced int32 scalar)
 
 
 def _widen_ids(ids: jax.Array, *, size: int) -> jax.Array:

@@ -388,7 +388,7 @@ class BackgroundCompile:
     """Compiles the variants a server does not wait for, in a thread of its own after it answers (`workers` compile
     threads, default half the CPUs: the engine keeps the rest). Each program joins `runner.programs` as it is
     compiled; `runner.usable` and `on_change(step limits)` follow as steps become usable, and once all are
-    compiled the restriction ends (`install` and `finish` are `warm_up`'s). It stays out of the requests' way: its
+    compiled the restriction ends (`install` is `warm_up`'s, which does both). It stays out of the requests' way: its
     threads run at a lower priority (niceness 10), and while `busy()` (requests in the engine) it waits up to
     YIELD_S before lowering each program (lowering holds the GIL), so a lone request runs without it and steady
     traffic still lets it finish. A failed compile is logged and kept in `error`, and `give_up()` lifts the
@@ -398,7 +398,6 @@ class BackgroundCompile:
         self,
         variants: Sequence[Variant],
         install: Callable[[Variant, jax.stages.Compiled, float], None],
-        finish: Callable[[], None],
         *,
         workers: int | None = None,
         progress: Progress | None = None,
@@ -414,7 +413,7 @@ class BackgroundCompile:
         self.compiled = 0
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self._install, self._finish = install, finish
+        self._install = install
         self._workers = workers or max(1, default_workers() // 2)
         self._say = progress or log.info
         self._done = threading.Event()
@@ -462,7 +461,6 @@ class BackgroundCompile:
                 nice=10,
                 store=self._store,
             )
-            self._finish()
             self.seconds = time.perf_counter() - t0
             self._say(f"background compile done: {self.total} programs in {self.seconds:.1f}s")
         except BaseException as e:  # noqa: BLE001 (kept and logged: the engine serves with what it has)
@@ -510,7 +508,7 @@ def warm_up(
         later = [v for v in todo if not v.ready] if background else []
         lock = threading.Lock()
 
-        def refresh() -> None:
+        def refresh() -> None:  # the steps usable with the programs installed so far, and the limits they set
             usable = usable_steps(variants, runner.programs)
             done = len(usable) == sum(v.kind == "step" for v in variants)
             runner.usable = None if done else usable
@@ -518,14 +516,15 @@ def warm_up(
                 on_change(None if done else step_limits(variants, usable))
 
         def install(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
-            with lock:
-                runner.programs[v.key] = compiled
-                if v.kind == "step" or runner.usable is not None:
-                    refresh()
+            runner.programs[v.key] = compiled
 
-        runner.usable = usable_steps(variants, runner.programs) if later else None
+        def install_and_refresh(v: Variant, compiled: jax.stages.Compiled, seconds: float) -> None:
+            with lock:
+                install(v, compiled, seconds)
+                refresh()
+
         report = compile_variants(now, workers=workers, progress=say, on_compiled=install, store=store)
-        refresh()
+        refresh()  # nothing is served before this returns: the limits are set once the ready set is in
         if proposer is not None:
             say("compiling the speculative proposer's variants")
             proposer.warmup()
@@ -538,7 +537,7 @@ def warm_up(
                         on_change(None)
 
             background_compile = BackgroundCompile(
-                later, install, refresh, progress=say, busy=busy, store=store, give_up=give_up
+                later, install_and_refresh, progress=say, busy=busy, store=store, give_up=give_up
             )
             report.background = background_compile.start()
     _wait_for_gate(say)

@@ -206,7 +206,6 @@ def test_a_failed_background_compile_lifts_the_restriction():
     bg = BackgroundCompile(
         [Variant("step", "broken", broken, ("step", "broken", False))],
         lambda *a: called.append("install"),
-        lambda: called.append("finish"),
         give_up=lambda: called.append("give up"),
     ).start()
     assert bg.wait(60) and bg.done
