@@ -361,6 +361,7 @@ def serve(args: argparse.Namespace) -> int:
         code = _run_uvicorn(app, args, on_drain, on_started, holder)
     finally:
         stop_watch.set()
+        engine.stop_background_compile(timeout=2.0 if died.is_set() else 60.0)  # no compile runs on into the exit
         ae.shutdown(timeout=2.0 if died.is_set() else 5.0)
         print("netra-jax: stopped", flush=True)
     if died.is_set():

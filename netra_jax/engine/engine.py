@@ -236,6 +236,11 @@ class LLMEngine:
 
         self.scheduler.hold_waiting(hold if held else None)
 
+    def stop_background_compile(self, timeout: float | None = 60.0) -> None:
+        """Let a background warm-up finish the programs it is compiling and start no other (a server stopping)."""
+        if self.warmup_report is not None and self.warmup_report.background is not None:
+            self.warmup_report.background.stop(timeout)
+
     @property
     def programs_pending(self) -> int:
         """Programs a background warm-up has still to compile (0 when none is running)."""

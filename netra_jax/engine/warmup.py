@@ -381,6 +381,10 @@ def _renice(nice: int) -> None:
             pass
 
 
+class _Stopped(Exception):
+    """A background compile was told to stop (`BackgroundCompile.stop`)."""
+
+
 YIELD_S = 1.0  # the longest a background compile waits for the engine to go idle before lowering its next program
 
 
@@ -417,6 +421,7 @@ class BackgroundCompile:
         self._workers = workers or max(1, default_workers() // 2)
         self._say = progress or log.info
         self._done = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="netra-background-compile", daemon=True)
 
     @property
@@ -440,14 +445,22 @@ class BackgroundCompile:
         self._install(v, compiled, seconds)
         self.compiled += 1
 
+    def stop(self, timeout: float | None = None) -> bool:
+        """Compile nothing more (the programs compiling now finish) and wait for the thread, up to `timeout`; a
+        server stopping calls it, so no compile runs on while the process exits. False on timeout."""
+        self._stop.set()
+        return self.wait(timeout)
+
     def _yield(self) -> None:
-        """Wait while the engine is busy, up to YIELD_S."""
+        """Wait while the engine is busy, up to YIELD_S; _Stopped once `stop` was called."""
         deadline = time.monotonic() + YIELD_S
-        while self._busy is not None and self._busy() and time.monotonic() < deadline:
+        while self._busy is not None and self._busy() and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.01)
+        if self._stop.is_set():
+            raise _Stopped
 
     def _run(self) -> None:
-        _wait_for_gate(self._say, BACKGROUND_GATE_ENV, "background compile held")
+        _wait_for_gate(self._say, BACKGROUND_GATE_ENV, "background compile held", self._stop)
         _renice(10)
         t0 = time.perf_counter()
         try:
@@ -463,6 +476,8 @@ class BackgroundCompile:
             )
             self.seconds = time.perf_counter() - t0
             self._say(f"background compile done: {self.total} programs in {self.seconds:.1f}s")
+        except _Stopped:
+            self._say(f"background compile stopped with {self.pending} programs left")
         except BaseException as e:  # noqa: BLE001 (kept and logged: the engine serves with what it has)
             self.error = e
             log.error("background compile failed after %d of %d programs: %r", self.compiled, self.total, e)
@@ -545,13 +560,15 @@ def warm_up(
     return report
 
 
-def _wait_for_gate(say: Progress, env: str = GATE_ENV, what: str = "warm-up compiled") -> None:
+def _wait_for_gate(
+    say: Progress, env: str = GATE_ENV, what: str = "warm-up compiled", stop: threading.Event | None = None
+) -> None:
     """Hold here while $`env` names a file that does not exist yet (tests observe a server in warm-up, or ready
-    on its ready programs alone, with it)."""
+    on its ready programs alone, with it), or until `stop` is set."""
     gate = os.environ.get(env)
     if not gate or os.path.exists(gate):
         return
     say(f"{what}: waiting for {gate} to exist (${env})")
-    event = threading.Event()
-    while not os.path.exists(gate):
+    event = stop or threading.Event()
+    while not os.path.exists(gate) and not event.is_set():
         event.wait(0.05)

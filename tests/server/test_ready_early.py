@@ -148,3 +148,13 @@ def test_the_request_path_counter_counts_compiles_outside_the_warm_up_threads():
     assert CompileCounter.count > count and CompileCounter.outside_warmup == outside
     jax.jit(lambda x: x * 5 - 2)(jnp.ones(9))
     assert CompileCounter.outside_warmup > outside
+
+
+def test_a_server_stopped_while_compiling_in_the_background_exits_cleanly(tmp_path):
+    """SIGTERM while programs still compile in the background: the compile stops after its current program and the
+    process exits 0 (no compile runs on into the interpreter's exit)."""
+    gate = tmp_path / "background may start"
+    server = ServerProcess(*SMALL, model=str(FIXTURES / MODEL), env={BACKGROUND_GATE_ENV: str(gate)}).wait_ready()
+    assert scrape(server.url)["netra_programs_pending"] > 0
+    assert server.stop() == 0, server.text()[-3000:]
+    assert "background compile stopped with" in server.text()
