@@ -17,8 +17,9 @@
 #   long      long context: one user, 6000-token random prompts, 32 output tokens (--max-concurrency 1 --num-prompts 3
 #             --input-len 6000 --output-len 32 --ignore-eos); ENGINES="netra_jax_f32 llamacpp_f32", PARALLEL=1
 #             CTX_PER_SLOT=8192
-#   quantized the random preset's client on the GGUF file as it is, both engines keeping its quantized blocks:
-#             ENGINES="netra_jax_gguf netra_jax_gguf_q8 llamacpp_gguf" (GGUF=any file, e.g. `python -m benchmarks.random_gguf`'s)
+#   quantized the random preset's client on the GGUF file as it is, both engines keeping its quantized blocks, each
+#             with its default flags: ENGINES="netra_jax_gguf llamacpp_gguf" (GGUF=any file, e.g.
+#             `python -m benchmarks.random_gguf`'s)
 # Environment:
 #   LLAMA_SERVER  llama.cpp's llama-server binary (required; built outside the repository, never committed)
 #   GGUF          the Q4_1 model file (default: the default model, located or fetched by netra_jax.assets)
@@ -26,9 +27,9 @@
 #   SERVER_ARGS   extra `netra-jax serve` flags (it always gets --dtype float32)
 #   ENGINES       which runs to do, in order (preset default); any of netra_jax_f32 netra_jax_f32_spec
 #                 netra_jax_f32_xla (no C++ CPU kernel: --matmul-backend xla --attention-backend reference, XLA's
-#                 dot and the jnp attention) netra_jax_gguf (the GGUF file itself, its GGML blocks kept)
-#                 netra_jax_gguf_q8 (the same with --matmul-backend cpu_rows_q8: Q4_0 ... Q8_0 blocks times int8
-#                 activations, llama.cpp's arithmetic)
+#                 dot and the jnp attention) netra_jax_gguf (the GGUF file itself, its GGML blocks kept, default
+#                 flags: the blocks times int8-rounded activations, llama.cpp's arithmetic)
+#                 netra_jax_gguf_f32x (the same with --matmul-backend cpu_rows: float32 activations)
 #                 llamacpp_f32 llamacpp_f32_spec llamacpp_q4_1 llamacpp_q4_1_spec (llamacpp_gguf: the same, named
 #                 for any file)
 #   TAG           appended to every result's label and to the report's name (a second run on the same day keeps the
@@ -74,7 +75,7 @@ case $PRESET in
   quantized)
     BENCH=(--max-concurrency 1,8,32 --num-prompts 64 --dataset random --input-len 128 --output-len 128 --ignore-eos
            --endpoint completions)
-    DEFAULT_ENGINES="netra_jax_gguf netra_jax_gguf_q8 llamacpp_gguf"; DEFAULT_PARALLEL=32; DEFAULT_CTX=512 ;;
+    DEFAULT_ENGINES="netra_jax_gguf llamacpp_gguf"; DEFAULT_PARALLEL=32; DEFAULT_CTX=512 ;;
   *) echo "error: unknown PRESET $PRESET (random, grounded, chat, long, quantized)" >&2; exit 2 ;;
 esac
 BENCH+=("$@")
@@ -176,9 +177,9 @@ for engine in $ENGINES; do
     netra_jax_gguf)
       bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 $SERVER_ARGS"
       name="netra-jax $(basename "$GGUF" .gguf)" ;;
-    netra_jax_gguf_q8)
-      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 --matmul-backend cpu_rows_q8 $SERVER_ARGS"
-      name="netra-jax $(basename "$GGUF" .gguf) q8 activations" ;;
+    netra_jax_gguf_f32x)
+      bench "$label" --launch --server-args="$OURS_MODEL --dtype float32 --matmul-backend cpu_rows $SERVER_ARGS"
+      name="netra-jax $(basename "$GGUF" .gguf) float activations" ;;
     llamacpp_f32) run_llama "$label" "$F32"; name="llama.cpp F32" ;;
     # shellcheck disable=SC2086  # LLAMA_SPEC_ARGS: several flags
     llamacpp_f32_spec) run_llama "$label" "$F32" $LLAMA_SPEC_ARGS; name="llama.cpp F32 n-gram" ;;
@@ -220,7 +221,8 @@ BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null | tail
   echo
   echo "- Model: \`$(basename "$GGUF")\`. The F32 rows run its float32 copy (identical weights, de-quantized by the"
   echo "  gguf package); the other rows the file itself, its quantized blocks kept in memory by both engines (JAX"
-  echo "  backend $BACKEND, float32 activations)."
+  echo "  backend $BACKEND; netra-jax's activations float32, rounded to int8 blocks for the GGUF blocks' products"
+  echo "  unless a row says float activations, as llama.cpp rounds them)."
   echo "- Client: \`netra-jax bench serve ${BENCH[*]}\`, one engine at a time."
   echo "- llama-server: ${VERSION:-version unknown}; \`--parallel $PARALLEL -c $((PARALLEL * CTX_PER_SLOT))" \
        "--cont-batching --threads $THREADS --metrics\`."

@@ -78,12 +78,13 @@ class LLM:
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
         matmul_backend: "auto" | "xla" | "cpu_rows" | "cpu_rows_q8" | "gpu" | "gpu_sm80" | "gpu_interpret": how
-            matmuls run ("cpu_rows_q8": "cpu_rows" with GGUF Q4_0 ... Q8_0, Q4_K and Q5_K weights times activations
-            rounded to int8 blocks of 32, llama.cpp's arithmetic: faster, not float-exact);
-            "auto" runs the CPU few-row kernel (`netra_jax.ops.cpu_matmul`) on CPU when it builds and the weights are
-            not split, the GPU kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16
-            kernel; fp8 as W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the
-            weights are not split, XLA's dot otherwise.
+            matmuls run ("cpu_rows_q8": the CPU kernels with GGUF Q4_0 ... Q8_0, Q4_K and Q5_K weights times
+            activations rounded to int8 blocks of 32, llama.cpp's arithmetic: faster, not float-exact; "cpu_rows":
+            the same kernels on float32 activations, the arithmetic of the de-quantized weights);
+            "auto" runs "cpu_rows_q8" on CPU when the kernels build and the weights are not split, the GPU
+            kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16 kernel; fp8 as
+            W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the weights are not
+            split, XLA's dot otherwise.
         quantization: None, or a weight-only method applied at load to the projections, the lm_head and the MoE
             experts (per expert): "int8" or "fp8" (per-output-channel scales), "int4" (llama.cpp's Q4_0 blocks of
             32); under tensor parallelism each device quantizes its own shard. A GGUF file's quantized blocks are

@@ -7,9 +7,14 @@ BLOCK_BYTES), so that `gguf.quants.dequantize(w, qtype)` is W. The kernel reads 
 de-quantizes them in registers and L1 as it goes: a decode step reads 4.5-8.5 bits per weight instead of float32's 32
 (see the .cc file for the layout).
 
-Activations: float32 as they are (the default), or on request (INT8_TYPES) quantized to int8 blocks of 32 in the
-kernel and multiplied with integer dot products as llama.cpp does; `int8_activations` is the default rule and says
-why.
+Activations: float32 as they are (int8_x=False, the default here), or (int8_x=True, INT8_TYPES) quantized to int8
+blocks of 32 in the kernel and multiplied with integer dot products as llama.cpp does. The engine's CPU default (the
+"cpu_rows_q8" matmul backend) asks for int8: measured (benchmarks/ggml_matmul.py, 2-core Xeon, fastest call) it is
+the faster path for every INT8_TYPES shape, 1-4 rows 1.1-1.6x (Q4_0 K 2048 x N 8192 1 row 0.97 -> 0.82 ms), 12 rows
+and more 1.5-3.5x (32 rows 12.0 -> 3.5 ms), 128-512 rows 2.5-4x faster than the de-quantize-and-dot reference. The
+rounding moves a product by up to about 1% of its magnitude where a block holds an outlier channel: text scores as
+with llama.cpp (perplexity within 0.1% of float activations), but greedy answers can differ from the de-quantized
+weights' (SmolLM2-135M Q4_1's answers to the reference chats match transformers only with float activations).
 
 Rows: 1 to ROWS_MAX with float activations, any number with int8 ones (split into calls of at most INT8_CHUNK_ROWS
 rows). A decode step's rows (one per running sequence) are few, and the kernel's cost is the weights' bytes (one row)
@@ -41,7 +46,6 @@ __all__ = [
     "TARGET",
     "TYPES",
     "blocks_matmul",
-    "int8_activations",
     "takes",
 ]
 
@@ -51,18 +55,6 @@ ROWS_MAX = 128
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")  # the types with an int8-activation path
 # rows per kernel call with int8 activations (the most measured against the reference); more are split into equal calls
 INT8_CHUNK_ROWS = 512
-
-
-def int8_activations(qtype: str, rows: int) -> bool:
-    """The default rule: float32 activations for every type and row count; int8 ones only on request (int8_x=True).
-
-    Measured (benchmarks/ggml_matmul.py, 2-core Xeon, fastest call), int8 is the faster path for INT8_TYPES: 1-4 rows
-    1.1-1.6x (Q4_0 K 2048 x N 8192 1 row 0.97 -> 0.82 ms, Q4_1 1.12 -> 0.77), 5-8 rows within noise, 12 rows and more
-    1.5-3.5x (Q4_0 32 rows 12.0 -> 3.5 ms), 128-512 rows 2.5-4x faster than the de-quantize-and-dot reference. But the
-    rounding moves results by up to about 1% of their magnitude where a block holds an outlier channel, and that
-    changes greedy answers: SmolLM2-135M from its Q4_1 blocks no longer gives transformers' answers to the reference
-    chats (tests/engine/test_engine_smollm2.py). So float32 stays the default until the engine lets a user choose."""
-    return False
 
 
 def _why_not(x, w, qtype, int8_x: bool) -> str | None:
@@ -88,15 +80,10 @@ def _why_not(x, w, qtype, int8_x: bool) -> str | None:
     return None
 
 
-def _int8_x(x, qtype: str, int8_x: bool | None) -> bool:
-    rows = x.shape[0] if getattr(x, "ndim", None) == 2 else 0
-    return int8_activations(qtype, rows) if int8_x is None else bool(int8_x)
-
-
-def takes(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = None) -> bool:
+def takes(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool = False) -> bool:
     """Whether `blocks_matmul(x, w, qtype, int8_x)` runs: float32 x [M, K] of 1..ROWS_MAX rows (any number with int8
     activations), uint8 w [N, row_bytes] holding K values per row in `qtype` blocks, and the kernels built."""
-    return _why_not(x, w, qtype, _int8_x(x, qtype, int8_x)) is None and cpu_kernels.available()
+    return _why_not(x, w, qtype, bool(int8_x)) is None and cpu_kernels.available()
 
 
 def _kernel(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool) -> jax.Array:
@@ -125,7 +112,7 @@ def _blocks_matmul_jvp(qtype, int8_x, primals, tangents):
     return _kernel(x, w, qtype, int8_x), jnp.dot(dx, dequantize_rows(w, qtype).T)
 
 
-def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = None) -> jax.Array:
+def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool = False) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W [N, K] the GGML `qtype` blocks in w uint8 [N, row_bytes] (the
     bytes of a GGUF tensor of ne [K, N]). `qtype` is the type's name ("Q4_0", ..., static). Raises ValueError for
     operands it does not take (see `takes`; the caller checks it first) and RuntimeError when the kernels could not be
@@ -133,8 +120,8 @@ def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool | None = 
 
     int8_x: quantize x's rows to int8 blocks of 32 (per block d = max|x| / 127, rounded to nearest) and take integer
     dot products, as llama.cpp does (the result moves by at most sum over blocks of d / 2 * sum |w|); False: float
-    products of x as it is; None: `int8_activations(qtype, rows)`. Only INT8_TYPES have the int8 path."""
-    int8_x = _int8_x(x, qtype, int8_x)
+    products of x as it is. Only INT8_TYPES have the int8 path."""
+    int8_x = bool(int8_x)
     why = _why_not(x, w, qtype, int8_x)
     if why is not None:
         raise ValueError(f"blocks_matmul: {why}")

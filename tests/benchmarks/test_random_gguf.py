@@ -84,10 +84,66 @@ def test_engine_generates_from_it(tiny):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("encode, qtype", [("quantize_q4_k", "Q4_K"), ("quantize_q6_k", "Q6_K")])
+def test_k_quant_blocks_decode_to_the_values_within_their_step(encode, qtype):
+    """The K-quant encoders' bytes, read by gguf.quants' de-quantization (ggml's layout, written by others): each
+    value within half a sub-block's step of the draw, plus the rounding of the 6-bit (Q4_K) or 8-bit (Q6_K) scales
+    (at most half a scale unit, i.e. 1/63 resp. 1/127 of the block's largest scale over the 15 resp. 31 steps)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((6, 512), dtype=np.float32) * np.float32(0.02)
+    w[0, :32] *= 20  # an outlier sub-block: the others' scales are small against the block's largest
+    blocks = getattr(random_gguf, encode)(w)
+    t = gguf.GGMLQuantizationType[qtype]
+    assert blocks.dtype == np.uint8 and blocks.shape == (6, 512 // 256 * gguf.GGML_QUANT_SIZES[t][1])
+    got = gguf.quants.dequantize(blocks, t)
+    if qtype == "Q4_K":  # step (max - min) / 15 per 32 values; a value may also lose half the block's scale units
+        sub = w.reshape(6, 2, 8, 32)
+        span = sub.max(-1) - np.minimum(sub.min(-1), 0)
+        bound = span / 30 + 16 * span.max(-1, keepdims=True) / 63 / 2 + np.abs(sub).max(-1) / 63
+    else:  # step max|x| / 31 per 16 values
+        sub = w.reshape(6, 2, 16, 16)
+        amax = np.abs(sub).max(-1)
+        bound = amax / 62 + 32 * amax.max(-1, keepdims=True) / 31 / 127 / 2
+    err = np.abs(got.reshape(sub.shape) - sub).max(-1)
+    assert (err <= bound * 1.01 + 1e-7).all(), (err / bound).max()
+    assert np.corrcoef(got.ravel(), w.ravel())[0, 1] > 0.99
+
+
+def test_q4_k_m_file_is_llama_quantize_s_mix(tmp_path, smollm2_path):
+    """--type q4_k_m: Q4_K everywhere, Q6_K for attn_v / ffn_down of the layers llama-quantize gives more bits (8
+    layers: 0, 3, 6 and 7) and for the output matrix; an untied model with a padded vocabulary; the engine reads it."""
+    shape = {"hidden": 256, "layers": 8, "heads": 4, "kv_heads": 2, "ffn": 512, "vocab": 49160, "tied": False}
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    random_gguf.write(path, "q4_k_m", tokenizer_from=smollm2_path, **shape)
+    types = {n: t.qtype.name for n, t in GGUFFile(path).tensors.items() if not n.endswith("norm.weight")}
+    more = {0, 3, 6, 7}
+    assert [i for i in range(8) if random_gguf.use_more_bits(i, 8)] == sorted(more)
+    expected = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+    for i in range(8):
+        for m in random_gguf.LAYER_MATRICES:
+            expected[f"blk.{i}.{m}.weight"] = "Q6_K" if m in ("attn_v", "ffn_down") and i in more else "Q4_K"
+    assert types == expected
+    meta = read_gguf_metadata(path)
+    assert meta["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == 49160 and tokens[-1] == "<|reserved_special_token_7|>"
+    assert meta["tokenizer.ggml.token_type"][-8:] == [int(gguf.TokenType.CONTROL)] * 8
+    cfg = loader.load_config(path)
+    assert (cfg.vocab_size, cfg.tie_word_embeddings) == (49160, False)
+
+    from netra_jax import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2, num_kv_pages=16, warmup=False)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"type_name": "q4_k"}, "'q4_k' is not one gguf.quants writes"),
+        ({"type_name": "q4_k"}, "'q4_k' is not one this writes"),
+        ({"type_name": "q4_k_m", "hidden": 128, "ffn": 256}, "blocks of 256"),
+        ({"vocab": 100}, "smaller than the tokenizer's 49152 tokens"),
         ({"hidden": 64, "heads": 6}, "heads must divide"),
         ({"type_name": "q4_0", "hidden": 48, "heads": 4, "kv_heads": 2}, "blocks of 32"),
     ],

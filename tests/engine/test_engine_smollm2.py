@@ -43,7 +43,15 @@ QUESTIONS = [
 
 @pytest.mark.slow
 def test_smollm2_32_mixed_prompts_batched_equal_solo_and_reference(smollm2_path):
-    llm = LLM(smollm2_path, dtype="float32", max_num_seqs=32, max_num_batched_tokens=512, warmup=False)
+    # float activations (the reference's arithmetic; the default rounds them to int8 as llama.cpp does)
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        warmup=False,
+        matmul_backend="cpu_rows",
+    )
     ref = reference("smollm2")["cases"]
     convs = [c["messages"] for c in ref] + [[{"role": "user", "content": q}] for q in QUESTIONS]
     assert len(convs) == 32
@@ -67,7 +75,9 @@ def test_smollm2_reference_chats_with_ngram_speculation(smollm2_path):
     """With n-gram speculation the reference chats still give transformers' greedy answers, token for token (the
     engine's exactness guarantee), while proposals are made and some accepted."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    llm = LLM(smollm2_path, dtype="float32", max_num_seqs=4, warmup=False, speculative_config=spec)
+    llm = LLM(
+        smollm2_path, dtype="float32", max_num_seqs=4, warmup=False, speculative_config=spec, matmul_backend="cpu_rows"
+    )
     ref = reference("smollm2")["cases"]
     sp = SamplingParams(max_tokens=48, temperature=0)
     for out, case in zip(llm.chat([c["messages"] for c in ref], sp, use_tqdm=False), ref, strict=True):

@@ -59,7 +59,36 @@ def test_text_prompt_roundtrip(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return LLM(smollm2_path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=128, warmup=False)
+    # float32 activations ("cpu_rows"): the de-quantized weights' arithmetic, that of the transformers reference (the
+    # default, "cpu_rows_q8", rounds them to int8 as llama.cpp does: see the next test)
+    return LLM(
+        smollm2_path,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        warmup=False,
+        matmul_backend="cpu_rows",
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_default_int8_activations_stay_near_reference(smollm2, smollm2_path):
+    """The default CPU backend runs the Q4_1 file with llama.cpp's int8-rounded activations: its last logits move by
+    at most about one logit from transformers' (against 1e-3 with float activations, the test above), the reference's
+    top 10 stay the top 10 but for at most one, and greedy answers mostly agree (not token for token: a near tie can
+    turn). The int8 arithmetic itself is checked exactly in tests/models/test_ggml_weights.py."""
+    llm = LLM(smollm2_path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=128, warmup=False)
+    assert llm.engine.runner.matmul_backend == "cpu_rows_q8"
+    cases = reference("smollm2")["cases"]
+    for case in cases:
+        last, exact = llm.logits(case["prompt_ids"])[-1], smollm2.logits(case["prompt_ids"])[-1]
+        top = case["last_logits_top10"]
+        assert np.abs(last[top["ids"]] - np.asarray(top["values"])).max() < 1.5
+        assert len(set(np.argsort(-last)[:10].tolist()) & set(top["ids"])) >= 9
+        assert 0.05 < np.abs(last - exact).max()  # the rounding is on: not the float path's logits
+    outs = llm.chat([c["messages"] for c in cases], SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+    agree = [out.outputs[0].token_ids == case["greedy_ids"] for out, case in zip(outs, cases, strict=True)]
+    assert any(agree)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """`netra-jax serve` with no model (the embedded SmolLM2-135M-Instruct) answers the SmolLM2 reference chats with
-exactly transformers' greedy text at temperature 0, through the openai client, streamed and not."""
+exactly transformers' greedy text at temperature 0, through the openai client, streamed and not (with float
+activations, `--matmul-backend cpu_rows`: the default rounds them to int8 as llama.cpp does)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):  # smollm2_path fetches the default model once
-    with running_server("--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", model=None) as s:
+    flags = ("--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--matmul-backend", "cpu_rows")
+    with running_server(*flags, model=None) as s:
         yield s
 
 
