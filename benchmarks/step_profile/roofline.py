@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -105,53 +106,73 @@ def kv_bytes_per_token(cfg, context: float, itemsize: int = 4) -> float:
     return 2.0 * cfg.num_layers * cfg.kv_size * context * itemsize
 
 
-def decode_step_costs(cfg, batch: int, context: float, itemsize: int = 4) -> dict:
-    """FLOPs and bytes of one decode step of `batch` sequences with a mean context of `context` tokens."""
+def decode_step_costs(cfg, batch: int, context: float, itemsize: int = 4, weights: int | None = None) -> dict:
+    """FLOPs and bytes of one decode step of `batch` sequences with a mean context of `context` tokens; weights: the
+    bytes of weights a step reads when they are not float `itemsize` ones (a quantized GGUF file: its size)."""
+    weights = weight_bytes(cfg, itemsize) if weights is None else weights
     return {
         "batch": batch,
         "mean_context": context,
         "matmul_params": matmul_params(cfg),
         "flops_per_token": flops_per_token(cfg, context),
         "flops_per_step": batch * flops_per_token(cfg, context),
-        "weight_bytes": weight_bytes(cfg, itemsize),
+        "weight_bytes": weights,
         "kv_bytes_per_step": batch * kv_bytes_per_token(cfg, context, itemsize),
-        "bytes_per_step": weight_bytes(cfg, itemsize) + batch * kv_bytes_per_token(cfg, context, itemsize),
+        "bytes_per_step": weights + batch * kv_bytes_per_token(cfg, context, itemsize),
     }
+
+
+def quantized_file_bytes(model: str | None) -> int | None:
+    """The size of a GGUF file that holds quantized blocks (the bytes its decode step reads, as llama.cpp's roofline
+    counts them), else None."""
+    if not model or not str(model).endswith(".gguf"):
+        return None
+    from netra_jax.loader.gguf_loader import GGUFFile
+
+    tensors = GGUFFile(model).tensors.values()
+    return Path(model).stat().st_size if any(t.qtype.name not in ("F32", "F16", "BF16") for t in tensors) else None
 
 
 # ---------------------------------------------------------------------------------------------------- where time goes
 def component_times(llm, batch: int, context: int, repeats: int = 3) -> dict:
     """Median ms of the parts of one decode step of `batch` sequences at `context` tokens, each jitted alone on the
-    engine's real parameters: all layers' projections chained (no attention), the lm-head, and the attention
-    backend over every layer's paged cache. The rest of a forward (norms, RoPE, KV write, embedding) is the gap."""
+    engine's real parameters: all layers' projections chained (no attention) on the engine's matmul backend, the
+    lm-head, and the attention backend over every layer's paged cache. The rest of a forward (norms, RoPE, KV write,
+    embedding) is the gap."""
     import jax
     import jax.numpy as jnp
 
     from netra_jax.ops.attention import AttentionMetadata, attention
+    from netra_jax.quant import matmul
 
     runner, cfg = llm.engine.runner, llm.model_config
     params = runner.params
-    dt = jax.tree.leaves(params)[0].dtype
+    dt = next(x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))  # not GGUF's bytes
     x0 = jnp.full((batch, cfg.hidden_size), 0.01, dt)
+
+    mb = runner.matmul_backend  # the engine's kernels: a GGUF file's blocks go through its GGML kernel
+
+    def mm(x, w, spec=None):
+        return matmul(x, w, spec, backend=mb)
 
     @jax.jit
     def matmuls(params, x):
         side = jnp.zeros((), jnp.float32)
         for lp in params["layers"]:
             if "wqkv" in lp:  # the engine's CPU layout: q, k and v in one matmul
-                qkv = x @ lp["wqkv"]
+                qkv = mm(x, lp["wqkv"])
                 q = qkv[:, : cfg.q_size]
                 side += qkv[:, cfg.q_size :].sum()
             else:
-                q = x @ lp["wq"]
-                side += (x @ lp["wk"]).sum() + (x @ lp["wv"]).sum()
-            gu = jnp.einsum("th,hki->tki", x, lp["w_gate_up"])
-            x = x + 1e-3 * (q @ lp["wo"] + (gu[:, 0] * gu[:, 1]) @ lp["w_down"])
+                q = mm(x, lp["wq"])
+                side += mm(x, lp["wk"]).sum() + mm(x, lp["wv"]).sum()
+            gu = mm(x, lp["w_gate_up"], "th,hki->tki")
+            x = x + 1e-3 * (mm(q, lp["wo"]) + mm(gu[:, 0] * gu[:, 1], lp["w_down"]))
         return x, side
 
     @jax.jit
     def lm_head(params, x):
-        return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+        return matmul(x, params["lm_head"], preferred_element_type=jnp.float32, backend=mb)
 
     k_pages = runner.kv.k[0]
     num_pages, page = k_pages.shape[0], k_pages.shape[1]
@@ -315,9 +336,10 @@ def run(a: argparse.Namespace) -> int:
     llm = common.build_llm(a.model, max_num_seqs=max(batches), warmup=False)
     cfg = llm.model_config
     peak, bandwidth = peaks["matmul_peak_gflops"] * 1e9, peaks["bandwidth_gbs"] * 1e9
+    quantized = quantized_file_bytes(a.model)
     rows = []
     for batch in batches:
-        costs = decode_step_costs(cfg, batch, a.context)
+        costs = decode_step_costs(cfg, batch, a.context, weights=quantized)
         floors = {
             "compute_ms": 1e3 * costs["flops_per_step"] / peak,
             "bandwidth_ms": 1e3 * costs["bytes_per_step"] / bandwidth,
@@ -330,7 +352,8 @@ def run(a: argparse.Namespace) -> int:
                 "costs": costs,
                 "floors": floors,
                 "parts": parts,
-                "matmul_shapes": decode_matmul_shapes(cfg, batch, a.repeats + 2),
+                # float32 XLA dots of the step's shapes: what a float model's matmuls could reach (not a GGUF's)
+                "matmul_shapes": [] if quantized else decode_matmul_shapes(cfg, batch, a.repeats + 2),
             }
         )
         bound = max(floors, key=floors.get).removesuffix("_ms")

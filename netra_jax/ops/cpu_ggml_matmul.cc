@@ -48,6 +48,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -622,7 +623,60 @@ struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
 
 struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 values, 16 values per scale.
   static constexpr int QK = 256, BYTES = 210, GROUP = 1, STEP_BYTES = BYTES;
-  static constexpr int U_BITS = 0;  // no int8-activation path (16-value scales)
+  // int8 activations: a block is a step of 8 blocks of 32, u the 6-bit values; the centering (-32) starts each dot
+  // product (Q8Rows::c32) and the 16-value scales multiply its int32 lanes (lane_scales), d_w = d for every block
+  static constexpr int U_BITS = 6;
+  static void qscales(const uint8_t* b, int, float* s) {
+    const float d = half(b + 208);
+    for (int i = 0; i < 8; ++i) s[i] = d, s[8 + i] = 0.0f;
+  }
+  // Blocks i and i + 1 (i even) of the 256 values as bytes: value 128 h + 32 k + l (block 4 h + k) is the low
+  // (k < 2) or high nibble of ql[64 h + 32 (k & 1) + l] with bits 2k, 2k + 1 of qh[32 h + l] above it.
+  static vb values(const uint8_t* step, int i, int) {
+#if defined(NETRA_Q8_AVX512)
+    const int h = i / 4, k = i % 4;  // k: 0 or 2, the pair's blocks share their ql bytes' nibble and qh bytes
+    const __m512i a = _mm512_loadu_si512(step + 64 * h), low4 = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_and_si512(k == 0 ? a : _mm512_srli_epi16(a, 4), low4);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 128 + 32 * h));
+    const __m256i h0 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k));
+    const __m256i h1 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k + 2));
+    const __m512i hi = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), _mm512_set1_epi8(3));
+    return bits_as<vb>(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+#elif defined(NETRA_Q8_AVX2)
+    const int h = i / 4, k = i % 4;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 64 * h + 32 * (k & 1)));
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(k < 2 ? a : _mm256_srli_epi16(a, 4), low4);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 128 + 32 * h));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    return bits_as<vb>(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+#else
+    vb u;
+    for (int p = 0; p < PB; ++p) {
+      const int j = i + p, h = j / 4, k = j % 4;
+      const uint8_t* ql = step + 64 * h + 32 * (k & 1);
+      const uint8_t* qh = step + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) {
+        u[32 * p + l] = static_cast<uint8_t>((k < 2 ? ql[l] & 15 : ql[l] >> 4) | (((qh[l] >> (2 * k)) & 3) << 4));
+      }
+    }
+    return u;
+#endif
+  }
+  // The int8 scales of blocks i, i + 1, ... over the dot products' lanes: lane l sums values 32 i + BPL l onwards,
+  // scale (32 i + BPL l) / 16
+  static vi lane_scales(const uint8_t* step, int i) {
+#if defined(NETRA_Q8_AVX512)
+    const __m512i all = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + 192)));
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // l * BPL / 16
+    const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(2 * i), quarter);
+    return bits_as<vi>(_mm512_permutexvar_epi32(which, all));
+#else
+    vi sc;
+    for (int l = 0; l < VW; ++l) sc[l] = static_cast<int8_t>(step[192 + 2 * i + l * BPL / 16]);
+    return sc;
+#endif
+  }
   // s[i] = d * scales[i], s[16 + i] = -32 s[i]
   static void scales(const uint8_t* b, int, float* s) {
     const float d = half(b + 208);
@@ -651,6 +705,10 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
 };
 
 constexpr int SCALES = 32;  // floats of a step's scales, any format
+
+// Types whose int8 path scales 16-value halves of a block (Q6_K): lane_scales and a centered starting value
+template <typename T>
+constexpr bool SUB16 = std::is_same_v<T, Q6_K>;
 
 struct Q8Rows;
 
@@ -694,7 +752,7 @@ inline void prefetch(const Problem& p, int64_t at, int64_t bytes, int64_t limit)
   for (int64_t i = at; i < at + bytes && i < limit; i += LINE_BYTES) __builtin_prefetch(p.w + i, 0, 2);
 }
 
-constexpr int64_t PREFETCH = 2048;  // bytes ahead of the de-quantization, one row of x
+constexpr int64_t PREFETCH = 6144;  // bytes ahead of the de-quantization (2048: 20 GB/s of Q4_0 from memory, 6144: 24-27)
 
 // Spreads the prefetch of the next weight tile (rows [n + TN, n + 2 TN), consecutive bytes) over the current tile's
 // `steps` steps: the part for step `step`.
@@ -898,6 +956,9 @@ struct Q8Rows {
   std::unique_ptr<float[]> group_s;    // [M, n_groups, 16]
   std::unique_ptr<int32_t[]> group_c;  // [M, n_groups, 16]
   int64_t n_groups = 0;
+  // SUB16 types (6-bit values centered at 32): per row and vector of PB blocks, -32 times each dot product lane's sum
+  // of q, the dot products' starting value
+  std::unique_ptr<vi[]> c32;  // [M, bp / PB]
 };
 
 constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
@@ -957,7 +1018,11 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       r.s[m * r.bp + b] = d * static_cast<float>(total);
     }
   }
-  if (M > Q8_TM) {
+  if constexpr (SUB16<T>) {  // q8_rows for any number of rows: no other layout
+    const vb ones = vb{} + static_cast<uint8_t>(1);
+    r.c32.reset(new vi[M * r.bp / PB]);
+    for (int64_t v = 0; v < M * r.bp / PB; ++v) r.c32[v] = dot<1>(ones, r.q.get() + v * 32 * PB) * -32;
+  } else if (M > Q8_TM) {
     put_rows_in_lanes(r, M);
   } else {
     put_rows_in_groups<T>(r, M);
@@ -1175,9 +1240,15 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
       for (int i = 0; i < (WHOLE ? 8 : nb); i += PB) {
         const vb u = T::values(b, i, nb);  // a missing second block: weight 0 in c
         for (int m = 0; m < R; ++m) {
-          const int8_t* q = p.q8->q.get() + ((m0 + m) * bp + g + i) * 32;
-          const vf sums = __builtin_convertvector(dot<T::U_BITS>(u, q), vf);
-          acc[m][WHOLE ? (i / PB) & 1 : 0] += sums * per_block(c[m], i);
+          const int64_t at = (m0 + m) * bp + g + i;
+          const int8_t* q = p.q8->q.get() + at * 32;
+          vi dots;
+          if constexpr (SUB16<T>) {  // sum (u - 32) q per lane, exact in int32, times its 16 values' scale
+            dots = dot<T::U_BITS>(u, q, p.q8->c32[at / PB]) * T::lane_scales(b, i);
+          } else {
+            dots = dot<T::U_BITS>(u, q);
+          }
+          acc[m][WHOLE ? (i / PB) & 1 : 0] += __builtin_convertvector(dots, vf) * per_block(c[m], i);
         }
       }
     };
@@ -1282,7 +1353,11 @@ ChunkFn q8_fn(int64_t M) {
 #if defined(NETRA_Q8_GROUPS)
   if constexpr (GROUPED<T>) return M <= Q8_TM ? q8_groups<T> : q8_lanes<T>;
 #endif
-  if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
+  if constexpr (SUB16<T>) {
+    return q8_rows<T>;  // tiles of up to Q8_TM rows for any number (the rows-in-lanes layout has 32-value scales)
+  } else if constexpr (T::U_BITS > 0) {
+    return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
+  }
   return nullptr;
 }
 

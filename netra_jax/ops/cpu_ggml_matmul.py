@@ -52,7 +52,7 @@ __all__ = [
 TARGET = "netra_ggml_matmul_f32"
 TYPES = tuple(FORMATS)  # the kernel reads every kept format (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
-INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")  # the types with an int8-activation path
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types with an int8-activation path
 # rows per kernel call with int8 activations (the most measured against the reference); more are split into equal calls
 INT8_CHUNK_ROWS = 512
 

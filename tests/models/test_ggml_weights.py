@@ -121,7 +121,7 @@ def test_engine_greedy_on_kept_blocks_equals_xla_and_the_kernels(tiny_gguf):
     assert all(len(t) == 12 for t in runs["xla"])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_cpu_rows_q8_backend_rounds_the_activations_of_its_types(qtype):
     """ "cpu_rows_q8" multiplies the INT8_TYPES blocks by x rounded to int8 blocks (llama.cpp's arithmetic: float64 of
     the rounded x is the reference), and the types without an int8 path by x as it is."""
