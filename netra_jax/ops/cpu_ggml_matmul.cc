@@ -596,13 +596,33 @@ inline void block_k4(const uint8_t* qh, const uint8_t* qs, const float* s, E&& e
   }
 }
 
+// With two blocks a byte vector (AVX-512) the int8 path reads a Q4_K block's 8 sub-blocks in the order K4_ORDER: the
+// low nibbles of qs[0, 64) are sub-blocks 0 and 2 side by side, its high nibbles 1 and 3, and likewise in qs[64, 128),
+// so that a pair of sub-blocks is one load and one or two byte ops (four loads, shifts and inserts in the natural
+// order). The activations' blocks (quantize_rows) and the scales (qscales) are put in the same order.
+constexpr int K4_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // its own inverse
+
 struct Q4_K {  // half d, dmin; scales[12]; qs[128]
   static constexpr int QK = 256, BYTES = 144, GROUP = 1, STEP_BYTES = BYTES;
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
   // int8 activations: a block is a step of 8 sub-blocks of 32, u the nibbles, offset -dmin m_j
   static constexpr int U_BITS = 4;
-  static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
-  static vb values(const uint8_t* step, int i, int) { return k4_values<false>(nullptr, step + 16, i); }
+  static constexpr bool REORDERED = PB == 2;  // sub-blocks in K4_ORDER
+  static void qscales(const uint8_t* b, int nb, float* s) {
+    scales(b, nb, s);
+#if defined(NETRA_Q8_AVX512)
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    _mm512_storeu_ps(s, _mm512_permutexvar_ps(order, _mm512_loadu_ps(s)));
+#endif
+  }
+  static vb values(const uint8_t* step, int i, int) {
+#if defined(NETRA_Q8_AVX512)
+    const __m512i a = _mm512_loadu_si512(step + 16 + 64 * (i / 4));  // sub-blocks K4_ORDER[i], K4_ORDER[i + 1]
+    return bits_as<vb>(_mm512_and_si512(i & 2 ? _mm512_srli_epi16(a, 4) : a, _mm512_set1_epi8(15)));
+#else
+    return k4_values<false>(nullptr, step + 16, i);
+#endif
+  }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
     block_k4<false>(nullptr, b + 16, s, emit);
@@ -709,6 +729,12 @@ constexpr int SCALES = 32;  // floats of a step's scales, any format
 // Types whose int8 path scales 16-value halves of a block (Q6_K): lane_scales and a centered starting value
 template <typename T>
 constexpr bool SUB16 = std::is_same_v<T, Q6_K>;
+
+// Types whose int8 path reads a step's blocks in K4_ORDER
+template <typename T>
+constexpr bool IN_K4_ORDER = false;
+template <>
+constexpr bool IN_K4_ORDER<Q4_K> = Q4_K::REORDERED;
 
 struct Q8Rows;
 
@@ -1016,6 +1042,22 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int i = 0; i < VW; ++i) total += sum[i];
       r.d[m * r.bp + b] = d;
       r.s[m * r.bp + b] = d * static_cast<float>(total);
+    }
+  }
+  if constexpr (IN_K4_ORDER<T>) {  // each step's blocks in K4_ORDER, as the weights' values are read
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < blocks; g += 8) {
+        const int64_t at = m * r.bp + g;
+        int8_t q[8 * 32];
+        float d[8], sums[8];
+        std::memcpy(q, r.q.get() + at * 32, sizeof(q));
+        std::memcpy(d, r.d.get() + at, sizeof(d));
+        std::memcpy(sums, r.s.get() + at, sizeof(sums));
+        for (int j = 0; j < 8; ++j) {
+          std::memcpy(r.q.get() + (at + j) * 32, q + K4_ORDER[j] * 32, 32);
+          r.d[at + j] = d[K4_ORDER[j]], r.s[at + j] = sums[K4_ORDER[j]];
+        }
+      }
     }
   }
   if constexpr (SUB16<T>) {  // q8_rows for any number of rows: no other layout

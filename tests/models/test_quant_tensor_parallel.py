@@ -203,7 +203,16 @@ def _worker(out_path: str) -> None:
         path, method = model(*case.split())
         results[case] = {}
         for tp in (1, TP):
-            llm = LLM(path, quantization=method, tensor_parallel_size=tp, tokenizer=tokenizers[case.split()[0]], **opts)
+            # one device on float activations ("cpu_rows"): the arithmetic of the split jnp reference ("auto" under
+            # tensor parallelism), where the one-device default rounds a GGUF file's activations to int8
+            llm = LLM(
+                path,
+                quantization=method,
+                tensor_parallel_size=tp,
+                tokenizer=tokenizers[case.split()[0]],
+                matmul_backend="cpu_rows" if tp == 1 else "auto",
+                **opts,
+            )
             out = llm.generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)[0].outputs[0]
             r: dict = {"greedy": out.token_ids}
             r["logprobs"] = [sorted((p.logprob for p in step.values()), reverse=True) for step in out.logprobs]
