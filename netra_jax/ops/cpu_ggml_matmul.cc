@@ -983,8 +983,10 @@ struct Q8Rows {
   std::unique_ptr<int32_t[]> group_c;  // [M, n_groups, 16]
   int64_t n_groups = 0;
   // SUB16 types (6-bit values centered at 32): per row and vector of PB blocks, -32 times each dot product lane's sum
-  // of q, the dot products' starting value
-  std::unique_ptr<vi[]> c32;  // [M, bp / PB]
+  // of q, the dot products' starting value (up to Q8_TM rows); with the rows in the lanes, d times the sum of q over
+  // each half of a block
+  std::unique_ptr<vi[]> c32;         // [M, bp / PB]
+  std::unique_ptr<float[]> lanes_h;  // [groups, bp, 2, VW]
 };
 
 constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
@@ -1060,12 +1062,25 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       }
     }
   }
-  if constexpr (SUB16<T>) {  // q8_rows for any number of rows: no other layout
+  if (M > Q8_TM) {
+    put_rows_in_lanes(r, M);
+    if constexpr (SUB16<T>) {
+      r.lanes_h.reset(new float[r.groups * r.bp * 2 * VW]());
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t b = 0; b < r.bp; ++b) {
+          const int8_t* q = r.q.get() + (m * r.bp + b) * 32;
+          for (int h = 0; h < 2; ++h) {
+            int32_t sum = 0;
+            for (int l = 0; l < 16; ++l) sum += q[16 * h + l];
+            r.lanes_h[(((m / VW) * r.bp + b) * 2 + h) * VW + m % VW] = r.d[m * r.bp + b] * static_cast<float>(sum);
+          }
+        }
+      }
+    }
+  } else if constexpr (SUB16<T>) {
     const vb ones = vb{} + static_cast<uint8_t>(1);
     r.c32.reset(new vi[M * r.bp / PB]);
     for (int64_t v = 0; v < M * r.bp / PB; ++v) r.c32[v] = dot<1>(ones, r.q.get() + v * 32 * PB) * -32;
-  } else if (M > Q8_TM) {
-    put_rows_in_lanes(r, M);
   } else {
     put_rows_in_groups<T>(r, M);
   }
@@ -1349,6 +1364,7 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
   std::unique_ptr<vb[]> ubuf(new vb[TNQ * bp * 32 / sizeof(vb)]);
   uint8_t* u = reinterpret_cast<uint8_t*>(ubuf.get());  // [TNQ, bp, 32]
   std::unique_ptr<float[]> dw(new float[TNQ * bp]), ow(new float[TNQ * bp]);
+  std::unique_ptr<int32_t[]> sub_scales(SUB16<T> ? new int32_t[TNQ * bp * 2] : nullptr);  // [TNQ, bp, 2]
   for (int64_t n = n0; n < n1; n += TNQ) {
     const int tn = static_cast<int>(std::min<int64_t>(TNQ, n1 - n));
     for (int j = 0; j < TNQ; ++j) {
@@ -1360,6 +1376,9 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
         T::qscales(b, nb, s);
         std::memcpy(dw.get() + j * bp + g, s, sizeof(float) * 8);  // whole steps (bp a multiple of 8)
         std::memcpy(ow.get() + j * bp + g, s + 8, sizeof(float) * 8);
+        if constexpr (SUB16<T>) {  // the int8 scales of the step's 16 halves of blocks
+          for (int i = 0; i < 16; ++i) sub_scales[(j * bp + g) * 2 + i] = static_cast<int8_t>(b[192 + i]);
+        }
         for (int i = 0; i < nb; i += PB) {
           const vb v = T::values(b, i, nb);  // bp > g + i + 1: room for a pair
           std::memcpy(u + (j * bp + g + i) * 32, &v, sizeof(v));
@@ -1370,13 +1389,31 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
       vf acc[TNQ] = {};
       for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* q = p.q8->lanes_q.get() + (r * bp + b) * 32 * VW;
+        const vf dx = load(p.q8->lanes_d.get() + (r * bp + b) * VW), sx = load(p.q8->lanes_s.get() + (r * bp + b) * VW);
+        if constexpr (SUB16<T>) {  // each half's sums times its scale (exact in int32), the centering from x's sums
+          vi lo[TNQ] = {}, hi[TNQ] = {};
+          for (int t = 0; t < 32 / BPL; ++t) {
+            for (int j = 0; j < TNQ; ++j) {
+              vi& sums = t < 16 / BPL ? lo[j] : hi[j];
+              sums = dot<T::U_BITS>(broadcast(u + (j * bp + b) * 32 + t * BPL), q + t * VW * BPL, sums);
+            }
+          }
+          const float* h = p.q8->lanes_h.get() + (r * bp + b) * 2 * VW;
+          const vf h_lo = load(h), h_hi = load(h + VW);
+          for (int j = 0; j < TNQ; ++j) {
+            const int32_t s_lo = sub_scales[(j * bp + b) * 2], s_hi = sub_scales[(j * bp + b) * 2 + 1];
+            const vf scaled = __builtin_convertvector(lo[j] * s_lo + hi[j] * s_hi, vf);
+            const vf center = h_lo * static_cast<float>(s_lo) + h_hi * static_cast<float>(s_hi);
+            acc[j] += (scaled * dx - center * 32.0f) * dw[j * bp + b];
+          }
+          continue;
+        }
         vi sums[TNQ] = {};
         for (int t = 0; t < 32 / BPL; ++t) {
           for (int j = 0; j < TNQ; ++j) {
             sums[j] = dot<T::U_BITS>(broadcast(u + (j * bp + b) * 32 + t * BPL), q + t * VW * BPL, sums[j]);
           }
         }
-        const vf dx = load(p.q8->lanes_d.get() + (r * bp + b) * VW), sx = load(p.q8->lanes_s.get() + (r * bp + b) * VW);
         for (int j = 0; j < TNQ; ++j) {
           acc[j] += __builtin_convertvector(sums[j], vf) * (dx * dw[j * bp + b]) + sx * ow[j * bp + b];
         }
@@ -1395,11 +1432,7 @@ ChunkFn q8_fn(int64_t M) {
 #if defined(NETRA_Q8_GROUPS)
   if constexpr (GROUPED<T>) return M <= Q8_TM ? q8_groups<T> : q8_lanes<T>;
 #endif
-  if constexpr (SUB16<T>) {
-    return q8_rows<T>;  // tiles of up to Q8_TM rows for any number (the rows-in-lanes layout has 32-value scales)
-  } else if constexpr (T::U_BITS > 0) {
-    return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
-  }
+  if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
   return nullptr;
 }
 
