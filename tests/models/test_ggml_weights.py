@@ -149,7 +149,7 @@ def test_engine_on_int8_activations_stays_close_to_float(tiny_gguf):
 
 def test_no_compilation_after_warmup_on_kept_blocks(tiny_gguf):
     llm = LLM(str(tiny_gguf), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, warmup=True)
-    assert isinstance(llm.engine.runner.params["layers"][0]["wq"], GGMLWeight)
+    assert isinstance(llm.engine.runner.params["layers"][0]["wqkv"], GGMLWeight)  # q, k and v's blocks joined
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 150))]} for _ in range(24)]
     params = [
