@@ -30,10 +30,11 @@
 //   over the whole K; with more, each tile's accumulators are kept between steps in a small buffer of partial
 //   vectors, and x is read from a copy laid out step by step. Lanes are summed once at the end. The next tile's
 //   bytes are prefetched over the current tile's steps.
-// - int8 activations (attribute int8_x = 1; the 32-value types, and Q4_K / Q5_K as steps of 8 sub-blocks of 32 with
-//   their own scales and mins): x's rows are quantized once per call to blocks of 32 int8 values and a scale (d =
-//   max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as unsigned bytes (nibbles, fifth
-//   bits added, or Q8_0's bytes + 128) and multiplied with integer dot products
+// - int8 activations (attribute int8_x = 1, the engine's default; the 32-value types, Q4_K / Q5_K as steps of 8
+//   sub-blocks of 32 with their own scales and mins, Q6_K as steps of 8 blocks of 32 whose 16-value int8 scales
+//   multiply the dot products' int32 lanes): x's rows are quantized once per call to blocks of 32 int8 values and a
+//   scale (d = max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as unsigned bytes (nibbles,
+//   fifth bits added, 6-bit values, or Q8_0's bytes + 128) and multiplied with integer dot products
 //   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
 //   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
 //   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd
@@ -778,7 +779,8 @@ inline void prefetch(const Problem& p, int64_t at, int64_t bytes, int64_t limit)
   for (int64_t i = at; i < at + bytes && i < limit; i += LINE_BYTES) __builtin_prefetch(p.w + i, 0, 2);
 }
 
-constexpr int64_t PREFETCH = 6144;  // bytes ahead of the de-quantization (2048: 20 GB/s of Q4_0 from memory, 6144: 24-27)
+// bytes ahead of the de-quantization (Q4_0 from memory at one row, 2-core EPYC: 2048 ahead 20 GB/s, 6144 24-27)
+constexpr int64_t PREFETCH = 6144;
 
 // Spreads the prefetch of the next weight tile (rows [n + TN, n + 2 TN), consecutive bytes) over the current tile's
 // `steps` steps: the part for step `step`.
