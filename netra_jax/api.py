@@ -81,7 +81,8 @@ class LLM:
             matmuls run ("cpu_rows_q8": the CPU kernels with GGUF Q4_0 ... Q8_0, Q4_K and Q5_K weights times
             activations rounded to int8 blocks of 32, llama.cpp's arithmetic: faster, not float-exact; "cpu_rows":
             the same kernels on float32 activations, the arithmetic of the de-quantized weights);
-            "auto" runs "cpu_rows_q8" on CPU when the kernels build and the weights are not split, the GPU
+            "auto" runs the CPU kernels when they build and the weights are not split ("cpu_rows_q8" for a GGUF
+            file, "cpu_rows" for a Hugging Face checkpoint), the GPU
             kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16 kernel; fp8 as
             W8A8 on XLA's fp8 dot on sm89+ ("gpu"), W8A16 on older GPUs ("gpu_sm80")) when the weights are not
             split, XLA's dot otherwise.

@@ -223,9 +223,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--matmul-backend",
         default=_DEFAULTS.matmul_backend,
         choices=("auto", *MATMULS),
-        help="how matmuls run: auto = cpu_rows_q8 on CPU (the C++ kernels; GGUF Q4_0 ... Q8_0 and K-quant weights "
-        "times activations rounded to int8 blocks, llama.cpp's arithmetic; cpu_rows: float32 activations, the "
-        "de-quantized weights' arithmetic), the GPU kernels of "
+        help="how matmuls run: auto = the C++ kernels on CPU (cpu_rows_q8 for a GGUF file: its blocks times "
+        "activations rounded to int8 blocks, llama.cpp's arithmetic; cpu_rows for a Hugging Face checkpoint, or on "
+        "request: float32 activations, the de-quantized weights' arithmetic), the GPU kernels of "
         "quantized weights on CUDA (W4A16 / W8A16 Pallas; fp8 W8A8 on sm89+, W8A16 on older GPUs: gpu_sm80)",
     )
     p.add_argument(

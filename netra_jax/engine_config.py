@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from netra_jax.config import ConfigError, ModelConfig, json_object
@@ -136,10 +137,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | reference | triton | ...
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over (netra_jax.parallel)
     # how matmuls run (netra_jax/quant/matmul.py BACKENDS): auto = the CPU kernels on CPU when they build
-    # ("cpu_rows_q8": GGUF blocks times int8-rounded activations, llama.cpp's arithmetic; "cpu_rows" keeps float
-    # activations), the GPU kernels of quantized weights on CUDA ("gpu": W4A16 / W8A16 Pallas, fp8 W8A8, on
-    # sm89+; "gpu_sm80": fp8 as W8A16), XLA's dot otherwise and whenever the weights are split | xla | cpu_rows (CPU
-    # only) | gpu | gpu_sm80 (CUDA only) | gpu_interpret
+    # ("cpu_rows_q8" for a GGUF file: its blocks times int8-rounded activations, llama.cpp's arithmetic; "cpu_rows"
+    # for a Hugging Face checkpoint: float activations), the GPU kernels of quantized weights on CUDA ("gpu": W4A16 /
+    # W8A16 Pallas, fp8 W8A8, on sm89+; "gpu_sm80": fp8 as W8A16), XLA's dot otherwise and whenever the weights are
+    # split | xla | cpu_rows | cpu_rows_q8 (CPU only) | gpu | gpu_sm80 (CUDA only) | gpu_interpret
     matmul_backend: str = "auto"
     quantization: str | None = None  # None | "int8" | "int4" | "fp8" (weight-only, at load; netra_jax/quant/online.py)
     seed: int = 0  # seeds requests that give none
@@ -283,9 +284,25 @@ class EngineConfig:
         if platform == "gpu":
             cc = compute_capability or getattr(jax.devices()[0], "compute_capability", None)
             return "gpu" if has_fp8(cc) else "gpu_sm80"
-        # llama.cpp's arithmetic for GGUF blocks (activations rounded to int8 blocks of 32: 1.1-3.5x faster products,
-        # text scored as with float activations, see ops/cpu_ggml_matmul.py); every other weight runs as on "cpu_rows"
-        return "cpu_rows_q8" if cpu_kernels.available() else "xla"
+        if not cpu_kernels.available():
+            return "xla"
+        # a GGUF file runs llama.cpp's arithmetic (activations rounded to int8 blocks of 32: 1.1-3.5x faster
+        # products, text scored as llama.cpp scores it, see ops/cpu_ggml_matmul.py); a Hugging Face checkpoint keeps
+        # float activations (W4A16 / W8A16 for GPTQ, AWQ and --quantization), the arithmetic its authors ran
+        return "cpu_rows_q8" if self.serves_gguf() else "cpu_rows"
+
+    def serves_gguf(self) -> bool:
+        """Whether the model is a GGUF file (the embedded default model is one)."""
+        if not self.model:
+            return True
+        path = Path(self.model)
+        if path.suffix.lower() == ".gguf":
+            return True
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(4) == b"GGUF"
+        except OSError:  # a directory, or a name resolved elsewhere
+            return False
 
 
 # ---------------------------------------------------------------- speculative decoding (vLLM's speculative_config)

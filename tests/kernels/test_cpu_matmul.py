@@ -119,7 +119,9 @@ def test_failed_build_says_why(monkeypatch, tmp_path):
 
 
 def test_engine_option_resolution():
-    assert EngineConfig().resolved_matmul_backend("cpu") == "cpu_rows_q8"  # llama.cpp's arithmetic for GGUF blocks
+    assert EngineConfig().resolved_matmul_backend("cpu") == "cpu_rows_q8"  # the default GGUF: llama.cpp's arithmetic
+    tiny = str(FIXTURES / "tiny-llama")  # a Hugging Face checkpoint keeps float activations
+    assert EngineConfig(model=tiny).resolved_matmul_backend("cpu") == "cpu_rows"
     assert EngineConfig(matmul_backend="xla").resolved_matmul_backend("cpu") == "xla"
     assert EngineConfig().resolved_matmul_backend("gpu", "9.0") == "gpu"  # the quantized-weight kernels on CUDA
     assert EngineConfig().resolved_matmul_backend("gpu", "8.0") == "gpu_sm80"  # no fp8 tensor cores
@@ -155,7 +157,7 @@ def _kernel_rows(llm, tokens: int) -> list[int]:
 
 def test_engine_steps_call_the_kernel_where_it_takes_them(engines):
     kernel, xla = engines
-    assert kernel.engine.runner.matmul_backend == "cpu_rows_q8" and xla.engine.runner.matmul_backend == "xla"
+    assert kernel.engine.runner.matmul_backend == "cpu_rows" and xla.engine.runner.matmul_backend == "xla"
     # decode rows: the layers are one kernel call each (ops.cpu_decode_layer, its matmuls inside), the lm_head this
     # kernel, one row too
     assert _kernel_rows(kernel, 8) == [8] and _kernel_rows(kernel, 1) == [1]
