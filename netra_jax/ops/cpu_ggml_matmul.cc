@@ -684,6 +684,8 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
     return u;
 #endif
   }
+  // The int8 scale of values [16 j, 16 j + 16)
+  static int32_t sub_scale(const uint8_t* step, int j) { return static_cast<int8_t>(step[192 + j]); }
   // The int8 scales of blocks i, i + 1, ... over the dot products' lanes: lane l sums values 32 i + BPL l onwards,
   // scale (32 i + BPL l) / 16
   static vi lane_scales(const uint8_t* step, int i) {
@@ -694,7 +696,7 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
     return bits_as<vi>(_mm512_permutexvar_epi32(which, all));
 #else
     vi sc;
-    for (int l = 0; l < VW; ++l) sc[l] = static_cast<int8_t>(step[192 + 2 * i + l * BPL / 16]);
+    for (int l = 0; l < VW; ++l) sc[l] = sub_scale(step, 2 * i + l * BPL / 16);
     return sc;
 #endif
   }
@@ -1379,7 +1381,7 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
         std::memcpy(dw.get() + j * bp + g, s, sizeof(float) * 8);  // whole steps (bp a multiple of 8)
         std::memcpy(ow.get() + j * bp + g, s + 8, sizeof(float) * 8);
         if constexpr (SUB16<T>) {  // the int8 scales of the step's 16 halves of blocks
-          for (int i = 0; i < 16; ++i) sub_scales[(j * bp + g) * 2 + i] = static_cast<int8_t>(b[192 + i]);
+          for (int i = 0; i < 16; ++i) sub_scales[(j * bp + g) * 2 + i] = T::sub_scale(b, i);
         }
         for (int i = 0; i < nb; i += PB) {
           const vb v = T::values(b, i, nb);  // bp > g + i + 1: room for a pair
