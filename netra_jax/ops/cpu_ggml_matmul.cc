@@ -30,16 +30,19 @@
 //   over the whole K; with more, each tile's accumulators are kept between steps in a small buffer of partial
 //   vectors, and x is read from a copy laid out step by step. Lanes are summed once at the end. The next tile's
 //   bytes are prefetched over the current tile's steps.
-// - int8 activations (attribute int8_x = 1, the engine's default; the 32-value types, Q4_K / Q5_K as steps of 8
-//   sub-blocks of 32 with their own scales and mins, Q6_K as steps of 8 blocks of 32 whose 16-value int8 scales
-//   multiply the dot products' int32 lanes): x's rows are quantized once per call to blocks of 32 int8 values and a
-//   scale (d = max|x| / 127, as llama.cpp's Q8 blocks), a weight block's values are read as unsigned bytes (nibbles,
-//   fifth bits added, 6-bit values, or Q8_0's bytes + 128) and multiplied with integer dot products
-//   (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or scalar in the other builds); a block's int32
-//   sums become float once, times d_w d_x, and the blocks' offsets (-8 d, the min m, ...) times d_x sum(q) are
-//   summed apart. Up to 4 rows of x: each weight row is read once for tiles of up to 4 rows, two blocks a dpbusd
-//   (with AVX-512 VBMI, the 4- and 5-bit types in groups of 4 blocks put in place by byte permutes, their scales
-//   repeated over their lanes by another: see "groups of blocks" below).
+// - int8 activations (attribute int8_x = 1, the engine's default; the 32-value types, Q4_K / Q5_K as steps of 8 sub-
+//   blocks of 32 with their own scales and mins, Q6_K as steps of 8 blocks of 32 whose 16-value int8 scales multiply
+//   the dot products' int32 lanes): x's rows are quantized once per call to blocks of 32 int8 values and a scale (d =
+//   max|x| / 127 over the 32 values, as llama.cpp's Q8_0 blocks; over the 256 of a block against the K-quants, as its
+//   Q8_K), a weight block's values are read as unsigned bytes (nibbles, fifth bits added, 6-bit values, or Q8_0's bytes
+//   + 128) and multiplied with integer dot products (AVX-512 VNNI dpbusd on two blocks a vector; AVX-VNNI, maddubs or
+//   scalar in the other builds); a block's int32 sums become float once, times d_w d_x, and the blocks' offsets (-8 d,
+//   the min m, ...) times d_x sum(q) are summed apart. Up to 4 rows of x (16 against Q6_K: FEW_ROWS): each weight row
+//   is read once for tiles of up to 4 rows, two blocks a dpbusd (with AVX-512 VBMI, the 4- and 5-bit types in groups of
+//   4 blocks put in place by byte permutes, their scales repeated over their lanes by another: see "groups of blocks"
+//   below; the K-quants' dot products times their sub-blocks' integer scales summed over the whole block in int32, one
+//   conversion a block where the float scales of each pair of sub-blocks took three instructions and a stored-and-
+//   reloaded scale array: 1.5x the Q4_K rows a second).
 //   More rows (and prefill chunks past the float path's 128): the rows of x in the lanes, a tile of 8 weight rows
 //   unpacked into bytes and scales once, then every 4 bytes of a weight row broadcast against 16 rows' 4 bytes per
 //   dpbusd (64 multiply-adds an instruction, a block's sums converted once per weight row and group of rows).
@@ -335,7 +338,8 @@ inline vb k4_values(const uint8_t* qh, const uint8_t* qs, int i) {
   __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
   if constexpr (FIVE) {  // bit j of each qh byte, moved to bit 4 (16-bit shifts: a byte's bits 0 and 4 stay its own)
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), bit4 = _mm256_set1_epi8(16);
-    const __m256i h_lo = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i)), h_hi = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i + 1));
+    const __m256i h_lo = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i));
+    const __m256i h_hi = _mm256_srl_epi16(h, _mm_cvtsi32_si128(i + 1));
     lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h_lo, 4), bit4));
     hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h_hi, 4), bit4));
   }
@@ -542,35 +546,53 @@ struct Q8_0 {  // half d; int8 qs[32]: qs[j] d
   }
 };
 
-// Q4_K / Q5_K: s[j] = d * sc_j, s[8 + j] = -dmin * m_j for the 8 sub-blocks j (6-bit scales and mins packed in the
-// 12 bytes from b + 4).
-inline void scales_k4(const uint8_t* b, float* s) {
-#if defined(__AVX512F__) && defined(__F16C__)
-  // lanes 0-7 the scales, 8-15 the mins: sc_j = q[j] & 63, sc_4+j = (q[j + 8] & 15) | (q[j] >> 6) << 4,
-  // m_j = q[j + 4] & 63, m_4+j = (q[j + 8] >> 4) | (q[j + 4] >> 6) << 4 (q = b + 4; bytes 12-15 unused)
-  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+// A K-quant block's 16 small integers as int32: Q4_K / Q5_K's 8 scales then 8 mins, Q6_K's 16 scales.
+#if defined(__AVX512F__)
+using Ints16 = vi;
+#else
+struct Ints16 {
+  int32_t v[16];
+  int32_t operator[](int i) const { return v[i]; }
+};
+#endif
+
+// Q4_K / Q5_K's 6-bit scales sc_j and mins m_j of the 8 sub-blocks j, packed in the 12 bytes from b + 4:
+// sc_j = q[j] & 63, sc_4+j = (q[j + 8] & 15) | (q[j] >> 6) << 4, m_j = q[j + 4] & 63,
+// m_4+j = (q[j + 8] >> 4) | (q[j + 4] >> 6) << 4 (q = b + 4)
+inline Ints16 k4_ints(const uint8_t* b) {
+#if defined(__AVX512F__)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));  // 12-15 unused
   const __m512i lo = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11), q);
   const __m512i hi = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7), q);
   const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
   const __m512i low_mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
   const __m512i high_mask = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
-  const __m512i v = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(lo, shift), low_mask),
-                                    _mm512_and_si512(_mm512_srli_epi32(hi, 2), high_mask));
+  return bits_as<vi>(_mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(lo, shift), low_mask),
+                                     _mm512_and_si512(_mm512_srli_epi32(hi, 2), high_mask)));
+#else
+  const uint8_t* q = b + 4;
+  Ints16 v;
+  for (int j = 0; j < 4; ++j) {
+    v.v[j] = q[j] & 63;
+    v.v[8 + j] = q[j + 4] & 63;
+    v.v[4 + j] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
+    v.v[12 + j] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+  return v;
+#endif
+}
+
+// Q4_K / Q5_K: s[j] = d * sc_j, s[8 + j] = -dmin * m_j for the 8 sub-blocks j.
+inline void scales_k4(const uint8_t* b, float* s) {
+  const Ints16 v = k4_ints(b);
+#if defined(__AVX512F__) && defined(__F16C__)
   // [d x 8, -dmin x 8]
   const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b))));
   const __m512 scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                              _mm512_castps128_ps512(d_dmin));
   const __m512 sign = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
-  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(scale, sign)));
+  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(bits_as<__m512i>(v)), _mm512_mul_ps(scale, sign)));
 #else
-  const uint8_t* q = b + 4;
-  int32_t v[16];
-  for (int j = 0; j < 4; ++j) {
-    v[j] = q[j] & 63;
-    v[8 + j] = q[j + 4] & 63;
-    v[4 + j] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-    v[12 + j] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
   const float d = half(b), dmin = -half(b + 2);
   for (int i = 0; i < 16; ++i) s[i] = static_cast<float>(v[i]) * (i < 8 ? d : dmin);
 #endif
@@ -603,6 +625,44 @@ inline void block_k4(const uint8_t* qh, const uint8_t* qs, const float* s, E&& e
 // order). The activations' blocks (quantize_rows) and the scales (qscales) are put in the same order.
 constexpr int K4_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // its own inverse
 
+// Whole blocks with int8 activations (the K-quants, see q8_tile): the values' int32 dot products are multiplied by
+// their sub-block's integer scale lane by lane and summed over the block, exactly; then one conversion to float.
+
+// s[index[l]] in lane l
+inline vi lanes_of(const Ints16& s, vi index) {
+#if defined(__AVX512F__)
+  return bits_as<vi>(_mm512_permutexvar_epi32(bits_as<__m512i>(index), bits_as<__m512i>(s)));
+#else
+  vi r;
+  for (int l = 0; l < VW; ++l) r[l] = s[index[l]];
+  return r;
+#endif
+}
+
+// Q4_K / Q5_K: the scales sc_j of the sub-blocks i, i + 1, ... (ORDERED: in K4_ORDER) over their dot products' lanes
+template <bool ORDERED>
+inline vi k4_lane_scales(const Ints16& s, int i) {
+  vi index;
+  for (int l = 0; l < VW; ++l) index[l] = ORDERED ? K4_ORDER[i + l / LPB] : i + l / LPB;
+  return lanes_of(s, index);
+}
+
+// Q4_K / Q5_K: -dmin m_j of the 8 sub-blocks (ORDERED: in K4_ORDER, as x's blocks)
+template <bool ORDERED>
+inline v8 k4_mins(const uint8_t* b, const Ints16& s) {
+  const float dmin = -half(b + 2);
+#if defined(__AVX512F__)
+  const __m512i index = ORDERED ? _mm512_setr_epi32(8, 10, 9, 11, 12, 14, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)
+                                : _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m256i m = _mm512_castsi512_si256(_mm512_permutexvar_epi32(index, bits_as<__m512i>(s)));
+  return bits_as<v8>(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin)));
+#else
+  v8 m;
+  for (int j = 0; j < 8; ++j) m[j] = static_cast<float>(s[8 + (ORDERED ? K4_ORDER[j] : j)]) * dmin;
+  return m;
+#endif
+}
+
 struct Q4_K {  // half d, dmin; scales[12]; qs[128]
   static constexpr int QK = 256, BYTES = 144, GROUP = 1, STEP_BYTES = BYTES;
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
@@ -616,6 +676,10 @@ struct Q4_K {  // half d, dmin; scales[12]; qs[128]
     _mm512_storeu_ps(s, _mm512_permutexvar_ps(order, _mm512_loadu_ps(s)));
 #endif
   }
+  static Ints16 ints(const uint8_t* b) { return k4_ints(b); }
+  static float d(const uint8_t* b) { return half(b); }
+  static vi lane_scales(const Ints16& s, int i) { return k4_lane_scales<REORDERED>(s, i); }
+  static v8 mins(const uint8_t* b, const Ints16& s) { return k4_mins<REORDERED>(b, s); }
   static vb values(const uint8_t* step, int i, int) {
 #if defined(NETRA_Q8_AVX512)
     const __m512i a = _mm512_loadu_si512(step + 16 + 64 * (i / 4));  // sub-blocks K4_ORDER[i], K4_ORDER[i + 1]
@@ -635,6 +699,10 @@ struct Q5_K {  // half d, dmin; scales[12]; qh[32]; qs[128]
   static void scales(const uint8_t* b, int, float* s) { scales_k4(b, s); }
   static constexpr int U_BITS = 5;  // as Q4_K, the fifth bits from qh
   static void qscales(const uint8_t* b, int nb, float* s) { scales(b, nb, s); }
+  static Ints16 ints(const uint8_t* b) { return k4_ints(b); }
+  static float d(const uint8_t* b) { return half(b); }
+  static vi lane_scales(const Ints16& s, int i) { return k4_lane_scales<false>(s, i); }
+  static v8 mins(const uint8_t* b, const Ints16& s) { return k4_mins<false>(b, s); }
   static vb values(const uint8_t* step, int i, int) { return k4_values<true>(step + 16, step + 48, i); }
   template <typename E>
   static void block(const uint8_t* b, const float* s, E&& emit) {
@@ -686,19 +754,23 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
   }
   // The int8 scale of values [16 j, 16 j + 16)
   static int32_t sub_scale(const uint8_t* step, int j) { return static_cast<int8_t>(step[192 + j]); }
-  // The int8 scales of blocks i, i + 1, ... over the dot products' lanes: lane l sums values 32 i + BPL l onwards,
-  // scale (32 i + BPL l) / 16
-  static vi lane_scales(const uint8_t* step, int i) {
-#if defined(NETRA_Q8_AVX512)
-    const __m512i all = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + 192)));
-    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // l * BPL / 16
-    const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(2 * i), quarter);
-    return bits_as<vi>(_mm512_permutexvar_epi32(which, all));
+  // The 16 int8 scales, and the block's d
+  static Ints16 ints(const uint8_t* b) {
+#if defined(__AVX512F__)
+    return bits_as<vi>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
 #else
-    vi sc;
-    for (int l = 0; l < VW; ++l) sc[l] = sub_scale(step, 2 * i + l * BPL / 16);
-    return sc;
+    Ints16 s;
+    for (int j = 0; j < 16; ++j) s.v[j] = sub_scale(b, j);
+    return s;
 #endif
+  }
+  static float d(const uint8_t* b) { return half(b + 208); }
+  // The scales of blocks i, i + 1, ... over the dot products' lanes: lane l sums values 32 i + BPL l onwards, scale
+  // (32 i + BPL l) / 16
+  static vi lane_scales(const Ints16& s, int i) {
+    vi index;
+    for (int l = 0; l < VW; ++l) index[l] = 2 * i + l * BPL / 16;
+    return lanes_of(s, index);
   }
   // s[i] = d * scales[i], s[16 + i] = -32 s[i]
   static void scales(const uint8_t* b, int, float* s) {
@@ -732,6 +804,11 @@ constexpr int SCALES = 32;  // floats of a step's scales, any format
 // Types whose int8 path scales 16-value halves of a block (Q6_K): lane_scales and a centered starting value
 template <typename T>
 constexpr bool SUB16 = std::is_same_v<T, Q6_K>;
+
+// Types whose int8 activations have one d per 256 values (llama.cpp's Q8_K), their few-row products summed over a
+// whole block in int32 (q8_tile)
+template <typename T>
+constexpr bool INT_BLOCKS = T::QK == 256;
 
 // Types whose int8 path reads a step's blocks in K4_ORDER
 template <typename T>
@@ -965,10 +1042,11 @@ inline vi nearest(vf v) {
 }
 
 // Row m of x quantized to blocks of 32 int8 values per call: x[m, 32 b + j] ~ d[m, b] q[m, b, j] with d = max|x| /
-// 127 over the block and q rounded to nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j]. Rows padded to bp
-// blocks (a multiple of 8) with zero blocks.
-// With more than Q8_TM rows, the same blocks also with the rows in the lanes: VW rows a group (the rows past M zero),
-// group r's block b a run of 32 / BPL vectors, vector t holding bytes [BPL t, BPL (t + 1)) of each row's block.
+// 127 over the block (over its 8 blocks' 256 values for the K-quants, INT_BLOCKS: d repeated) and q rounded to
+// nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j]. Rows padded to bp blocks (a multiple of 8) with zero
+// blocks.
+// With more than FEW_ROWS rows, the same blocks also with the rows in the lanes: VW rows a group (the rows past M
+// zero), group r's block b a run of 32 / BPL vectors, vector t holding bytes [BPL t, BPL (t + 1)) of each row's block.
 struct Q8Rows {
   std::unique_ptr<int8_t[]> q;  // [M, bp, 32]
   std::unique_ptr<float[]> d;   // [M, bp]
@@ -987,13 +1065,20 @@ struct Q8Rows {
   std::unique_ptr<int32_t[]> group_c;  // [M, n_groups, 16]
   int64_t n_groups = 0;
   // SUB16 types (6-bit values centered at 32): per row and vector of PB blocks, -32 times each dot product lane's sum
-  // of q, the dot products' starting value (up to Q8_TM rows); with the rows in the lanes, d times the sum of q over
+  // of q, the dot products' starting value (up to FEW_ROWS); with the rows in the lanes, d times the sum of q over
   // each half of a block
   std::unique_ptr<vi[]> c32;         // [M, bp / PB]
   std::unique_ptr<float[]> lanes_h;  // [groups, bp, 2, VW]
 };
 
-constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors; more take the rows-in-lanes layout
+constexpr int Q8_TM = 4;  // rows of x sharing a weight row's byte vectors
+
+// Rows of x read weight row by weight row, in tiles of at most Q8_TM; more take the rows-in-lanes layout. Measured
+// (2-core EPYC, K 2048 x N 8192): the lanes are faster from 8 rows for the 32-value types and Q4_K (Q4_K 8 rows 22.8
+// against 26.8 ms in tiles), Q6_K's scaled halves in the lanes are slower up to 16 rows (8 rows 64 against 29.5 ms,
+// 16 rows 67 against 65 ms).
+template <typename T>
+constexpr int64_t FEW_ROWS = SUB16<T> ? 16 : Q8_TM;
 
 void put_rows_in_lanes(Q8Rows& r, int64_t M) {
   r.groups = (M + VW - 1) / VW;
@@ -1026,17 +1111,26 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   r.d.reset(new float[M * r.bp]());
   r.s.reset(new float[M * r.bp]());
   for (int64_t m = 0; m < M; ++m) {
+    float* amax = r.d.get() + m * r.bp;  // max|x| of each block of 32, then of its block of 256 (INT_BLOCKS)
+    for (int64_t b = 0; b < blocks; ++b) {
+      vf a = {};
+      for (int i = 0; i < 32; i += VW) {
+        const vf v = load(x + m * K + b * 32 + i);
+        a = a > v ? a : v;
+        a = a > -v ? a : -v;
+      }
+      amax[b] = 0.0f;
+      for (int i = 0; i < VW; ++i) amax[b] = std::max(amax[b], a[i]);
+    }
+    if constexpr (INT_BLOCKS<T>) {
+      for (int64_t b = 0; b < blocks; b += 8) {
+        const float a = *std::max_element(amax + b, amax + b + 8);
+        std::fill(amax + b, amax + b + 8, a);
+      }
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + m * K + b * 32;
-      vf amax = {};
-      for (int i = 0; i < 32; i += VW) {
-        const vf v = load(xb + i);
-        amax = amax > v ? amax : v;
-        amax = amax > -v ? amax : -v;
-      }
-      float a = 0.0f;
-      for (int i = 0; i < VW; ++i) a = std::max(a, amax[i]);
-      const float d = a / 127.0f, inverse = a > 0.0f ? 127.0f / a : 0.0f;
+      const float a = amax[b], d = a / 127.0f, inverse = a > 0.0f ? 127.0f / a : 0.0f;
       vi sum = {};
       int8_t* qb = r.q.get() + (m * r.bp + b) * 32;
       for (int i = 0; i < 32; i += VW) {
@@ -1066,7 +1160,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       }
     }
   }
-  if (M > Q8_TM) {
+  if (M > FEW_ROWS<T>) {
     put_rows_in_lanes(r, M);
     if constexpr (SUB16<T>) {
       r.lanes_h.reset(new float[r.groups * r.bp * 2 * VW]());
@@ -1276,7 +1370,9 @@ void q8_groups(const Problem& p, int64_t n0, int64_t n1) {
 
 // y[m0 : m0 + R, n] from weight row n and the quantized rows: per step of 8 blocks the weight scales times each
 // row's activation scales (one float per block, spread over the block's lanes), and the offsets' products summed
-// apart; per PB blocks one byte vector of weights, shared by the R rows' integer dot products.
+// apart; per PB blocks one byte vector of weights, shared by the R rows' integer dot products. The K-quants
+// (INT_BLOCKS, x's d one per 256 values) sum a block's dot products times their sub-blocks' integer scales in int32
+// and convert once per block.
 template <typename T, int R>
 inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
   const int64_t blocks = p.K / 32, bp = p.q8->bp;
@@ -1287,6 +1383,31 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
     const int nb = static_cast<int>(std::min<int64_t>(8, blocks - g));
     const uint8_t* b = row + g / 8 * T::STEP_BYTES;
     if (m0 == 0) prefetch(p, b - p.w + PREFETCH, nb * T::STEP_BYTES / 8, limit);
+    if constexpr (INT_BLOCKS<T>) {  // one block of 8 sub-blocks a step
+      const Ints16 ints = T::ints(b);
+      vi sums[R] = {};
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; i += PB) {  // unrolled: the lanes' scale indices are constants
+        const vb u = T::values(b, i, 8);
+        const vi scales = T::lane_scales(ints, i);
+        for (int m = 0; m < R; ++m) {
+          const int64_t at = (m0 + m) * bp + g + i;
+          const int8_t* q = p.q8->q.get() + at * 32;
+          // SUB16: sum (u - 32) q per lane, exact in int32
+          sums[m] += (SUB16<T> ? dot<T::U_BITS>(u, q, p.q8->c32[at / PB]) : dot<T::U_BITS>(u, q)) * scales;
+        }
+      }
+      const float dw = T::d(b);
+      for (int m = 0; m < R; ++m) {
+        const int64_t at = (m0 + m) * bp + g;
+        acc[m][0] += __builtin_convertvector(sums[m], vf) * (dw * p.q8->d[at]);
+      }
+      if constexpr (!SUB16<T>) {
+        const v8 mins = T::mins(b, ints);
+        for (int m = 0; m < R; ++m) offsets[m] += mins * load8(p.q8->s.get() + (m0 + m) * bp + g);
+      }
+      continue;
+    }
     alignas(64) float s[SCALES];  // [d_w x 8, offset_w x 8], zeros past nb
     T::qscales(b, nb, s);
     v8 c[R];  // d_w d_x per block
@@ -1302,13 +1423,7 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
         const vb u = T::values(b, i, nb);  // a missing second block: weight 0 in c
         for (int m = 0; m < R; ++m) {
           const int64_t at = (m0 + m) * bp + g + i;
-          const int8_t* q = p.q8->q.get() + at * 32;
-          vi dots;
-          if constexpr (SUB16<T>) {  // sum (u - 32) q per lane, exact in int32, times its 16 values' scale
-            dots = dot<T::U_BITS>(u, q, p.q8->c32[at / PB]) * T::lane_scales(b, i);
-          } else {
-            dots = dot<T::U_BITS>(u, q);
-          }
+          const vi dots = dot<T::U_BITS>(u, p.q8->q.get() + at * 32);
           acc[m][WHOLE ? (i / PB) & 1 : 0] += __builtin_convertvector(dots, vf) * per_block(c[m], i);
         }
       }
@@ -1357,8 +1472,8 @@ void q8_rows(const Problem& p, int64_t n0, int64_t n1) {
 // (latency 5), so 8 chains keep AVX-512's dpbusd busy (16 + 2 registers); AVX2 has 16 registers
 constexpr int TNQ = VW == 16 ? 8 : 4;
 
-// y[:, n0:n1] with int8 activations and more than Q8_TM rows, the rows of x in the lanes: a tile of TNQ weight rows is
-// unpacked whole (bytes u and the blocks' scales and offsets into buffers), then for each group of VW rows of x and
+// y[:, n0:n1] with int8 activations and more than FEW_ROWS rows, the rows of x in the lanes: a tile of TNQ weight rows
+// is unpacked whole (bytes u and the blocks' scales and offsets into buffers), then for each group of VW rows of x and
 // each block, every 4 (BPL) bytes of a weight row broadcast to all lanes are multiplied by the group's bytes in one
 // integer dot product (dpbusd: lanes = rows, summing 4 products each); a block's int32 sums become float once, times
 // d_w d_x, plus offset_w d_x sum(q).
@@ -1434,9 +1549,9 @@ typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
 template <typename T>
 ChunkFn q8_fn(int64_t M) {
 #if defined(NETRA_Q8_GROUPS)
-  if constexpr (GROUPED<T>) return M <= Q8_TM ? q8_groups<T> : q8_lanes<T>;
+  if constexpr (GROUPED<T>) return M <= FEW_ROWS<T> ? q8_groups<T> : q8_lanes<T>;
 #endif
-  if constexpr (T::U_BITS > 0) return M <= Q8_TM ? q8_rows<T> : q8_lanes<T>;
+  if constexpr (T::U_BITS > 0) return M <= FEW_ROWS<T> ? q8_rows<T> : q8_lanes<T>;
   return nullptr;
 }
 
@@ -1463,12 +1578,13 @@ struct Format {
   int64_t qk, bytes;
   ChunkFn (*chunk)(int64_t M);
   ChunkFn (*q8)(int64_t M);  // int8 activations (null: the type has no such path)
+  int64_t q8_few;            // rows the int8 path reads weight row by weight row (FEW_ROWS)
   Q8Rows (*quantize)(const float* x, int64_t M, int64_t K);  // x for the int8-activation path
 };
 
 template <typename T>
 constexpr Format format(int32_t ggml_type, const char* name) {
-  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>, quantize_rows<T>};
+  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>, FEW_ROWS<T>, quantize_rows<T>};
 }
 
 constexpr Format FORMATS[] = {
@@ -1547,7 +1663,7 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto work = std::make_shared<Work>();
   work->p = p;
   work->fn = int8_x != 0 ? f->q8(p.M) : f->chunk(p.M);
-  work->unit = int8_x != 0 ? (p.M <= Q8_TM ? ROW_UNIT : TNQ) : p.M == 1 ? ROW_UNIT : TN;
+  work->unit = int8_x != 0 ? (p.M <= f->q8_few ? ROW_UNIT : TNQ) : p.M == 1 ? ROW_UNIT : TN;
   work->units = (p.N + work->unit - 1) / work->unit;
   work->chunks = std::min(work->units, threads * CHUNKS_PER_THREAD);
   netra::run_on_pool(pool, work, std::min(threads, work->chunks) - 1, work->chunks);

@@ -7,14 +7,15 @@ BLOCK_BYTES), so that `gguf.quants.dequantize(w, qtype)` is W. The kernel reads 
 de-quantizes them in registers and L1 as it goes: a decode step reads 4.5-8.5 bits per weight instead of float32's 32
 (see the .cc file for the layout).
 
-Activations: float32 as they are (int8_x=False, the default here), or (int8_x=True, INT8_TYPES) quantized to int8
-blocks of 32 in the kernel and multiplied with integer dot products as llama.cpp does. The engine's CPU default (the
-"cpu_rows_q8" matmul backend) asks for int8: measured (benchmarks/ggml_matmul.py, 2-core Xeon, fastest call) it is
-the faster path for every INT8_TYPES shape, 1-4 rows 1.1-1.6x (Q4_0 K 2048 x N 8192 1 row 0.97 -> 0.82 ms), 12 rows
-and more 1.5-3.5x (32 rows 12.0 -> 3.5 ms), 128-512 rows 2.5-4x faster than the de-quantize-and-dot reference. The
-rounding moves a product by up to about 1% of its magnitude where a block holds an outlier channel: text scores as
-with llama.cpp (perplexity within 0.1% of float activations), but greedy answers can differ from the de-quantized
-weights' (SmolLM2-135M Q4_1's answers to the reference chats match transformers only with float activations).
+Activations: float32 as they are (int8_x=False, the default here), or (int8_x=True, INT8_TYPES) quantized to int8 blocks
+of 32 (one scale per 256 values against the K-quants, llama.cpp's Q8_K) in the kernel and multiplied with integer dot
+products as llama.cpp does. The engine's CPU default (the "cpu_rows_q8" matmul backend) asks for int8: measured
+(benchmarks/ggml_matmul.py, 2-core Xeon, fastest call) it is the faster path for every INT8_TYPES shape, 1-4 rows
+1.1-1.6x (Q4_0 K 2048 x N 8192 1 row 0.97 -> 0.82 ms), 12 rows and more 1.5-3.5x (32 rows 12.0 -> 3.5 ms), 128-512 rows
+2.5-4x faster than the de-quantize-and-dot reference. The rounding moves a product by up to about 1% of its magnitude
+where a block holds an outlier channel: text scores as with llama.cpp (perplexity within 0.1% of float activations), but
+greedy answers can differ from the de-quantized weights' (SmolLM2-135M Q4_1's answers to the reference chats match
+transformers only with float activations).
 
 Rows: 1 to ROWS_MAX with float activations, any number with int8 ones (split into calls of at most INT8_CHUNK_ROWS
 rows). A decode step's rows (one per running sequence) are few, and the kernel's cost is the weights' bytes (one row)
@@ -118,7 +119,8 @@ def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool = False) 
     operands it does not take (see `takes`; the caller checks it first) and RuntimeError when the kernels could not be
     built. Differentiable in x (forward and reverse). Lowers for CPU only.
 
-    int8_x: quantize x's rows to int8 blocks of 32 (per block d = max|x| / 127, rounded to nearest) and take integer
+    int8_x: quantize x's rows to int8 blocks of 32 (per block d = max|x| / 127, taken over 256 values against the
+    K-quants; rounded to nearest) and take integer
     dot products, as llama.cpp does (the result moves by at most sum over blocks of d / 2 * sum |w|); False: float
     products of x as it is. Only INT8_TYPES have the int8 path."""
     int8_x = bool(int8_x)

@@ -89,11 +89,13 @@ def assert_close(y, ref, k: int) -> None:
 
 def rounding_bound(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
     """[M, N] bound on |int8 path - exact product|: x's rounding moves each value by at most d / 2 = max|x| / 254 of
-    its block, so the product moves by at most sum over blocks of max|x| / 254 * sum |w| (1e-4 more for the
-    float32 arithmetic of x * (127 / max|x|))."""
+    its block (32 values, 256 against the K-quants), so the product moves by at most sum over blocks of 32 of
+    max|x| / 254 * sum |w| (1e-4 more for the float32 arithmetic of x * (127 / max|x|))."""
     dense = np.abs(gguf.quants.dequantize(w, gguf.GGMLQuantizationType[qtype]).astype(np.float64))
     m, k = x.shape
-    amax = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1)  # [M, blocks]
+    size = 256 if qtype.endswith("_K") else 32
+    amax = np.abs(x.astype(np.float64)).reshape(m, k // size, size).max(-1)  # [M, blocks of x]
+    amax = np.repeat(amax, size // 32, axis=1)  # [M, blocks of 32]
     w_sums = dense.reshape(w.shape[0], k // 32, 32).sum(-1)  # [N, blocks]
     return (amax / 254) @ w_sums.T * (1 + 1e-4)
 
@@ -123,7 +125,7 @@ def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
     x = rng.standard_normal((M, k), dtype=np.float32)
     x[0, :32] = 0.0  # an all-zero block: d = 0
     y = _jitted(qtype, True)(x, w)
-    assert_close(y, reference(int8_rounded(x), w, qtype), k)
+    assert_close(y, reference(int8_rounded(x, qtype), w, qtype), k)
     error = np.abs(np.asarray(y, np.float64) - reference(x, w, qtype))
     bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(k) * np.abs(reference(x, w, qtype)).max()
     assert np.all(error <= bound), f"error over the bound by {(error - bound).max():.3g}"
@@ -136,7 +138,7 @@ def test_gguf_quantized_blocks(qtype, M, int8_x):
     rng = np.random.default_rng(M)
     w = quantized_blocks(rng, qtype, 45, 11)
     x = rng.standard_normal((M, 11 * 32), dtype=np.float32) * rng.uniform(0.1, 10, (M, 1)).astype(np.float32)
-    assert_close(_jitted(qtype, int8_x)(x, w), reference(int8_rounded(x) if int8_x else x, w, qtype), 11 * 32)
+    assert_close(_jitted(qtype, int8_x)(x, w), reference(int8_rounded(x, qtype) if int8_x else x, w, qtype), 11 * 32)
 
 
 @pytest.mark.parametrize("M", [2, 9, 200])
@@ -148,10 +150,10 @@ def test_float_x_is_the_default_and_int8_takes_prefill_rows(M):
     assert takes(jnp.asarray(x), jnp.asarray(w), "Q4_0", int8_x=True)
     if M <= 128:
         assert_close(jax.jit(lambda x, w: blocks_matmul(x, w, "Q4_0"))(x, w), reference(x, w, "Q4_0"), 256)
-    # Q6_K's int8 path (16-value scales) takes any number of rows in tiles of Q8_TM
+    # Q6_K's int8 path (16-value scales) takes any number of rows: up to 16 in tiles of 4, more in the lanes
     assert takes(jnp.asarray(x), jnp.asarray(w_k), "Q6_K", int8_x=True)
     y = jax.jit(lambda x, w: blocks_matmul(x, w, "Q6_K", int8_x=True))(x, w_k)
-    assert_close(y, reference(int8_rounded(x), w_k, "Q6_K"), 256)
+    assert_close(y, reference(int8_rounded(x, "Q6_K"), w_k, "Q6_K"), 256)
 
 
 @pytest.mark.parametrize("M", [513, 1100])
@@ -162,7 +164,7 @@ def test_int8_x_past_a_call_is_split_into_equal_calls(M):
     x = rng.standard_normal((M, 64), dtype=np.float32)
     calls = [e for e in _jitted("Q4_0", True).lower(x, w).as_text().splitlines() if cpu_ggml_matmul.TARGET in e]
     assert len(calls) == -(-M // cpu_ggml_matmul.INT8_CHUNK_ROWS)
-    assert_close(_jitted("Q4_0", True)(x, w), reference(int8_rounded(x), w, "Q4_0"), 64)
+    assert_close(_jitted("Q4_0", True)(x, w), reference(int8_rounded(x, "Q4_0"), w, "Q4_0"), 64)
 
 
 def test_lowers_to_the_kernel_and_vmaps():
@@ -270,4 +272,6 @@ def test_other_builds_match_float64(other_builds, build, qtype):
         ggml_type = np.int32(FORMATS[qtype].ggml_type)
         assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(0)), reference(x, w, qtype), k)
         if qtype in INT8_TYPES:
-            assert_close(call(x, w, qtype=ggml_type, int8_x=np.int32(1)), reference(int8_rounded(x), w, qtype), k)
+            assert_close(
+                call(x, w, qtype=ggml_type, int8_x=np.int32(1)), reference(int8_rounded(x, qtype), w, qtype), k
+            )

@@ -128,7 +128,7 @@ def test_cpu_rows_q8_backend_rounds_the_activations_of_its_types(qtype):
     n, k = 40, 256
     data, w = encoded(qtype, n, k)  # [n, k]: a row per output feature
     x = np.random.default_rng(2).standard_normal((6, k)).astype(np.float32)
-    rounded = int8_rounded(x) if qtype in cpu_ggml_matmul.INT8_TYPES else x.astype(np.float64)
+    rounded = int8_rounded(x, qtype) if qtype in cpu_ggml_matmul.INT8_TYPES else x.astype(np.float64)
     want = rounded @ w.T.astype(np.float64)
     got = matmul(jnp.asarray(x), GGMLWeight(jnp.asarray(data), qtype), backend="cpu_rows_q8")
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())

@@ -251,14 +251,16 @@ def check_through_gguf(path: Path, encoders: dict, rows: int = 3, cols: int = 51
         assert np.ptp(ref) > 0, name  # the blocks encode varied values
 
 
-def int8_rounded(x):
-    """float64 of float32 x [M, K] as the GGML kernel's int8 activations read it (netra_jax.ops.cpu_ggml_matmul): per
-    block of 32, d = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest even, in float32 as the kernel
-    computes them, then d * q."""
+def int8_rounded(x, qtype):
+    """float64 of float32 x [M, K] as the GGML kernel's int8 activations for `qtype` blocks read it
+    (netra_jax.ops.cpu_ggml_matmul): per block of 32 values (256 against the K-quants, llama.cpp's Q8_K),
+    d = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest even, in float32 as the kernel computes them, then
+    d * q."""
     import numpy as np
 
+    size = 256 if qtype.endswith("_K") else 32
     m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
+    xb = x.reshape(m, k // size, size)
     amax = np.abs(xb).max(-1, keepdims=True)  # float32
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
