@@ -639,6 +639,24 @@ inline vi lanes_of(const Ints16& s, vi index) {
 #endif
 }
 
+// acc + dots * scales lane by lane, for dot products and scales that fit in int16 (a lane of dpbusd sums 4 products
+// of at most 32 x 127; the scales 6 or 8 bits): with AVX-512 one multiply-add of the lanes' low halves (VNNI
+// vpdpwssd; negative scales' high halves zeroed).
+template <bool SIGNED>
+inline vi scaled_sum(vi acc, vi dots, vi scales) {
+#if defined(NETRA_Q8_AVX512)
+  __m512i s = bits_as<__m512i>(scales);
+  if constexpr (SIGNED) s = _mm512_and_si512(s, _mm512_set1_epi32(0xFFFF));
+#if defined(__AVX512VNNI__)
+  return bits_as<vi>(_mm512_dpwssd_epi32(bits_as<__m512i>(acc), bits_as<__m512i>(dots), s));
+#else
+  return acc + bits_as<vi>(_mm512_madd_epi16(bits_as<__m512i>(dots), s));
+#endif
+#else
+  return acc + dots * scales;
+#endif
+}
+
 // Q4_K / Q5_K: the scales sc_j of the sub-blocks i, i + 1, ... (ORDERED: in K4_ORDER) over their dot products' lanes
 template <bool ORDERED>
 inline vi k4_lane_scales(const Ints16& s, int i) {
@@ -1394,7 +1412,8 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
           const int64_t at = (m0 + m) * bp + g + i;
           const int8_t* q = p.q8->q.get() + at * 32;
           // SUB16: sum (u - 32) q per lane, exact in int32
-          sums[m] += (SUB16<T> ? dot<T::U_BITS>(u, q, p.q8->c32[at / PB]) : dot<T::U_BITS>(u, q)) * scales;
+          const vi dots = SUB16<T> ? dot<T::U_BITS>(u, q, p.q8->c32[at / PB]) : dot<T::U_BITS>(u, q);
+          sums[m] = scaled_sum<SUB16<T>>(sums[m], dots, scales);  // Q6_K's scales are signed
         }
       }
       const float dw = T::d(b);
