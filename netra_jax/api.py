@@ -78,9 +78,10 @@ class LLM:
             "mosaic_interpret".
         tensor_parallel_size: Devices the weights and KV heads are split over.
         matmul_backend: "auto" | "xla" | "cpu_rows" | "cpu_rows_q8" | "gpu" | "gpu_sm80" | "gpu_interpret": how
-            matmuls run ("cpu_rows_q8": the CPU kernels with GGUF Q4_0 ... Q8_0, Q4_K and Q5_K weights times
-            activations rounded to int8 blocks of 32, llama.cpp's arithmetic: faster, not float-exact; "cpu_rows":
-            the same kernels on float32 activations, the arithmetic of the de-quantized weights);
+            matmuls run ("cpu_rows_q8": the CPU kernels with GGUF Q4_0 ... Q8_0, Q4_K, Q5_K and Q6_K weights
+            times activations rounded to int8 blocks of 32 (a scale per 256 values against the K-quants),
+            llama.cpp's arithmetic: faster, not float-exact; "cpu_rows": the same kernels on float32 activations,
+            the arithmetic of the de-quantized weights);
             "auto" runs the CPU kernels when they build and the weights are not split ("cpu_rows_q8" for a GGUF
             file, "cpu_rows" for a Hugging Face checkpoint), the GPU
             kernels of quantized weights on CUDA (`netra_jax.quant.gpu`: the Pallas W4A16 / W8A16 kernel; fp8 as
