@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from netra_jax.config import ConfigError, ModelConfig, json_object
@@ -293,15 +292,13 @@ class EngineConfig:
 
     def serves_gguf(self) -> bool:
         """Whether the model is a GGUF file (the embedded default model is one)."""
+        from netra_jax.loader.gguf_loader import is_gguf_file
+
         if not self.model:
             return True
-        path = Path(self.model)
-        if path.suffix.lower() == ".gguf":
-            return True
         try:
-            with open(path, "rb") as fh:
-                return fh.read(4) == b"GGUF"
-        except OSError:  # a directory, or a name resolved elsewhere
+            return is_gguf_file(self.model)
+        except OSError:  # a file that cannot be read: the loader says why
             return False
 
 

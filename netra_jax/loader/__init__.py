@@ -42,7 +42,7 @@ from netra_jax.loader import cache as param_cache
 from netra_jax.loader import dummy, gguf_loader, gguf_names, hf, hf_quant, mxfp4
 from netra_jax.loader.errors import CheckpointError
 from netra_jax.loader.gguf_config import config_from_gguf_metadata
-from netra_jax.loader.gguf_loader import GGUF_MAGIC, GGUFFile, read_gguf_metadata
+from netra_jax.loader.gguf_loader import GGUFFile, is_gguf_file, read_gguf_metadata
 from netra_jax.loader.hf import HFCheckpoint, stored_float_dtype
 from netra_jax.models import weight_map, weight_reads
 from netra_jax.options import DTYPES, LOAD_FORMATS, TASKS
@@ -60,13 +60,6 @@ __all__ = [
 ]
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 log = logging.getLogger(__name__)
-
-
-def _is_gguf(p: Path) -> bool:
-    if p.suffix.lower() == ".gguf":
-        return True
-    with open(p, "rb") as fh:
-        return fh.read(4) == GGUF_MAGIC
 
 
 def _resolve_dtype(dtype: str, source_dtype: str | None, is_gguf: bool) -> str:
@@ -95,7 +88,7 @@ def _open_source(
         if (p / "model.safetensors.index.json").is_file():
             files.append(p / "model.safetensors.index.json")
         return cfg, d, files
-    if not p.is_file() or not _is_gguf(p):
+    if not is_gguf_file(p):
         raise CheckpointError(f"{p} is neither a Hugging Face model directory nor a GGUF (.gguf) file")
     gf = GGUFFile(p)
     rope_freqs = gf.tensor("rope_freqs.weight") if "rope_freqs.weight" in gf.tensors else None

@@ -25,6 +25,19 @@ from netra_jax.loader.hf import release_pages
 from netra_jax.ops.ggml_blocks import FORMATS
 
 GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether `path` is a file named *.gguf or starting with the GGUF magic (False for a directory or no file)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
 _GGUF_VERSION = importlib.metadata.version("gguf")
 _SCALARS = {  # GGUF value type -> struct format (little endian)
     0: "<B",

@@ -120,9 +120,8 @@ def blocks_matmul(x: jax.Array, w: jax.Array, qtype: str, int8_x: bool = False) 
     built. Differentiable in x (forward and reverse). Lowers for CPU only.
 
     int8_x: quantize x's rows to int8 blocks of 32 (per block d = max|x| / 127, taken over 256 values against the
-    K-quants; rounded to nearest) and take integer
-    dot products, as llama.cpp does (the result moves by at most sum over blocks of d / 2 * sum |w|); False: float
-    products of x as it is. Only INT8_TYPES have the int8 path."""
+    K-quants; rounded to nearest) and take integer dot products, as llama.cpp does (the result moves by at most sum
+    over blocks of d / 2 * sum |w|); False: float products of x as it is. Only INT8_TYPES have the int8 path."""
     int8_x = bool(int8_x)
     why = _why_not(x, w, qtype, int8_x)
     if why is not None:
