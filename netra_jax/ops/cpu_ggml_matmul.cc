@@ -670,9 +670,9 @@ template <bool ORDERED>
 inline v8 k4_mins(const uint8_t* b, const Ints16& s) {
   const float dmin = -half(b + 2);
 #if defined(__AVX512F__)
-  const __m512i index = ORDERED ? _mm512_setr_epi32(8, 10, 9, 11, 12, 14, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)
-                                : _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m256i m = _mm512_castsi512_si256(_mm512_permutexvar_epi32(index, bits_as<__m512i>(s)));
+  vi index = {};  // the mins in the low 8 lanes
+  for (int j = 0; j < 8; ++j) index[j] = 8 + (ORDERED ? K4_ORDER[j] : j);
+  const __m256i m = _mm512_castsi512_si256(bits_as<__m512i>(lanes_of(s, index)));
   return bits_as<v8>(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin)));
 #else
   v8 m;
