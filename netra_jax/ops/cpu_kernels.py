@@ -1,5 +1,6 @@
 """The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, `cpu_ggml_matmul.cc`, `cpu_decode_layer.cc`, sharing
-`cpu_pool.h` and the matmul's and attention's cores in `cpu_matmul.h` and `cpu_attention.h`): compiled
+`cpu_pool.h` and the matmul's and attention's cores in `cpu_matmul.h` and `cpu_attention.h`; the GGML-block matmul's
+formats and kernels in `ggml_blocks.h`, `ggml_matmul.h` and `ggml_matmul_q8.h`): compiled
 on first use into one shared library for this machine's CPU and registered as XLA FFI targets; `available()` says
 whether they are ready.
 
@@ -37,7 +38,14 @@ SOURCES = (
     HERE / "cpu_ggml_matmul.cc",
     HERE / "cpu_decode_layer.cc",
 )
-HEADERS = (HERE / "cpu_pool.h", HERE / "cpu_matmul.h", HERE / "cpu_attention.h")
+HEADERS = (
+    HERE / "cpu_pool.h",
+    HERE / "cpu_matmul.h",
+    HERE / "cpu_attention.h",
+    HERE / "ggml_blocks.h",
+    HERE / "ggml_matmul.h",
+    HERE / "ggml_matmul_q8.h",
+)
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "netra_small_matmul_f32": "NetraSmallMatmulF32",
