@@ -460,7 +460,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("cannot update the weights while requests are running; finish or abort them first")
         old = self.runner.params if self._sleep.weights is None else self._sleep.weights[0][1]  # (its layout)
-        self.runner.params = self._live_params = placed_like(old, params)
+        self.runner.params = self._live_params = placed_like(old, params, self.runner.matmul_backend)
         self._frozen = None  # (its view would keep the old weights alive)
         if self._sleep.weights is not None:  # the new weights are on the device: awake (a draft model's too)
             self._sleep.wake_weights(self._runners(), first=1)

@@ -11,6 +11,7 @@ import numpy as np
 
 from netra_jax.models.frozen_params import unfreeze
 from netra_jax.models.transformer import fuse_qkv
+from netra_jax.quant import weight_layout
 
 
 def layout(tree):
@@ -18,14 +19,18 @@ def layout(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
-def placed_like(old, params):
+def placed_like(old, params, backend: str | None = None):
     """`params` (any mappings and sequences, e.g. a frozen view or a tree mapped over one; or `load_model`'s layout
     with q, k and v apart when `old` holds them joined) as a tree of `old`'s structure, each leaf with the old leaf's
     dtype and sharding: no copy where they already agree, a float leaf of another float dtype cast, one elsewhere
-    moved, q/k/v joined (the one concatenation). `old` may be a tree of arrays or of ShapeDtypeStructs. ValueError
-    naming the first leaf that does not fit, or for another structure."""
+    moved, q/k/v joined (the one concatenation). `backend`: the matmul backend `old` was laid out for, whose layout
+    (`quant.weight_layout`, e.g. Q4_K rows interleaved for "cpu_rows_q8") the new weights get first (a no-op for
+    weights already in it). `old` may be a tree of arrays or of ShapeDtypeStructs. ValueError naming the first leaf
+    that does not fit, or for another structure."""
     old_leaves, treedef = jax.tree.flatten_with_path(old)
     params = unfreeze(params)
+    if backend is not None:
+        params = weight_layout(params, backend)
     new_leaves, new_def = jax.tree.flatten_with_path(params)
     joined = any("wqkv" in lp for lp in old.get("layers", ()))
     if new_def != treedef and joined and isinstance(params, dict) and isinstance(params.get("layers"), list):

@@ -36,16 +36,29 @@ struct Format {
   ChunkFn (*q8)(int64_t M);  // int8 activations (null: the type has no such path)
   int64_t q8_few;            // rows the int8 path reads weight row by weight row (FEW_ROWS)
   Q8Rows (*quantize)(const float* x, int64_t M, int64_t K);  // x for the int8-activation path
+  int64_t interleaved;       // weight rows whose blocks lie side by side (the chunks' unit), 0: row by row
 };
 
 template <typename T>
-constexpr Format format(int32_t ggml_type, const char* name) {
-  return {ggml_type, name, T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>, FEW_ROWS<T>, quantize_rows<T>};
+constexpr int64_t interleaved_rows() {
+  if constexpr (INTERLEAVED<T>) {
+    return T::ROWS;
+  } else {
+    return 0;
+  }
 }
 
+template <typename T>
+constexpr Format format(int32_t ggml_type, const char* name) {
+  return {ggml_type,   name,          T::QK, T::BYTES, chunk_fn<T>, q8_fn<T>, FEW_ROWS<T>, quantize_rows<T>,
+          interleaved_rows<T>()};
+}
+
+// GGML's type numbers; Q4_K_X16 (1012) is this runtime's layout of Q4_K rows (ggml_blocks.h), not a GGUF type
 constexpr Format FORMATS[] = {
-    format<Q4_0>(2, "Q4_0"), format<Q4_1>(3, "Q4_1"), format<Q5_0>(6, "Q5_0"), format<Q5_1>(7, "Q5_1"),
-    format<Q8_0>(8, "Q8_0"), format<Q4_K>(12, "Q4_K"), format<Q5_K>(13, "Q5_K"), format<Q6_K>(14, "Q6_K"),
+    format<Q4_0>(2, "Q4_0"),  format<Q4_1>(3, "Q4_1"),  format<Q5_0>(6, "Q5_0"),
+    format<Q5_1>(7, "Q5_1"),  format<Q8_0>(8, "Q8_0"),  format<Q4_K>(12, "Q4_K"),
+    format<Q5_K>(13, "Q5_K"), format<Q6_K>(14, "Q6_K"), format<Q4_KX16>(1012, "Q4_K_X16"),
 };
 
 // Chunks of whole units of weight rows, claimed by the caller and the helpers. Each thread works from its own copy
@@ -80,7 +93,7 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (f == nullptr) {
     return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: GGML type " + std::to_string(qtype) +
                                        " is not one of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
-                                       "Q5_K (13), Q6_K (14)");
+                                       "Q5_K (13), Q6_K (14), Q4_K_X16 (1012)");
   }
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const std::string format = std::string(" (") + f->name + ": " + std::to_string(f->qk) + " values in " +
@@ -98,7 +111,15 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   if (int8_x != 0 && f->q8(1) == nullptr) {
     return ffi::Error::InvalidArgument(std::string("netra_ggml_matmul_f32: ") + f->name +
-                                       " has no int8-activation path (int8_x = 1)");
+                                       " has no int8-activation path in this build (int8_x = 1)");
+  }
+  if (int8_x == 0 && f->chunk(1) == nullptr) {
+    return ffi::Error::InvalidArgument(std::string("netra_ggml_matmul_f32: ") + f->name +
+                                       " has no float32-activation path (int8_x = 0)");
+  }
+  if (f->interleaved != 0 && wd[0] % f->interleaved != 0) {
+    return ffi::Error::InvalidArgument(std::string("netra_ggml_matmul_f32: ") + f->name + " weights hold groups of " +
+                                       std::to_string(f->interleaved) + " rows, w has " + std::to_string(wd[0]));
   }
   Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[1], nullptr, nullptr};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -119,7 +140,10 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto work = std::make_shared<Work>();
   work->p = p;
   work->fn = int8_x != 0 ? f->q8(p.M) : f->chunk(p.M);
-  work->unit = int8_x != 0 ? (p.M <= f->q8_few ? ROW_UNIT : TNQ) : p.M == 1 ? ROW_UNIT : TN;
+  work->unit = f->interleaved != 0 ? f->interleaved
+               : int8_x != 0       ? (p.M <= f->q8_few ? ROW_UNIT : TNQ)
+               : p.M == 1          ? ROW_UNIT
+                                   : TN;
   work->units = (p.N + work->unit - 1) / work->unit;
   work->chunks = std::min(work->units, threads * CHUNKS_PER_THREAD);
   netra::run_on_pool(pool, work, std::min(threads, work->chunks) - 1, work->chunks);
@@ -137,3 +161,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraGgmlMatmulF32, GgmlMatmul,
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("int8_x"));
 
+// Rows of Q4_K_X16's groups when this build reads that layout (AVX-512 VNNI), else 0: the loader makes it only then
+extern "C" int32_t NetraGgmlInterleavedRows() { return INTERLEAVED_ROWS; }

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from netra_jax.ops import cpu_kernels
-from netra_jax.ops.ggml_blocks import FORMATS, dequantize_rows
+from netra_jax.ops.ggml_blocks import FORMATS, GGUF_TYPES, dequantize_rows
 
 __all__ = [
     "INT8_CHUNK_ROWS",
@@ -51,28 +51,34 @@ __all__ = [
 ]
 
 TARGET = "netra_ggml_matmul_f32"
-TYPES = tuple(FORMATS)  # the kernel reads every kept format (`ggml_blocks.FORMATS`: values, bytes, type number)
+TYPES = GGUF_TYPES  # with float32 activations: every GGUF type kept (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
-INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types with an int8-activation path
+# with int8 activations: the GGUF types, and Q4_K_X16 (Q4_K rows interleaved by 16, `ggml_blocks.interleave_rows`: int8
+# activations only, in the builds `cpu_kernels.interleaved_rows()` names)
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X16")
 # rows per kernel call with int8 activations (the most measured against the reference); more are split into equal calls
 INT8_CHUNK_ROWS = 512
 
 
 def _why_not(x, w, qtype, int8_x: bool) -> str | None:
     """Why `blocks_matmul` does not take these operands, or None when it does (the kernels' build aside)."""
-    if qtype not in TYPES:
-        return f"GGML type {qtype!r} is not one of {', '.join(TYPES)}"
+    if qtype not in TYPES and qtype not in INT8_TYPES:
+        return f"GGML type {qtype!r} is not one of {', '.join(dict.fromkeys((*TYPES, *INT8_TYPES)))}"
     qk, block_bytes = FORMATS[qtype].qk, FORMATS[qtype].block_bytes
     if getattr(x, "ndim", None) != 2 or x.dtype != jnp.float32:
         return f"x must be float32 [M, K], got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}"
     if int8_x and qtype not in INT8_TYPES:
         return f"{qtype} has no int8-activation path (those: {', '.join(INT8_TYPES)})"
+    if not int8_x and qtype not in TYPES:
+        return f"{qtype} is read with int8 activations only (int8_x=True)"
     if x.shape[0] < 1:
         return "x has 0 rows"
     if not int8_x and x.shape[0] > ROWS_MAX:
         return f"x has {x.shape[0]} rows, the kernel takes 1 to {ROWS_MAX} with float x (any number with int8 x)"
     if getattr(w, "ndim", None) != 2 or w.dtype != jnp.uint8:
         return f"w must be uint8 [N, row_bytes], got {getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}"
+    if (rows := FORMATS[qtype].interleaved) and w.shape[0] % rows:
+        return f"{qtype} weights hold groups of {rows} rows, w has {w.shape[0]}"
     if w.shape[1] % block_bytes or w.shape[1] // block_bytes * qk != x.shape[1]:
         return (
             f"{qtype} rows of K = {x.shape[1]} values are {x.shape[1] / qk * block_bytes:g} bytes "

@@ -27,7 +27,7 @@ import jax
 
 from netra_jax.assets import cache_dir
 
-__all__ = ["SOURCES", "TARGETS", "available", "build", "register_builds", "unavailable_reason"]
+__all__ = ["SOURCES", "TARGETS", "available", "build", "interleaved_rows", "register_builds", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -136,21 +136,33 @@ def build() -> Path:
 
 
 @functools.cache
-def _load() -> str | None:
-    """Build, load and register the kernels once per process; None when ready, else why they are not."""
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    """Build, load and register the kernels once per process: (the library, None) when ready, else (None, why)."""
     try:
         lib = ctypes.CDLL(str(build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         log.warning("the C++ CPU kernels are unavailable, the jnp / XLA paths run instead: %s", e)
-        return str(e)
-    return None
+        return None, str(e)
+    return lib, None
+
+
+def _load() -> str | None:
+    return _library()[1]
 
 
 def available() -> bool:
     """Whether the kernels are built and registered (building them on the first call)."""
     return _load() is None
+
+
+@functools.cache
+def interleaved_rows() -> int:
+    """Rows per group of the interleaved GGML layout (`ggml_blocks.interleave_rows`) this machine's build reads with
+    int8 activations (16 with AVX-512 VNNI), 0 when it reads none or the kernels are unavailable."""
+    lib = _library()[0]
+    return 0 if lib is None else int(lib.NetraGgmlInterleavedRows())
 
 
 def unavailable_reason() -> str | None:

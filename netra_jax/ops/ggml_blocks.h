@@ -769,6 +769,21 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
   }
 };
 
+// Q4_K with its weight rows interleaved by 16 (this runtime's layout, not a GGUF type; made at load from Q4_K rows by
+// netra_jax/ops/ggml_blocks.py `interleave_rows`): the same bytes, 16 consecutive rows' blocks b side by side so that
+// one vector holds a piece of every row. Group g (rows 16 g .. 16 g + 15) is nb = K / 256 blocks of 2304 bytes:
+//   [0, 32) the 16 rows' d, [32, 64) their dmin (halves, row order);
+//   [64, 256) their 12 packed scale bytes, byte i of row r at 64 + 16 i + r;
+//   [256, 2304) the values: for sub-block j, half h, pair p (64 bytes at 256 + 64 (4 j + 2 h + p)), int32 lane r holds
+//   row r's values 32 j + 16 h + 8 p + t (t < 4) in the low nibbles of its 4 bytes, and values + 4 in the high ones.
+// With int8 activations (ggml_matmul_q8.h) a dot product multiplies 4 values of each of the 16 rows by the same 4
+// bytes of x (broadcast): no shuffles, the scales of 16 rows unpacked together, one vector of results per group.
+struct Q4_KX16 {
+  static constexpr int QK = 256, BYTES = 144, GROUP = 1, STEP_BYTES = BYTES, U_BITS = 4;
+  static constexpr int ROWS = 16, GROUP_BYTES = ROWS * BYTES;
+  static constexpr int D_AT = 0, DMIN_AT = 32, SCALES_AT = 64, VALUES_AT = 256;
+};
+
 constexpr int SCALES = 32;  // floats of a step's scales, any format
 
 // Types whose int8 path scales 16-value halves of a block (Q6_K): lane_scales and a centered starting value
@@ -781,6 +796,10 @@ template <typename T>
 constexpr bool INT_BLOCKS = T::QK == 256;
 
 // Types whose int8 path reads a step's blocks in K4_ORDER
+// Types whose weight rows are interleaved (Q4_KX16): their own kernel for any number of rows of x
+template <typename T>
+constexpr bool INTERLEAVED = std::is_same_v<T, Q4_KX16>;
+
 template <typename T>
 constexpr bool IN_K4_ORDER = false;
 template <>

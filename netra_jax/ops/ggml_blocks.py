@@ -5,7 +5,12 @@ against and the path for the products no kernel takes (many rows, other backends
 A weight [N, K] in one of these formats is the raw bytes of the GGUF tensor: uint8 [N, row_bytes], each row K / QK
 consecutive blocks (row_bytes = K / QK * BLOCK_BYTES), exactly as llama.cpp stores and reads it. Layouts follow
 ggml-common.h (fp16 fields little-endian IEEE half); `gguf.quants.dequantize` is the numpy ground truth the tests
-compare this module with."""
+compare this module with.
+
+Interleaved layouts (`interleave_rows`; Q4_K_X16, made at load for the CPU int8 kernel): the same bytes, each group
+of 16 consecutive rows' blocks side by side (netra_jax/ops/ggml_blocks.h describes the bytes), still uint8
+[N, row_bytes] but read in groups of 16 rows: a slice of whole groups is a weight of that layout, a single row is not.
+They are this runtime's, not GGUF types (type numbers 1000 + the GGUF type's)."""
 
 from __future__ import annotations
 
@@ -16,9 +21,13 @@ import jax.numpy as jnp
 
 __all__ = [
     "FORMATS",
+    "GGUF_TYPES",
     "SYMMETRIC",
     "BlockFormat",
+    "deinterleave_rows",
     "dequantize_rows",
+    "interleave_rows",
+    "interleaved_layout",
     "pack_rows",
     "quantize_rows_q4_0",
     "row_bytes",
@@ -34,6 +43,8 @@ class BlockFormat:
     ggml_type: int
     qk: int
     block_bytes: int
+    interleaved: int = 0  # an interleaved layout's rows per group (0: a GGUF type, row by row)
+    base: str | None = None  # the GGUF type an interleaved layout holds
 
 
 FORMATS = {
@@ -47,8 +58,17 @@ FORMATS = {
         BlockFormat("Q4_K", 12, 256, 144),
         BlockFormat("Q5_K", 13, 256, 176),
         BlockFormat("Q6_K", 14, 256, 210),
+        BlockFormat("Q4_K_X16", 1012, 256, 144, interleaved=16, base="Q4_K"),
     )
 }
+GGUF_TYPES = tuple(name for name, f in FORMATS.items() if not f.interleaved)  # the types a GGUF file holds
+# GGUF type -> its interleaved layout
+_INTERLEAVED = {f.base: name for name, f in FORMATS.items() if f.interleaved}
+
+
+def interleaved_layout(qtype: str) -> str | None:
+    """The interleaved layout of GGUF type `qtype` (`interleave_rows`), or None when it has none."""
+    return _INTERLEAVED.get(qtype)
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -183,13 +203,66 @@ _DEQUANT = {
 
 
 def dequantize_rows(data: jax.Array, qtype: str, dtype=jnp.float32) -> jax.Array:
-    """uint8 [..., row_bytes] rows of `qtype` blocks -> [..., K] de-quantized (K = row_bytes / BLOCK_BYTES * QK)."""
+    """uint8 [..., row_bytes] rows of `qtype` blocks -> [..., K] de-quantized (K = row_bytes / BLOCK_BYTES * QK).
+    An interleaved layout's rows are de-quantized by whole groups (axis -2)."""
     f = FORMATS[qtype]
     if data.dtype != jnp.uint8 or data.shape[-1] % f.block_bytes:
         raise ValueError(f"{qtype} rows are uint8 multiples of {f.block_bytes} bytes, got {data.dtype} {data.shape}")
+    if f.interleaved:
+        return dequantize_rows(deinterleave_rows(data, qtype), f.base, dtype)
     nb = data.shape[-1] // f.block_bytes
     blocks = data.reshape(*data.shape[:-1], nb, f.block_bytes)
     return _DEQUANT[qtype](blocks).reshape(*data.shape[:-1], nb * f.qk).astype(dtype)
+
+
+def _groups(data: jax.Array, qtype: str, rows: int) -> tuple[list[int], int, int]:
+    """(lead axes, groups, blocks per row) of rows [..., N, row_bytes] read in groups of `rows`; ValueError else."""
+    f = FORMATS[qtype]
+    if data.dtype != jnp.uint8 or data.ndim < 2 or data.shape[-2] % rows or data.shape[-1] % f.block_bytes:
+        raise ValueError(
+            f"{qtype} weights in groups of {rows} rows are uint8 [..., N, row_bytes] with N a multiple of {rows} and "
+            f"row_bytes of {f.block_bytes}-byte blocks, got {data.dtype} {data.shape}"
+        )
+    return list(data.shape[:-2]), data.shape[-2] // rows, data.shape[-1] // f.block_bytes
+
+
+def interleave_rows(data: jax.Array, qtype: str) -> tuple[jax.Array, str]:
+    """Rows of a GGUF type [..., N, row_bytes] -> (the same bytes in its interleaved layout, that layout's name), for
+    Q4_K (-> Q4_K_X16: N a multiple of 16; ValueError else). Per group of 16 rows and block: the rows' d, their dmin,
+    their 12 scale bytes byte by byte, then for sub-block j, half h, pair p 64 bytes whose int32 lane r holds row r's
+    values 32 j + 16 h + 8 p + t (t < 4) in its low nibbles and values + 4 in its high ones (ggml_blocks.h)."""
+    if qtype not in _INTERLEAVED:
+        raise ValueError(f"no interleaved layout of {qtype} (those: {', '.join(_INTERLEAVED)})")
+    name = _INTERLEAVED[qtype]
+    rows = FORMATS[name].interleaved
+    lead, g, nb = _groups(data, qtype, rows)
+    b = data.reshape(*lead, g, rows, nb, 144)
+    by_block = jnp.moveaxis(b, -3, -2)  # [..., g, nb, rows, 144]
+    d, dmin = (by_block[..., a : a + 2].reshape(*lead, g, nb, 2 * rows) for a in (0, 2))
+    scales = jnp.swapaxes(by_block[..., 4:16], -1, -2).reshape(*lead, g, nb, 12 * rows)  # byte by byte
+    v = _chunked_nibbles(by_block[..., 16:]).reshape(*lead, g, nb, rows, 8, 2, 2, 2, 4)  # [.., r, j, h, p, s, t]
+    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).astype(jnp.uint8)  # [..., r, j, h, p, t]
+    values = jnp.moveaxis(packed, -5, -2).reshape(*lead, g, nb, 2048)  # [..., j, h, p, r, t]
+    out = jnp.concatenate([d, dmin, scales, values], -1)  # [..., g, nb, 2304]
+    return out.reshape(data.shape), name
+
+
+def deinterleave_rows(data: jax.Array, qtype: str) -> jax.Array:
+    """The inverse of `interleave_rows`: an interleaved layout's rows [..., N, row_bytes] -> its GGUF type's."""
+    f = FORMATS[qtype]
+    if not f.interleaved:
+        raise ValueError(f"{qtype} is not an interleaved layout")
+    rows = f.interleaved
+    lead, g, nb = _groups(data, qtype, rows)
+    blk = data.reshape(*lead, g, nb, rows * f.block_bytes)
+    d, dmin = (blk[..., a : a + 2 * rows].reshape(*lead, g, nb, rows, 2) for a in (0, 2 * rows))
+    scales = jnp.swapaxes(blk[..., 4 * rows : 16 * rows].reshape(*lead, g, nb, 12, rows), -1, -2)
+    packed = blk[..., 16 * rows :].reshape(*lead, g, nb, 8, 2, 2, rows, 4).astype(jnp.int32)  # [.., j, h, p, r, t]
+    v = jnp.stack([packed & 15, packed >> 4], -2)  # [..., j, h, p, r, s, t]
+    v = jnp.moveaxis(v, -3, -6).reshape(*lead, g, nb, rows, 4, 2, 32)  # [..., r, c, lo / hi, l]: value 64 c + 32 s + l
+    qs = (v[..., 0, :] | (v[..., 1, :] << 4)).astype(jnp.uint8).reshape(*lead, g, nb, rows, 128)
+    blocks = jnp.concatenate([d, dmin, scales, qs], -1)  # [..., g, nb, rows, 144]
+    return jnp.moveaxis(blocks, -2, -3).reshape(data.shape)
 
 
 def pack_rows(q: jax.Array, d: jax.Array, qtype: str, m: jax.Array | None = None) -> jax.Array:

@@ -245,22 +245,26 @@ inline std::unique_ptr<vf[]> x_by_steps(const Problem& p) {
 // A kernel's share of a problem: the weight rows [n0, n1)
 typedef void (*ChunkFn)(const Problem&, int64_t, int64_t);
 
-// The float32-activation kernel for M rows of x
+// The float32-activation kernel for M rows of x (null: the type has none)
 template <typename T>
 ChunkFn chunk_fn(int64_t M) {
   static_assert(TM <= 4 && KS % T::QK == 0);
-  if (M == 1) return one_row<T>;
-  switch (M) {
+  if constexpr (INTERLEAVED<T>) {
+    return nullptr;  // int8 activations only
+  } else {
+    if (M == 1) return one_row<T>;
+    switch (M) {
 #define NETRA_ROWS(R) \
   case R:             \
     if constexpr (R <= TM) return one_tile<T, R>; \
     break;
-    NETRA_ROWS(2)
-    NETRA_ROWS(3)
-    NETRA_ROWS(4)
+      NETRA_ROWS(2)
+      NETRA_ROWS(3)
+      NETRA_ROWS(4)
 #undef NETRA_ROWS
+    }
+    return many_tiles<T>;
   }
-  return many_tiles<T>;
 }
 
 }  // namespace netra::ggml

@@ -11,7 +11,7 @@ import jax
 from netra_jax.quant import gpu, repack
 from netra_jax.quant.cpu_rows import cpu_invariant_matmul, cpu_rows_matmul, cpu_rows_q8_matmul
 from netra_jax.quant.reference import reference_matmul
-from netra_jax.quant.weights import PermutedWeight, is_quantized
+from netra_jax.quant.weights import GGMLWeight, PermutedWeight, is_quantized
 
 # A backend kernel: (x, w, spec, preferred_element_type) -> x @ w, or None when it does not take the product.
 Kernel = Callable[..., jax.Array | None]
@@ -45,6 +45,7 @@ MATMULS = tuple(BACKENDS)
 LAYOUTS: dict[str, Callable[[Any], Any]] = {
     **{name: repack.gpu_weight for name in (*GPU_BACKENDS, "gpu_interpret")},
     **{name: repack.cpu_weight for name in CPU_BACKENDS},
+    "cpu_rows_q8": repack.cpu_q8_weight,
 }
 
 
@@ -55,9 +56,15 @@ def leaf_layout(backend: str) -> Callable[[Any], Any] | None:
 
 
 def weight_layout(params: dict, backend: str) -> dict:
-    """`params` in the layout `backend`'s kernels read (LAYOUTS; as they are for the others)."""
+    """`params` in the layout `backend`'s kernels read (LAYOUTS; as they are for the others). A matmul weight sharing
+    its blocks with a table (a tied lm_head: the embedding's) keeps them as they are, shared."""
     layout = leaf_layout(backend)
-    return params if layout is None else jax.tree.map(layout, params, is_leaf=is_quantized)
+    if layout is None:
+        return params
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    tables = {id(w.data) for w in leaves if isinstance(w, GGMLWeight) and not w.transposed}
+    shared = lambda w: isinstance(w, GGMLWeight) and id(w.data) in tables  # noqa: E731
+    return jax.tree.map(lambda w: w if shared(w) else layout(w), params, is_leaf=is_quantized)
 
 
 def matmul(x: jax.Array, w, spec: str | None = None, preferred_element_type=None, backend: str = "xla") -> jax.Array:

@@ -2,7 +2,8 @@
 float64 numpy of `gguf.quants.dequantize` (the ground truth of the block layouts): ragged shapes over its paths (one
 row; one register tile; several with carried partial sums; partial weight tiles; K not a whole number of its steps),
 random bytes (every bit pattern) and gguf-quantized blocks, its other instruction sets' builds next to the native
-one, its refusals, vmap and the derivative in x.
+one, its refusals, vmap and the derivative in x; Q4_K with its rows interleaved by 16 (Q4_K_X16) on int8
+activations, against the same float64 of its Q4_K rows.
 
 The int8-activation path twice: against float64 of x quantized as documented (then only float rounding differs),
 and against the exact product within the bound that the activations' rounding implies."""
@@ -22,7 +23,7 @@ from support.gguf_blocks import int8_rounded
 
 from netra_jax.ops import cpu_ggml_matmul, cpu_kernels
 from netra_jax.ops.cpu_ggml_matmul import INT8_TYPES, TYPES, blocks_matmul, takes
-from netra_jax.ops.ggml_blocks import FORMATS
+from netra_jax.ops.ggml_blocks import FORMATS, interleave_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the kernel")
 
@@ -116,7 +117,7 @@ def test_matches_float64(qtype, M, blocks, N):
     assert_close(_jitted(qtype, False)(x, w), reference(x, w, qtype), k)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", [t for t in INT8_TYPES if t in TYPES])  # the GGUF types (interleaved: below)
 @pytest.mark.parametrize("M, blocks, N", INT8_SHAPES)
 def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
     rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 1)
@@ -129,6 +130,43 @@ def test_int8_x_matches_float64_of_int8_rounded(qtype, M, blocks, N):
     error = np.abs(np.asarray(y, np.float64) - reference(x, w, qtype))
     bound = rounding_bound(x, w, qtype) + 1e-6 * np.sqrt(k) * np.abs(reference(x, w, qtype)).max()
     assert np.all(error <= bound), f"error over the bound by {(error - bound).max():.3g}"
+
+
+needs_interleaved = pytest.mark.skipif(
+    cpu_kernels.interleaved_rows() != 16, reason="this build reads no interleaved layout (AVX-512 VNNI)"
+)
+# (M, blocks per row, N): N in whole groups of 16 rows; one row of x, register tiles of 2-4, ragged tiles, a prefill
+# chunk split into two calls (600 rows)
+X16_SHAPES = [(1, 1, 16), (1, 3, 48), (2, 8, 32), (3, 5, 16), (4, 2, 64), (5, 9, 32), (9, 3, 16), (13, 2, 48)]
+X16_SHAPES += [(64, 1, 32), (600, 2, 16)]
+
+
+@needs_interleaved
+@pytest.mark.parametrize("M, blocks, N", X16_SHAPES)
+def test_interleaved_q4_k_matches_float64_of_int8_rounded(M, blocks, N):
+    rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 2)
+    w = random_blocks(rng, "Q4_K", N, blocks)
+    k = blocks * 256
+    x = rng.standard_normal((M, k), dtype=np.float32)
+    x[0, :256] = 0.0  # an all-zero block of x: d = 0
+    x16, name = interleave_rows(jnp.asarray(w), "Q4_K")
+    assert name == "Q4_K_X16" and x16.shape == w.shape
+    assert takes(jnp.asarray(x), x16, name, int8_x=True)
+    assert_close(_jitted(name, True)(x, x16), reference(int8_rounded(x, "Q4_K"), w, "Q4_K"), k)
+
+
+def test_interleaved_layout_refusals():
+    x = jnp.ones((2, 256), jnp.float32)
+    w = jnp.zeros((32, 144), jnp.uint8)
+    with pytest.raises(ValueError, match="int8 activations only"):
+        blocks_matmul(x, w, "Q4_K_X16")
+    with pytest.raises(ValueError, match="groups of 16 rows, w has 40"):
+        blocks_matmul(x, jnp.zeros((40, 144), jnp.uint8), "Q4_K_X16", int8_x=True)
+    call = jax.ffi.ffi_call(cpu_ggml_matmul.TARGET, jax.ShapeDtypeStruct((2, 40), jnp.float32))
+    with pytest.raises(Exception, match="groups of 16 rows"):  # the kernel checks it too
+        jax.block_until_ready(call(x, jnp.zeros((40, 144), jnp.uint8), qtype=np.int32(1012), int8_x=np.int32(1)))
+    with pytest.raises(Exception, match="no float32-activation path"):
+        jax.block_until_ready(call(x, jnp.zeros((40, 144), jnp.uint8), qtype=np.int32(1012), int8_x=np.int32(0)))
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE)
