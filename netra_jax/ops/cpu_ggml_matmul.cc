@@ -54,11 +54,13 @@ constexpr Format format(int32_t ggml_type, const char* name) {
           interleaved_rows<T>()};
 }
 
-// GGML's type numbers; Q4_K_X16 (1012) is this runtime's layout of Q4_K rows (ggml_blocks.h), not a GGUF type
+// GGML's type numbers; Q4_K_X16 (1012) and Q6_K_X16 (1014) are this runtime's layouts of Q4_K and Q6_K rows
+// (ggml_blocks.h), not GGUF types
 constexpr Format FORMATS[] = {
     format<Q4_0>(2, "Q4_0"),  format<Q4_1>(3, "Q4_1"),  format<Q5_0>(6, "Q5_0"),
     format<Q5_1>(7, "Q5_1"),  format<Q8_0>(8, "Q8_0"),  format<Q4_K>(12, "Q4_K"),
     format<Q5_K>(13, "Q5_K"), format<Q6_K>(14, "Q6_K"), format<Q4_KX16>(1012, "Q4_K_X16"),
+    format<Q6_KX16>(1014, "Q6_K_X16"),
 };
 
 // Chunks of whole units of weight rows, claimed by the caller and the helpers. Each thread works from its own copy
@@ -93,7 +95,7 @@ ffi::Error GgmlMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (f == nullptr) {
     return ffi::Error::InvalidArgument("netra_ggml_matmul_f32: GGML type " + std::to_string(qtype) +
                                        " is not one of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
-                                       "Q5_K (13), Q6_K (14), Q4_K_X16 (1012)");
+                                       "Q5_K (13), Q6_K (14), Q4_K_X16 (1012), Q6_K_X16 (1014)");
   }
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const std::string format = std::string(" (") + f->name + ": " + std::to_string(f->qk) + " values in " +
@@ -161,5 +163,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraGgmlMatmulF32, GgmlMatmul,
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("int8_x"));
 
-// Rows of Q4_K_X16's groups when this build reads that layout (AVX-512 VNNI), else 0: the loader makes it only then
+// Rows of the interleaved layouts' groups when this build reads them (AVX-512 VNNI), else 0: the loader makes them
+// only then
 extern "C" int32_t NetraGgmlInterleavedRows() { return INTERLEAVED_ROWS; }

@@ -53,9 +53,9 @@ __all__ = [
 TARGET = "netra_ggml_matmul_f32"
 TYPES = GGUF_TYPES  # with float32 activations: every GGUF type kept (`ggml_blocks.FORMATS`: values, bytes, type number)
 ROWS_MAX = 128
-# with int8 activations: the GGUF types, and Q4_K_X16 (Q4_K rows interleaved by 16, `ggml_blocks.interleave_rows`: int8
-# activations only, in the builds `cpu_kernels.interleaved_rows()` names)
-INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X16")
+# with int8 activations: the GGUF types, and Q4_K_X16 / Q6_K_X16 (their rows interleaved by 16,
+# `ggml_blocks.interleave_rows`: int8 activations only, in the builds `cpu_kernels.interleaved_rows()` names)
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X16", "Q6_K_X16")
 # rows per kernel call with int8 activations (the most measured against the reference); more are split into equal calls
 INT8_CHUNK_ROWS = 512
 

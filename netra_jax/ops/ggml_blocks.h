@@ -784,6 +784,19 @@ struct Q4_KX16 {
   static constexpr int D_AT = 0, DMIN_AT = 32, SCALES_AT = 64, VALUES_AT = 256;
 };
 
+// Q6_K interleaved by 16 the same way (Q6_K_X16, `interleave_rows` too): per group of 16 rows and block, 3360 bytes:
+//   [0, 32) the 16 rows' d (halves);
+//   [32, 288) their int8 scales, scale s (values 16 s .. 16 s + 15) of row r at 32 + 16 s + r;
+//   [288, 3360) the values, 192 bytes per sub-block s (16 values) in order (one stream for the prefetchers): for pair
+//   p, 64 bytes at 288 + 192 s + 64 p whose lane r holds the low 4 bits of row r's values 16 s + 8 p + t (t < 4) in
+//   its low nibbles and of values + 4 in its high ones; then 64 bytes whose lane r byte t holds the high 2 bits of
+//   row r's values 16 s + 4 f + t at bits 2 f (f < 4).
+struct Q6_KX16 {
+  static constexpr int QK = 256, BYTES = 210, GROUP = 1, STEP_BYTES = BYTES, U_BITS = 6;
+  static constexpr int ROWS = 16, GROUP_BYTES = ROWS * BYTES;
+  static constexpr int D_AT = 0, SCALES_AT = 32, VALUES_AT = 288, SUB_BYTES = 192;
+};
+
 constexpr int SCALES = 32;  // floats of a step's scales, any format
 
 // Types whose int8 path scales 16-value halves of a block (Q6_K): lane_scales and a centered starting value
@@ -796,9 +809,9 @@ template <typename T>
 constexpr bool INT_BLOCKS = T::QK == 256;
 
 // Types whose int8 path reads a step's blocks in K4_ORDER
-// Types whose weight rows are interleaved (Q4_KX16): their own kernel for any number of rows of x
+// Types whose weight rows are interleaved (Q4_KX16, Q6_KX16): their own kernels for any number of rows of x
 template <typename T>
-constexpr bool INTERLEAVED = std::is_same_v<T, Q4_KX16>;
+constexpr bool INTERLEAVED = std::is_same_v<T, Q4_KX16> || std::is_same_v<T, Q6_KX16>;
 
 template <typename T>
 constexpr bool IN_K4_ORDER = false;

@@ -59,6 +59,7 @@ FORMATS = {
         BlockFormat("Q5_K", 13, 256, 176),
         BlockFormat("Q6_K", 14, 256, 210),
         BlockFormat("Q4_K_X16", 1012, 256, 144, interleaved=16, base="Q4_K"),
+        BlockFormat("Q6_K_X16", 1014, 256, 210, interleaved=16, base="Q6_K"),
     )
 }
 GGUF_TYPES = tuple(name for name, f in FORMATS.items() if not f.interleaved)  # the types a GGUF file holds
@@ -176,16 +177,28 @@ def _q5_k(b):  # [..., 176]: d, dmin, scales[12], qh[32], qs[128]
     return _k_quant_affine(b, _chunked_nibbles(b[..., 48:]) | high)
 
 
-def _q6_k(b):  # [..., 210]: ql[128], qh[64], int8 scales[16], d
+def _q6_k_ints(b):  # [..., 210] -> [..., 2, 4, 32] the unsigned 6-bit values in order (value 128 n + 32 k + l)
     ql = b[..., 0:128].astype(jnp.int32).reshape(*b.shape[:-1], 2, 2, 32)  # [half, l // 32 (low / high 32), l]
     qh = b[..., 128:192].astype(jnp.int32).reshape(*b.shape[:-1], 2, 1, 32)  # [half, 1, l]
-    sc = b[..., 192:208].view(jnp.int8).astype(jnp.float32).reshape(*b.shape[:-1], 2, 8)  # [half, 8]
-    d = _f16(b[..., 208:210])[..., None, None, None]
     # values of a half, in order: q1 (ql[l] low, qh bits 0-1), q2 (ql[l+32] low, bits 2-3), q3 (ql[l] high, 4-5),
     # q4 (ql[l+32] high, 6-7)
     low = jnp.concatenate([ql & 15, ql >> 4], -2)  # [..., 2, 4, 32]: q1, q2, q3, q4's low bits
     high = (qh >> (2 * jnp.arange(4, dtype=jnp.int32))[:, None]) & 3  # [..., 2, 4, 32]
-    q = ((low | (high << 4)) - 32).astype(jnp.float32)
+    return low | (high << 4)
+
+
+def _q6_k_bytes(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The inverse of `_q6_k_ints`: values [..., 2, 4, 32] -> (ql [..., 128], qh [..., 64]) uint8."""
+    low, high = q & 15, q >> 4
+    ql = (low[..., 0:2, :] | (low[..., 2:4, :] << 4)).reshape(*q.shape[:-3], 128)
+    qh = sum(high[..., k, :] << (2 * k) for k in range(4)).reshape(*q.shape[:-3], 64)
+    return ql.astype(jnp.uint8), qh.astype(jnp.uint8)
+
+
+def _q6_k(b):  # [..., 210]: ql[128], qh[64], int8 scales[16], d
+    sc = b[..., 192:208].view(jnp.int8).astype(jnp.float32).reshape(*b.shape[:-1], 2, 8)  # [half, 8]
+    d = _f16(b[..., 208:210])[..., None, None, None]
+    q = (_q6_k_ints(b) - 32).astype(jnp.float32)
     scale = jnp.repeat(sc.reshape(*sc.shape[:-1], 4, 2), 16, axis=-1)  # [..., 2, 4, 32]: sc[is + 2j], is = l // 16
     return (d * scale * q).reshape(*b.shape[:-1], 256)
 
@@ -227,23 +240,32 @@ def _groups(data: jax.Array, qtype: str, rows: int) -> tuple[list[int], int, int
 
 
 def interleave_rows(data: jax.Array, qtype: str) -> tuple[jax.Array, str]:
-    """Rows of a GGUF type [..., N, row_bytes] -> (the same bytes in its interleaved layout, that layout's name), for
-    Q4_K (-> Q4_K_X16: N a multiple of 16; ValueError else). Per group of 16 rows and block: the rows' d, their dmin,
-    their 12 scale bytes byte by byte, then for sub-block j, half h, pair p 64 bytes whose int32 lane r holds row r's
-    values 32 j + 16 h + 8 p + t (t < 4) in its low nibbles and values + 4 in its high ones (ggml_blocks.h)."""
+    """Rows of a GGUF type [..., N, row_bytes] -> (the same values in its interleaved layout, that layout's name):
+    Q4_K -> Q4_K_X16, Q6_K -> Q6_K_X16 (N a multiple of 16; ValueError else). Each group of 16 rows' blocks b lie
+    side by side: their scale fields field by field, then their values in 64-byte vectors whose int32 lane r holds
+    row r's (the bytes: netra_jax/ops/ggml_blocks.h)."""
     if qtype not in _INTERLEAVED:
         raise ValueError(f"no interleaved layout of {qtype} (those: {', '.join(_INTERLEAVED)})")
     name = _INTERLEAVED[qtype]
-    rows = FORMATS[name].interleaved
+    f = FORMATS[name]
+    rows = f.interleaved
     lead, g, nb = _groups(data, qtype, rows)
-    b = data.reshape(*lead, g, rows, nb, 144)
-    by_block = jnp.moveaxis(b, -3, -2)  # [..., g, nb, rows, 144]
-    d, dmin = (by_block[..., a : a + 2].reshape(*lead, g, nb, 2 * rows) for a in (0, 2))
-    scales = jnp.swapaxes(by_block[..., 4:16], -1, -2).reshape(*lead, g, nb, 12 * rows)  # byte by byte
-    v = _chunked_nibbles(by_block[..., 16:]).reshape(*lead, g, nb, rows, 8, 2, 2, 2, 4)  # [.., r, j, h, p, s, t]
-    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).astype(jnp.uint8)  # [..., r, j, h, p, t]
-    values = jnp.moveaxis(packed, -5, -2).reshape(*lead, g, nb, 2048)  # [..., j, h, p, r, t]
-    out = jnp.concatenate([d, dmin, scales, values], -1)  # [..., g, nb, 2304]
+    by_block = jnp.moveaxis(data.reshape(*lead, g, rows, nb, f.block_bytes), -3, -2)  # [..., g, nb, rows, bytes]
+    by_field = lambda b, n: jnp.swapaxes(b.reshape(*lead, g, nb, rows, -1, n), -3, -2)  # noqa: E731 [.., field, r, n]
+    lanes = lambda v: jnp.moveaxis(v, -4, -2)  # noqa: E731 [..., r, a, b, t] -> [..., a, b, r, t]
+    if qtype == "Q4_K":
+        v = _chunked_nibbles(by_block[..., 16:]).reshape(*lead, g, nb, rows, 8, 2, 2, 2, 4)  # [.., r, j, h, p, s, t]
+        values = lanes((v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, g, nb, rows, 16, 2, 4))
+        parts = [by_field(by_block[..., 0:4], 2), by_field(by_block[..., 4:16], 1), values]  # d, dmin; scales
+    else:  # Q6_K: d; scales; the values' low nibbles and high 2 bits apart
+        v = _q6_k_ints(by_block).reshape(*lead, g, nb, rows, 16, 2, 2, 4)  # [..., r, sub-block, p, half, t]
+        low, high = v & 15, v >> 4
+        low = lanes((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, g, nb, rows, 16, 2, 4))
+        high = high.reshape(*lead, g, nb, rows, 16, 4, 4)  # [..., r, sub-block, f, t]
+        high = jnp.moveaxis(sum(high[..., k, :] << (2 * k) for k in range(4)), -3, -2)  # [..., sub-block, r, t]
+        values = jnp.concatenate([low.reshape(*lead, g, nb, 16, 128), high.reshape(*lead, g, nb, 16, 64)], -1)
+        parts = [by_field(by_block[..., 208:210], 2), by_field(by_block[..., 192:208], 1), values]
+    out = jnp.concatenate([p.astype(jnp.uint8).reshape(*lead, g, nb, -1) for p in parts], -1)
     return out.reshape(data.shape), name
 
 
@@ -255,13 +277,23 @@ def deinterleave_rows(data: jax.Array, qtype: str) -> jax.Array:
     rows = f.interleaved
     lead, g, nb = _groups(data, qtype, rows)
     blk = data.reshape(*lead, g, nb, rows * f.block_bytes)
-    d, dmin = (blk[..., a : a + 2 * rows].reshape(*lead, g, nb, rows, 2) for a in (0, 2 * rows))
-    scales = jnp.swapaxes(blk[..., 4 * rows : 16 * rows].reshape(*lead, g, nb, 12, rows), -1, -2)
-    packed = blk[..., 16 * rows :].reshape(*lead, g, nb, 8, 2, 2, rows, 4).astype(jnp.int32)  # [.., j, h, p, r, t]
-    v = jnp.stack([packed & 15, packed >> 4], -2)  # [..., j, h, p, r, s, t]
-    v = jnp.moveaxis(v, -3, -6).reshape(*lead, g, nb, rows, 4, 2, 32)  # [..., r, c, lo / hi, l]: value 64 c + 32 s + l
-    qs = (v[..., 0, :] | (v[..., 1, :] << 4)).astype(jnp.uint8).reshape(*lead, g, nb, rows, 128)
-    blocks = jnp.concatenate([d, dmin, scales, qs], -1)  # [..., g, nb, rows, 144]
+    fields = lambda a, b, n: jnp.swapaxes(blk[..., a * rows : b * rows].reshape(*lead, g, nb, -1, rows, n), -3, -2)  # noqa: E731
+    own = lambda a, b, n: fields(a, b, n).reshape(*lead, g, nb, rows, -1)  # noqa: E731 each row's bytes [a, b)
+    unlanes = lambda v, *shape: jnp.moveaxis(v, -2, -4).reshape(*lead, g, nb, rows, *shape)  # noqa: E731
+    if f.base == "Q4_K":
+        packed = blk[..., 16 * rows :].reshape(*lead, g, nb, 16, 2, rows, 4).astype(jnp.int32)  # [.., j h, p, r, t]
+        v = unlanes(jnp.stack([packed & 15, packed >> 4], -2).reshape(*lead, g, nb, 16, 2, rows, 8), 4, 2, 32)
+        qs = (v[..., 0, :] | (v[..., 1, :] << 4)).astype(jnp.uint8).reshape(*lead, g, nb, rows, 128)
+        blocks = jnp.concatenate([own(0, 4, 2), own(4, 16, 1), qs], -1)  # [..., g, nb, rows, 144]
+    else:
+        values = blk[..., 18 * rows :].reshape(*lead, g, nb, 16, 192).astype(jnp.int32)  # per sub-block: low, high
+        low = values[..., :128].reshape(*lead, g, nb, 16, 2, rows, 4)
+        low = unlanes(jnp.stack([low & 15, low >> 4], -2).reshape(*lead, g, nb, 16, 2, rows, 8), 16, 16)
+        high = values[..., 128:].reshape(*lead, g, nb, 16, rows, 4)  # [..., sub-block, r, t]
+        high = jnp.stack([(high >> (2 * k)) & 3 for k in range(4)], -2)  # [..., sub-block, r, f, t]
+        high = jnp.moveaxis(high, -3, -4).reshape(*lead, g, nb, rows, 16, 16)  # [..., r, sub-block, 4 f + t]
+        ql, qh = _q6_k_bytes((low | (high << 4)).reshape(*lead, g, nb, rows, 2, 4, 32))
+        blocks = jnp.concatenate([ql, qh, own(2, 18, 1), own(0, 2, 2)], -1)  # [..., g, nb, rows, 210]
     return jnp.moveaxis(blocks, -2, -3).reshape(data.shape)
 
 

@@ -43,15 +43,16 @@ inline vi nearest(vf v) {
 
 // Row m of x quantized to blocks of 32 int8 values per call: x[m, 32 b + j] ~ d[m, b] q[m, b, j] with d = max|x| /
 // 127 over the block (over its 8 blocks' 256 values for the K-quants, INT_BLOCKS: d repeated) and q rounded to
-// nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j] (sum[m, b] the integer sum). Rows padded to bp blocks (a multiple of 8) with zero
-// blocks.
+// nearest (|x - d q| <= d / 2); s[m, b] = d sum_j q[m, b, j] (sum[m, b] the integer sum). Rows padded to bp blocks
+// (a multiple of 8) with zero blocks.
 // With more than FEW_ROWS rows, the same blocks also with the rows in the lanes: VW rows a group (the rows past M
 // zero), group r's block b a run of 32 / BPL vectors, vector t holding bytes [BPL t, BPL (t + 1)) of each row's block.
 struct Q8Rows {
   std::unique_ptr<int8_t[]> q;  // [M, bp, 32]
   std::unique_ptr<float[]> d;   // [M, bp]
   std::unique_ptr<float[]> s;   // [M, bp]
-  std::unique_ptr<int32_t[]> sum;  // [M, bp] sum_j q[m, b, j] (the interleaved kernel's offsets)
+  std::unique_ptr<int32_t[]> sum;  // [M, bp] sum_j q[m, b, j] (the interleaved kernels' offsets)
+  std::unique_ptr<int32_t[]> sum8;  // [M, bp, 4] the sums of each 8 values of a block (Q6_KX16's centering)
   int64_t bp = 0;
   std::unique_ptr<int8_t[]> lanes_q;  // [groups, bp, 32 / BPL, VW, BPL]
   std::unique_ptr<float[]> lanes_d;   // [groups, bp, VW]
@@ -113,6 +114,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   r.d.reset(new float[M * r.bp]());
   r.s.reset(new float[M * r.bp]());
   r.sum.reset(new int32_t[M * r.bp]());
+  if constexpr (std::is_same_v<T, Q6_KX16>) r.sum8.reset(new int32_t[M * r.bp * 4]());
   for (int64_t m = 0; m < M; ++m) {
     float* amax = r.d.get() + m * r.bp;  // max|x| of each block of 32, then of its block of 256 (INT_BLOCKS)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -146,6 +148,13 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       r.d[m * r.bp + b] = d;
       r.s[m * r.bp + b] = d * static_cast<float>(total);
       r.sum[m * r.bp + b] = total;
+      if constexpr (std::is_same_v<T, Q6_KX16>) {
+        for (int e = 0; e < 4; ++e) {
+          int32_t part = 0;
+          for (int j = 0; j < 8; ++j) part += qb[8 * e + j];
+          r.sum8[(m * r.bp + b) * 4 + e] = part;
+        }
+      }
     }
   }
   if constexpr (IN_K4_ORDER<T>) {  // each step's blocks in K4_ORDER, as the weights' values are read
@@ -550,15 +559,16 @@ void q8_lanes(const Problem& p, int64_t n0, int64_t n1) {
 
 // ---------------------------------------------------------------- int8 activations, rows interleaved by 16
 //
-// Q4_KX16 (ggml_blocks.h): per group of 16 weight rows and block, each 64-byte vector of values is two dot products
-// (its low and its high nibbles) of all 16 rows against 4 bytes of x broadcast; a half sub-block's 4 products (16
-// values, at most 16 * 15 * 127 in a lane: int16) times the 16 rows' scales of the sub-block in one vpdpwssd, the
-// mins times x's sums of the sub-block in another; one conversion per block. Per value of a row that is 1/16 of the
-// row-by-row kernel's shuffles and scale work. Q4_K, K 2048 x N 8192, one row of x (2-core EPYC, GB/s of weights,
-// this against q8_rows): from cache one core 39.7 against 17.5, two 72.7 against 31.5; from memory one core 21.8
-// against 13.3, two 29.5 against 22.4. Any number of rows of x, in register tiles of up to Q8_TM (the group's bytes,
-// 2304 per block, stay in L1 / L2 over the tiles). No software prefetch: the stream is sequential, and the
-// hardware's alone reads faster (one core 21.8 GB/s; 16-20 with 4.5-18 KB ahead).
+// Q4_KX16 and Q6_KX16 (ggml_blocks.h): per group of 16 weight rows and block, each 64-byte vector of values is two
+// dot products (its low and its high nibbles) of all 16 rows against 4 bytes of x broadcast; the products of a few
+// values (in int16) times the 16 rows' scales of their sub-block in one vpdpwssd; one conversion per block. Per value
+// of a row that is 1/16 of the row-by-row kernel's shuffles and scale work. K 2048 x N 8192, one row of x (2-core
+// EPYC, GB/s of weights, this against q8_rows), Q4_K: from cache one core 39.7 against 17.5, two 72.7 against 31.5;
+// from memory one core 21.8 against 13.3, two 29.5 against 22.4; Q6_K from memory one core 21.8 against 15.0, two
+// 27.9 against 21.5. Any number of rows of x, in register tiles of up to Q8_TM (the group's bytes, 2304 or 3360 per
+// block, stay in L1 / L2 over the tiles). No software prefetch: each group is read in order, and the hardware's
+// prefetchers alone read faster (Q4_K one core 21.8 GB/s; 16-20 with 4.5-18 KB ahead); Q6_KX16 keeps each sub-block's
+// low and high bits together for that (in two regions of a block: 13.7 GB/s).
 #if defined(NETRA_Q8_AVX512) && defined(__AVX512VNNI__)
 #define NETRA_X16 1
 
@@ -578,11 +588,16 @@ inline std::pair<__m128i, __m128i> x16_scales(const uint8_t* block, int j) {
           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(tail, 4), low4), m_high)};
 }
 
-inline __m512i x_bytes(const int8_t* q) { return _mm512_set1_epi32(static_cast<int32_t>(u32(reinterpret_cast<const uint8_t*>(q)))); }
+// The 4 bytes of x at q in every lane
+inline __m512i x_bytes(const int8_t* q) {
+  return _mm512_set1_epi32(static_cast<int32_t>(u32(reinterpret_cast<const uint8_t*>(q))));
+}
 
-// y[m0 : m0 + R, 16 g : 16 g + 16] from group g of the weights and R quantized rows of x
+// y[m0 : m0 + R, 16 g : 16 g + 16] from group g of Q4_KX16 weights and R quantized rows of x: a half sub-block's 4
+// products (16 values, at most 16 * 15 * 127 in a lane: int16) times the rows' scales, the rows' mins times x's sums
+// of the sub-block in another vpdpwssd
 template <int R>
-inline void x16_tile(const Problem& p, int64_t g, int64_t m0) {
+inline void q4_k_x16_tile(const Problem& p, int64_t g, int64_t m0) {
   using X = Q4_KX16;
   const int64_t blocks = p.K / X::QK, bp = p.q8->bp;
   const uint8_t* group = p.w + g * X::ROWS * p.row_bytes;
@@ -628,25 +643,84 @@ inline void x16_tile(const Problem& p, int64_t g, int64_t m0) {
   for (int m = 0; m < R; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + X::ROWS * g, _mm512_sub_ps(acc[m], offsets[m]));
 }
 
-// y[:, n0:n1] (whole groups of 16 weight rows): each group in turn, the rows of x in tiles of near-equal heights (at
-// most Q8_TM)
-inline void x16_rows(const Problem& p, int64_t n0, int64_t n1) {
+// y[m0 : m0 + R, 16 g : 16 g + 16] from group g of Q6_KX16 weights: per sub-block of 16 values and pair of its
+// halves, the 6-bit values put together from their low and high bits (byte ops) and two dot products of the 16 rows
+// against 4 bytes of x each, started at -32 times x's sum over those 8 values: sum (u - 32) q within int16 (8 * 32 *
+// 127), times the 16 rows' signed scales in one vpdpwssd (their high halves zeroed).
+template <int R>
+inline void q6_k_x16_tile(const Problem& p, int64_t g, int64_t m0) {
+  using X = Q6_KX16;
+  const int64_t blocks = p.K / X::QK, bp = p.q8->bp;
+  const uint8_t* group = p.w + g * X::ROWS * p.row_bytes;
+  const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30), low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = group + b * X::GROUP_BYTES;
+    __m512i sums[R];
+    for (int m = 0; m < R; ++m) sums[m] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int sb = 0; sb < 16; ++sb) {
+      const __m512i scales = _mm512_and_si512(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + X::SCALES_AT + 16 * sb))),
+          low16);
+      const uint8_t* sub = block + X::VALUES_AT + X::SUB_BYTES * sb;
+      const __m512i high = _mm512_loadu_si512(sub + 128);
+      for (int pair = 0; pair < 2; ++pair) {
+        const __m512i v = _mm512_loadu_si512(sub + 64 * pair);
+        // values 8 pair + t: high bits at 4 pair (into bits 4-5); values 8 pair + 4 + t: at 4 pair + 2
+        const __m512i h0 = pair == 0 ? _mm512_slli_epi16(high, 4) : high;
+        const __m512i h1 = pair == 0 ? _mm512_slli_epi16(high, 2) : _mm512_srli_epi16(high, 2);
+        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(h0, bits45));
+        const __m512i u1 =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(h1, bits45));
+        for (int m = 0; m < R; ++m) {
+          const int64_t at = (m0 + m) * bp + 8 * b + sb / 2;  // x's block of 32 holding the sub-block
+          const int8_t* q = p.q8->q.get() + at * 32 + 16 * (sb % 2) + 8 * pair;
+          __m512i dots = _mm512_set1_epi32(-32 * p.q8->sum8[at * 4 + 2 * (sb % 2) + pair]);
+          dots = _mm512_dpbusd_epi32(dots, u0, x_bytes(q));
+          dots = _mm512_dpbusd_epi32(dots, u1, x_bytes(q + 4));
+          sums[m] = _mm512_dpwssd_epi32(sums[m], dots, scales);
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + X::D_AT)));
+    for (int m = 0; m < R; ++m) {
+      const __m512 dx = _mm512_set1_ps(p.q8->d[(m0 + m) * bp + 8 * b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(d, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + X::ROWS * g, acc[m]);
+}
+
+// y[:, n0:n1] (whole groups of 16 weight rows of interleaved type T): each group in turn, the rows of x in tiles of
+// near-equal heights (at most Q8_TM)
+template <typename T>
+void x16_rows(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t tiles = (p.M + Q8_TM - 1) / Q8_TM;
-  for (int64_t g = n0 / Q4_KX16::ROWS; g < n1 / Q4_KX16::ROWS; ++g) {
+  const auto tile = [&](auto rows, int64_t g, int64_t m0) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (std::is_same_v<T, Q4_KX16>) {
+      q4_k_x16_tile<R>(p, g, m0);
+    } else {
+      q6_k_x16_tile<R>(p, g, m0);
+    }
+  };
+  for (int64_t g = n0 / T::ROWS; g < n1 / T::ROWS; ++g) {
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t m0 = t * p.M / tiles, rows = (t + 1) * p.M / tiles - m0;
       switch (rows) {
         case 1:
-          x16_tile<1>(p, g, m0);
+          tile(std::integral_constant<int, 1>{}, g, m0);
           break;
         case 2:
-          x16_tile<2>(p, g, m0);
+          tile(std::integral_constant<int, 2>{}, g, m0);
           break;
         case 3:
-          x16_tile<3>(p, g, m0);
+          tile(std::integral_constant<int, 3>{}, g, m0);
           break;
         case 4:
-          x16_tile<4>(p, g, m0);
+          tile(std::integral_constant<int, 4>{}, g, m0);
           break;
       }
     }
@@ -654,7 +728,7 @@ inline void x16_rows(const Problem& p, int64_t n0, int64_t n1) {
 }
 #endif
 
-// Rows of the interleaved weights a build reads (0: none, their layout is not made for it)
+// Rows of the interleaved weights' groups a build reads (0: none, their layouts are not made for it)
 constexpr int INTERLEAVED_ROWS =
 #if defined(NETRA_X16)
     Q4_KX16::ROWS;
@@ -667,7 +741,7 @@ template <typename T>
 ChunkFn q8_fn(int64_t M) {
   if constexpr (INTERLEAVED<T>) {
 #if defined(NETRA_X16)
-    return x16_rows;
+    return x16_rows<T>;
 #else
     return nullptr;
 #endif

@@ -2,8 +2,8 @@
 float64 numpy of `gguf.quants.dequantize` (the ground truth of the block layouts): ragged shapes over its paths (one
 row; one register tile; several with carried partial sums; partial weight tiles; K not a whole number of its steps),
 random bytes (every bit pattern) and gguf-quantized blocks, its other instruction sets' builds next to the native
-one, its refusals, vmap and the derivative in x; Q4_K with its rows interleaved by 16 (Q4_K_X16) on int8
-activations, against the same float64 of its Q4_K rows.
+one, its refusals, vmap and the derivative in x; Q4_K and Q6_K with their rows interleaved by 16 (Q4_K_X16,
+Q6_K_X16) on int8 activations, against the same float64 of the rows as stored.
 
 The int8-activation path twice: against float64 of x quantized as documented (then only float rounding differs),
 and against the exact product within the bound that the activations' rounding implies."""
@@ -142,17 +142,18 @@ X16_SHAPES += [(64, 1, 32), (600, 2, 16)]
 
 
 @needs_interleaved
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("M, blocks, N", X16_SHAPES)
-def test_interleaved_q4_k_matches_float64_of_int8_rounded(M, blocks, N):
+def test_interleaved_rows_match_float64_of_int8_rounded(qtype, M, blocks, N):
     rng = np.random.default_rng(M * 1000 + blocks * 10 + N + 2)
-    w = random_blocks(rng, "Q4_K", N, blocks)
+    w = random_blocks(rng, qtype, N, blocks)
     k = blocks * 256
     x = rng.standard_normal((M, k), dtype=np.float32)
     x[0, :256] = 0.0  # an all-zero block of x: d = 0
-    x16, name = interleave_rows(jnp.asarray(w), "Q4_K")
-    assert name == "Q4_K_X16" and x16.shape == w.shape
+    x16, name = interleave_rows(jnp.asarray(w), qtype)
+    assert name == f"{qtype}_X16" and x16.shape == w.shape
     assert takes(jnp.asarray(x), x16, name, int8_x=True)
-    assert_close(_jitted(name, True)(x, x16), reference(int8_rounded(x, "Q4_K"), w, "Q4_K"), k)
+    assert_close(_jitted(name, True)(x, x16), reference(int8_rounded(x, qtype), w, qtype), k)
 
 
 def test_interleaved_layout_refusals():

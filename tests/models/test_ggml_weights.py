@@ -2,8 +2,8 @@
 of every kept type equals the values hand-encoded blocks stand for; the matmul, its einsum form and the embedding's
 row gather equal float arithmetic on those values; a GGUF file loads with its weights kept (a tied lm_head sharing the
 embedding's buffer, nothing written to the parameter cache, about the file's bytes of memory) and the engine's greedy
-tokens equal the de-quantized model's, on XLA and on the CPU kernels. Q4_K rows interleaved by 16 (the
-"cpu_rows_q8" layout) are the same bytes and values, made where that backend runs."""
+tokens equal the de-quantized model's, on XLA and on the CPU kernels. Q4_K and Q6_K rows interleaved by 16 (the
+"cpu_rows_q8" layout) hold the same values, made where that backend runs."""
 
 from __future__ import annotations
 
@@ -67,40 +67,48 @@ def test_bad_rows_are_refused():
         row_bytes("Q4_K", 300)
 
 
-def test_interleaved_rows_are_the_same_bytes_and_values():
-    data, w = encoded("Q4_K", 48, 768)  # [48, 3 * 144]
-    x16, name = interleave_rows(jnp.asarray(data), "Q4_K")
-    assert name == "Q4_K_X16" and x16.shape == data.shape and x16.dtype == jnp.uint8
-    nibbles = lambda b: np.sort(np.concatenate([b.ravel() & 15, b.ravel() >> 4]))  # noqa: E731
-    np.testing.assert_array_equal(nibbles(np.asarray(x16)), nibbles(data))  # the same nibbles, moved
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_interleaved_rows_are_the_same_values(qtype):
+    data, w = encoded(qtype, 48, 768)  # [48, 3 blocks]
+    x16, name = interleave_rows(jnp.asarray(data), qtype)
+    assert name == f"{qtype}_X16" and x16.shape == data.shape and x16.dtype == jnp.uint8
+    if qtype == "Q4_K":  # the same nibbles, moved (Q6_K's high 2-bit parts are packed anew)
+        nibbles = lambda b: np.sort(np.concatenate([b.ravel() & 15, b.ravel() >> 4]))  # noqa: E731
+        np.testing.assert_array_equal(nibbles(np.asarray(x16)), nibbles(data))
     np.testing.assert_array_equal(np.asarray(deinterleave_rows(x16, name)), data)
-    np.testing.assert_array_equal(np.asarray(dequantize_rows(x16, name)), np.asarray(dequantize_rows(data, "Q4_K")))
+    np.testing.assert_array_equal(np.asarray(dequantize_rows(x16, name)), np.asarray(dequantize_rows(data, qtype)))
     np.testing.assert_allclose(np.asarray(dequantize_rows(x16, name)), w, rtol=1e-6, atol=1e-7)
-    stacked, _ = interleave_rows(jnp.asarray(data).reshape(3, 16, -1), "Q4_K")  # groups along the last output axis
+    stacked, _ = interleave_rows(jnp.asarray(data).reshape(3, 16, -1), qtype)  # groups along the last output axis
     np.testing.assert_array_equal(np.asarray(deinterleave_rows(stacked, name)).reshape(48, -1), data)
-    # row 17 sits in group 1 beside rows 16..31: byte 2 of the group's block 0 is row 1's d
-    np.testing.assert_array_equal(np.asarray(x16).reshape(3, 3, 2304)[1, 0, 2:4], data[17, 0:2])
+    # row 17 sits in group 1 beside rows 16..31: bytes 2-3 of the group's block 0 are row 1's d
+    d_at = 0 if qtype == "Q4_K" else 208
+    np.testing.assert_array_equal(np.asarray(x16).reshape(3, 3, -1)[1, 0, 2:4], data[17, d_at : d_at + 2])
     with pytest.raises(ValueError, match="multiple of 16"):
-        interleave_rows(jnp.asarray(data[:40]), "Q4_K")
+        interleave_rows(jnp.asarray(data[:40]), qtype)
     with pytest.raises(ValueError, match="no interleaved layout of Q4_0"):
         interleave_rows(jnp.zeros((16, 18), jnp.uint8), "Q4_0")
 
 
 @pytest.mark.skipif(cpu_kernels.interleaved_rows() != 16, reason="this build reads no interleaved layout")
-def test_cpu_rows_q8_layout_interleaves_q4_k_matmul_weights_only():
+def test_cpu_rows_q8_layout_interleaves_q4_k_and_q6_k_matmul_weights_only():
     data, w = encoded("Q4_K", 64, 256)
     q6, _ = encoded("Q6_K", 32, 256)
+    q8, _ = encoded("Q8_0", 32, 256)
     table = GGMLWeight(jnp.asarray(data), "Q4_K", transposed=False)
     params = {
         "gate_up": GGMLWeight(jnp.asarray(data).reshape(2, 32, -1), "Q4_K"),  # [2, 32, row_bytes]
         "odd": GGMLWeight(jnp.asarray(data[:40]), "Q4_K"),  # 40 rows: not whole groups
         "q6": GGMLWeight(jnp.asarray(q6), "Q6_K"),
+        "q8": GGMLWeight(jnp.asarray(q8), "Q8_0"),  # no interleaved layout
+        "experts": GGMLWeight(jnp.asarray(data).reshape(2, 32, -1), "Q4_K", batch_dims=1),  # per expert: as stored
         "embed": table,
         "lm_head": table.replace(transposed=True),  # tied: shares the table's blocks
     }
     laid = weight_layout(params, "cpu_rows_q8")
     assert laid["gate_up"].qtype == "Q4_K_X16" and laid["gate_up"].data.shape == (2, 32, 144)
-    assert [laid[n].qtype for n in ("odd", "q6", "embed", "lm_head")] == ["Q4_K", "Q6_K", "Q4_K", "Q4_K"]
+    assert laid["q6"].qtype == "Q6_K_X16"
+    kept = ("odd", "q8", "experts", "embed", "lm_head")
+    assert [laid[n].qtype for n in kept] == ["Q4_K", "Q8_0", "Q4_K", "Q4_K", "Q4_K"]
     assert laid["lm_head"].data is table.data
     assert weight_layout(laid, "cpu_rows_q8")["gate_up"].data is laid["gate_up"].data  # once laid, as it is
     assert weight_layout(params, "cpu_rows")["gate_up"].qtype == "Q4_K"  # float activations read Q4_K as stored
@@ -202,9 +210,9 @@ def test_engine_on_int8_activations_stays_close_to_float(tiny_gguf):
 
 @pytest.mark.skipif(cpu_kernels.interleaved_rows() != 16, reason="this build reads no interleaved layout")
 def test_engine_interleaves_a_q4_k_m_file_for_int8_activations(tmp_path, smollm2_path):
-    """A Q4_K_M file served on "cpu_rows_q8" (a GGUF file's default) holds its Q4_K matmul weights interleaved (the
-    Q6_K ones and the tied table as stored): logits as with the rows as stored to float rounding, and its weights
-    can be swapped for `load_model`'s (re-laid on the way in)."""
+    """A Q4_K_M file served on "cpu_rows_q8" (a GGUF file's default) holds its Q4_K and Q6_K matmul weights
+    interleaved (the tied table as stored): logits as with the rows as stored to the activations' rounding, and its
+    weights can be swapped for `load_model`'s (re-laid on the way in)."""
     path = tmp_path / "tiny-q4_k_m.gguf"
     random_gguf.write(path, "q4_k_m", hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, tokenizer_from=smollm2_path)
     opts = dict(max_num_seqs=4, max_model_len=128, warmup=False)
@@ -212,7 +220,7 @@ def test_engine_interleaves_a_q4_k_m_file_for_int8_activations(tmp_path, smollm2
     assert llm.engine.runner.matmul_backend == "cpu_rows_q8"
     kept = jax.tree.leaves(llm.engine.runner.params, is_leaf=lambda v: isinstance(v, GGMLWeight))
     qtypes = {w.qtype for w in kept if isinstance(w, GGMLWeight)}
-    assert qtypes >= {"Q4_K_X16", "Q6_K"}
+    assert qtypes == {"Q4_K_X16", "Q6_K_X16", "Q6_K"}  # (the tied table: Q6_K)
     ids = [1, 5, 9, 200, 31, 7, 7, 64]
     a = llm.logits(ids)
     stored = LLM(str(path), matmul_backend="cpu_rows", **opts).logits(ids)  # float activations, Q4_K as stored
