@@ -24,10 +24,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from netra_jax.assets import cache_dir
 
-__all__ = ["SOURCES", "TARGETS", "available", "build", "interleaved_rows", "register_builds", "unavailable_reason"]
+__all__ = [
+    "SOURCES",
+    "TARGETS",
+    "available",
+    "build",
+    "interleave",
+    "interleaved_rows",
+    "register_builds",
+    "unavailable_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +173,28 @@ def interleaved_rows() -> int:
     int8 activations (16 with AVX-512 VNNI), 0 when it reads none or the kernels are unavailable."""
     lib = _library()[0]
     return 0 if lib is None else int(lib.NetraGgmlInterleavedRows())
+
+
+def interleave(rows: np.ndarray, qtype: str) -> np.ndarray:
+    """GGML rows [..., N, row_bytes] (uint8, N a multiple of `interleaved_rows()`) of Q4_K or Q6_K in their
+    interleaved layout (`ggml_blocks.interleave_rows` is the reference), by the kernels' library at memory speed.
+    RuntimeError when the kernels are unavailable, ValueError for what the layout does not take."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the C++ CPU kernels are unavailable: {unavailable_reason()}")
+    types = {"Q4_K": 12, "Q6_K": 14}
+    src = np.ascontiguousarray(rows, dtype=np.uint8)
+    if qtype not in types or src.ndim < 2:
+        raise ValueError(f"interleave takes Q4_K or Q6_K rows [..., N, row_bytes], got {qtype} {src.shape}")
+    if src.shape[-2] % 16:  # (the library sees the rows flattened: a group must not straddle the leading axes)
+        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of 16 rows along N")
+    out = np.empty_like(src)
+    n = src.size // src.shape[-1]
+    fn = lib.NetraGgmlInterleave
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    if fn(src.ctypes.data, out.ctypes.data, n, src.shape[-1], types[qtype]) != 0:
+        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of 16 rows of whole blocks")
+    return out
 
 
 def unavailable_reason() -> str | None:

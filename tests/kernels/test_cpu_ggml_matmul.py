@@ -156,6 +156,20 @@ def test_interleaved_rows_match_float64_of_int8_rounded(qtype, M, blocks, N):
     assert_close(_jitted(name, True)(x, x16), reference(int8_rounded(x, qtype), w, qtype), k)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_libraries_interleave_equals_the_jnp_layout(qtype):
+    """The loader's re-lay (C++, `cpu_kernels.interleave`) writes exactly `ggml_blocks.interleave_rows`' bytes."""
+    rng = np.random.default_rng(7)
+    w = rng.integers(0, 256, (2, 48, 3 * FORMATS[qtype].block_bytes), dtype=np.uint8)  # gate / up style: 2 x 48
+    np.testing.assert_array_equal(
+        cpu_kernels.interleave(w, qtype), np.asarray(interleave_rows(jnp.asarray(w), qtype)[0])
+    )
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        cpu_kernels.interleave(w[:, :40], qtype)
+    with pytest.raises(ValueError, match="Q4_K or Q6_K"):
+        cpu_kernels.interleave(w, "Q4_0")
+
+
 def test_interleaved_layout_refusals():
     x = jnp.ones((2, 256), jnp.float32)
     w = jnp.zeros((32, 144), jnp.uint8)
