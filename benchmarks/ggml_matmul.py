@@ -1,6 +1,7 @@
 """The GGML-block matmul kernel (netra_jax/ops/cpu_ggml_matmul.cc) per type on Llama-1B-like shapes, against XLA's
 float32 dot of the de-quantized weight and the float32 few-row kernel: ms per call and GB/s of weight bytes read
-(the quantized bytes for the kernel, 4 bytes a weight for the float dots). The case "int4_g128" is a 4-bit weight
+(the quantized bytes for the kernel, 4 bytes a weight for the float dots); Q4_K_X16 and Q6_K_X16 are those types'
+rows interleaved by 16 (`ggml_blocks.interleave_rows`, int8 activations only). The case "int4_g128" is a 4-bit weight
 with zero points in groups of 128 (AWQ / GPTQ / compressed-tensors W4A16, `PackedIntWeight`): its jnp reference
 (XLA's dot over the de-quantized weight, every step) against the Q4_1 blocks the CPU backends re-lay it as at load
 (`quant.repack.for_cpu`), GB/s of the bytes each reads; "int8_channel" and "fp8_channel" are per-output-channel int8
@@ -14,7 +15,7 @@ array, best of 5) is recorded next to it, the roofline of the GB/s column.
 
 Writes benchmarks/results/<date>-ggml_matmul.json (or --out).
 
-Usage: .venv/bin/python -m benchmarks.ggml_matmul [--types Q4_0,Q8_0,int4_g128,fp8_channel] [--rows 1,8,32]
+Usage: .venv/bin/python -m benchmarks.ggml_matmul [--types Q4_0,Q4_K,Q4_K_X16,int4_g128] [--rows 1,8,32]
        [--ring-mib 1024] [--out F]
 """
 
@@ -108,7 +109,8 @@ def time_ring(fn, x, ring, passes: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default=",".join((*cpu_ggml_matmul.TYPES, GROUPED, *CHANNEL)))
+    interleaved = [t for t, f in FORMATS.items() if f.interleaved] if cpu_kernels.interleaved_rows() else []
+    ap.add_argument("--types", default=",".join((*cpu_ggml_matmul.TYPES, *interleaved, GROUPED, *CHANNEL)))
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--ring-mib", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=3)
@@ -133,13 +135,17 @@ def main() -> None:
                 else:
                     grouped = channel_variants(rng, max(2, args.ring_mib * 2**20 // (n * k)), n, k, CHANNEL[name])
                 variants = {kind: fn for kind, (fn, _, _) in grouped.items()}
-            elif name in cpu_ggml_matmul.TYPES:
+            elif name in FORMATS:
                 qk, block_bytes = FORMATS[name].qk, FORMATS[name].block_bytes
                 nbytes = n * k // qk * block_bytes
                 copies = max(2, args.ring_mib * 2**20 // nbytes)
-                ring = [jnp.asarray(w) for w in random_blocks(rng, name, copies, n, k)]
+                base = FORMATS[name].base or name  # an interleaved layout: its GGUF type's blocks, re-laid
+                blocks = random_blocks(rng, base, copies, n, k)
+                ring = [jnp.asarray(w) for w in (blocks if base == name else cpu_kernels.interleave(blocks, base))]
                 # activations: float32 as they are, or quantized to int8 blocks in the kernel
-                paths = {"float32": False, "int8": True} if name in cpu_ggml_matmul.INT8_TYPES else {"float32": False}
+                paths = {"float32": False} if name in cpu_ggml_matmul.TYPES else {}
+                if name in cpu_ggml_matmul.INT8_TYPES:
+                    paths["int8"] = True
                 variants = {
                     x_kind: jax.jit(lambda x, w, q=name, i=int8_x: cpu_ggml_matmul.blocks_matmul(x, w, q, int8_x=i))
                     for x_kind, int8_x in paths.items()
