@@ -1,14 +1,15 @@
 // Matmuls of few rows (and prefill chunks) against weights kept in llama.cpp's GGML block formats, XLA FFI handler
 // for CPU: y[M, N] = x[M, K] @ W^T with float32 x and y, and W [N, K] given as the raw bytes of a GGUF tensor of
 // ne [K, N] (w uint8 [N, row_bytes]). Types (the `qtype` attribute, GGML's type numbers): Q4_0 2, Q4_1 3, Q5_0 6,
-// Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14. Built with the other CPU kernels (netra_jax/ops/cpu_kernels.py) for the
-// host's CPU.
+// Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, and this runtime's rows of Q4_K / Q6_K interleaved by 16, Q4_K_X16 1012,
+// Q6_K_X16 1014. Built with the other CPU kernels (netra_jax/ops/cpu_kernels.py) for the host's CPU.
 //
 // Why: a decode step streams every weight matrix through the cores once for a few rows, so its time is the weights'
 // bytes over the memory bandwidth. Kept in their 4.5-8.5 bits per weight, the weights are 4-7x fewer bytes than
 // float32; each block is de-quantized in registers where it is used, never written out whole.
 //
-// Here: the types' table, the split of the weight rows over the threads and the FFI binding. The formats in
+// Here: the types' table, the split of the weight rows over the threads, the FFI binding, and the loader's re-lay of
+// rows into the interleaved layouts (NetraGgmlInterleave). The formats in
 // registers are ggml_blocks.h's; the kernels ggml_matmul.h's (float32 activations, attribute int8_x = 0) and
 // ggml_matmul_q8.h's (int8 activations, int8_x = 1, the engine's default).
 #include <algorithm>

@@ -26,6 +26,9 @@ integer dot products (64 multiply-adds an instruction with AVX-512 VNNI, the row
 de-quantize-and-dot reference by 2.5-4x at 128 to 512 rows (same shapes, on a busy machine: Q4_0 128 rows 44.7 against
 133 ms, 512 rows 128 against 415 ms): with int8 activations prefill steps of any size take the kernel too.
 
+Q4_K_X16 and Q6_K_X16 (`ggml_blocks.interleave_rows`: Q4_K / Q6_K rows in groups of 16, the "cpu_rows_q8" layout on
+hosts with AVX-512 VNNI) are read with int8 activations only, by a kernel whose dot products cover 16 rows at once.
+
 Derivative: in x only (the weight's bytes have none). The tangent is XLA's dot with the weight de-quantized by
 `netra_jax.ops.ggml_blocks` (linear in x, so reverse mode transposes it; an FFI call has no transpose)."""
 

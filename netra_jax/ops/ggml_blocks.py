@@ -7,10 +7,10 @@ consecutive blocks (row_bytes = K / QK * BLOCK_BYTES), exactly as llama.cpp stor
 ggml-common.h (fp16 fields little-endian IEEE half); `gguf.quants.dequantize` is the numpy ground truth the tests
 compare this module with.
 
-Interleaved layouts (`interleave_rows`; Q4_K_X16, made at load for the CPU int8 kernel): the same bytes, each group
-of 16 consecutive rows' blocks side by side (netra_jax/ops/ggml_blocks.h describes the bytes), still uint8
-[N, row_bytes] but read in groups of 16 rows: a slice of whole groups is a weight of that layout, a single row is not.
-They are this runtime's, not GGUF types (type numbers 1000 + the GGUF type's)."""
+Interleaved layouts (`interleave_rows`; Q4_K_X16 and Q6_K_X16, made at load for the CPU int8 kernel): the same
+values in the same size, each group of 16 consecutive rows' blocks side by side (netra_jax/ops/ggml_blocks.h describes
+the bytes), still uint8 [N, row_bytes] but read in groups of 16 rows: a slice of whole groups is a weight of that
+layout, a single row is not. They are this runtime's, not GGUF types (type numbers 1000 + the GGUF type's)."""
 
 from __future__ import annotations
 
