@@ -455,29 +455,38 @@ inline void q8_tile(const Problem& p, int64_t n, int64_t m0, int64_t limit) {
   }
 }
 
-// y[:, n0:n1] with int8 activations: each weight row in turn, the rows of x in tiles of near-equal heights (at most
-// Q8_TM); the weight row stays in L1 over the tiles.
+// f(std::integral_constant<int, R>{}, m0) for the rows of x in tiles [m0, m0 + R) of near-equal heights R (at most
+// Q8_TM): the register tiles of the kernels that read a weight row (or group of rows) once for all rows of x
+template <typename F>
+inline void for_row_tiles(int64_t M, F&& f) {
+  static_assert(Q8_TM == 4);
+  const int64_t tiles = (M + Q8_TM - 1) / Q8_TM;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m0 = t * M / tiles, rows = (t + 1) * M / tiles - m0;
+    switch (rows) {
+      case 1:
+        f(std::integral_constant<int, 1>{}, m0);
+        break;
+      case 2:
+        f(std::integral_constant<int, 2>{}, m0);
+        break;
+      case 3:
+        f(std::integral_constant<int, 3>{}, m0);
+        break;
+      case 4:
+        f(std::integral_constant<int, 4>{}, m0);
+        break;
+    }
+  }
+}
+
+// y[:, n0:n1] with int8 activations: each weight row in turn, the rows of x in register tiles (`for_row_tiles`); the
+// weight row stays in L1 over the tiles.
 template <typename T>
 void q8_rows(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t tiles = (p.M + Q8_TM - 1) / Q8_TM, limit = n1 * p.row_bytes;
+  const int64_t limit = n1 * p.row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m0 = t * p.M / tiles, rows = (t + 1) * p.M / tiles - m0;
-      switch (rows) {
-        case 1:
-          q8_tile<T, 1>(p, n, m0, limit);
-          break;
-        case 2:
-          q8_tile<T, 2>(p, n, m0, limit);
-          break;
-        case 3:
-          q8_tile<T, 3>(p, n, m0, limit);
-          break;
-        case 4:
-          q8_tile<T, 4>(p, n, m0, limit);
-          break;
-      }
-    }
+    for_row_tiles(p.M, [&](auto rows, int64_t m0) { q8_tile<T, decltype(rows)::value>(p, n, m0, limit); });
   }
 }
 
@@ -693,37 +702,19 @@ inline void q6_k_x16_tile(const Problem& p, int64_t g, int64_t m0) {
   for (int m = 0; m < R; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + X::ROWS * g, acc[m]);
 }
 
-// y[:, n0:n1] (whole groups of 16 weight rows of interleaved type T): each group in turn, the rows of x in tiles of
-// near-equal heights (at most Q8_TM)
+// y[:, n0:n1] (whole groups of 16 weight rows of interleaved type T): each group in turn, the rows of x in register
+// tiles (`for_row_tiles`)
 template <typename T>
 void x16_rows(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t tiles = (p.M + Q8_TM - 1) / Q8_TM;
-  const auto tile = [&](auto rows, int64_t g, int64_t m0) {
-    constexpr int R = decltype(rows)::value;
-    if constexpr (std::is_same_v<T, Q4_KX16>) {
-      q4_k_x16_tile<R>(p, g, m0);
-    } else {
-      q6_k_x16_tile<R>(p, g, m0);
-    }
-  };
   for (int64_t g = n0 / T::ROWS; g < n1 / T::ROWS; ++g) {
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m0 = t * p.M / tiles, rows = (t + 1) * p.M / tiles - m0;
-      switch (rows) {
-        case 1:
-          tile(std::integral_constant<int, 1>{}, g, m0);
-          break;
-        case 2:
-          tile(std::integral_constant<int, 2>{}, g, m0);
-          break;
-        case 3:
-          tile(std::integral_constant<int, 3>{}, g, m0);
-          break;
-        case 4:
-          tile(std::integral_constant<int, 4>{}, g, m0);
-          break;
+    for_row_tiles(p.M, [&](auto rows, int64_t m0) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (std::is_same_v<T, Q4_KX16>) {
+        q4_k_x16_tile<R>(p, g, m0);
+      } else {
+        q6_k_x16_tile<R>(p, g, m0);
       }
-    }
+    });
   }
 }
 #endif
