@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from netra_jax.assets import cache_dir
+from netra_jax.ops import ggml_blocks
 
 __all__ = [
     "SOURCES",
@@ -182,18 +183,19 @@ def interleave(rows: np.ndarray, qtype: str) -> np.ndarray:
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the C++ CPU kernels are unavailable: {unavailable_reason()}")
-    types = {"Q4_K": 12, "Q6_K": 14}
+    layout = ggml_blocks.interleaved_layout(qtype)
     src = np.ascontiguousarray(rows, dtype=np.uint8)
-    if qtype not in types or src.ndim < 2:
+    if layout is None or src.ndim < 2:
         raise ValueError(f"interleave takes Q4_K or Q6_K rows [..., N, row_bytes], got {qtype} {src.shape}")
-    if src.shape[-2] % 16:  # (the library sees the rows flattened: a group must not straddle the leading axes)
-        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of 16 rows along N")
+    group = ggml_blocks.FORMATS[layout].interleaved
+    if src.shape[-2] % group:  # (the library sees the rows flattened: a group must not straddle the leading axes)
+        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of {group} rows along N")
     out = np.empty_like(src)
     n = src.size // src.shape[-1]
     fn = lib.NetraGgmlInterleave
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-    if fn(src.ctypes.data, out.ctypes.data, n, src.shape[-1], types[qtype]) != 0:
-        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of 16 rows of whole blocks")
+    if fn(src.ctypes.data, out.ctypes.data, n, src.shape[-1], ggml_blocks.FORMATS[qtype].ggml_type) != 0:
+        raise ValueError(f"{qtype} rows {src.shape} are not whole groups of {group} rows of whole blocks")
     return out
 
 
