@@ -8,10 +8,11 @@
 // bytes over the memory bandwidth. Kept in their 4.5-8.5 bits per weight, the weights are 4-7x fewer bytes than
 // float32; each block is de-quantized in registers where it is used, never written out whole.
 //
-// Here: the types' table, the split of the weight rows over the threads, the FFI binding, and the loader's re-lay of
-// rows into the interleaved layouts (NetraGgmlInterleave). The formats in
-// registers are ggml_blocks.h's; the kernels ggml_matmul.h's (float32 activations, attribute int8_x = 0) and
-// ggml_matmul_q8.h's (int8 activations, int8_x = 1, the engine's default).
+// Here: the types' table (each type's kernels for a number of rows), the split of the weight rows over the threads,
+// the FFI binding, and the loader's entry to the re-lay into the interleaved layouts (NetraGgmlInterleave). The
+// formats in registers are ggml_blocks.h's; the kernels ggml_matmul.h's (float32 activations, attribute int8_x = 0),
+// ggml_matmul_q8.h's (int8 activations, int8_x = 1, the engine's default) and ggml_interleaved.h's (int8 activations
+// against Q4_K / Q6_K rows interleaved by 16).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -20,7 +21,7 @@
 #include <string>
 
 #include "cpu_pool.h"
-#include "ggml_matmul_q8.h"
+#include "ggml_interleaved.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,6 +29,24 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace netra::ggml;
+
+// The int8-activation kernel for M rows of x (null: the type has no such path)
+template <typename T>
+ChunkFn q8_fn(int64_t M) {
+  if constexpr (INTERLEAVED<T>) {
+#if defined(NETRA_X16)
+    return x16_rows<T>;
+#else
+    return nullptr;
+#endif
+  } else {
+#if defined(NETRA_Q8_GROUPS)
+    if constexpr (GROUPED<T>) return M <= FEW_ROWS<T> ? q8_groups<T> : q8_lanes<T>;
+#endif
+    if constexpr (T::U_BITS > 0) return M <= FEW_ROWS<T> ? q8_rows<T> : q8_lanes<T>;
+    return nullptr;
+  }
+}
 
 struct Format {
   int32_t ggml_type;
@@ -168,61 +187,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NetraGgmlMatmulF32, GgmlMatmul,
 // only then
 extern "C" int32_t NetraGgmlInterleavedRows() { return INTERLEAVED_ROWS; }
 
-// dst = the rows src [rows, row_bytes] of GGML type `ggml_type` (Q4_K 12, Q6_K 14) in their interleaved layout
-// (ggml_blocks.h; netra_jax/ops/ggml_blocks.py `interleave_rows` is the reference): the loader's re-lay at memory speed
-// where the jnp one holds int32 copies of the values. Returns 0, or -1 for another type or rows not in groups of 16.
+// The loader's re-lay into the interleaved layouts (`interleave_rows` in ggml_interleaved.h): 0, or -1 for another
+// type or rows not in groups of 16
 extern "C" int32_t NetraGgmlInterleave(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes,
                                        int32_t ggml_type) {
-  const bool q4 = ggml_type == 12, q6 = ggml_type == 14;
-  const int64_t bytes = q4 ? Q4_KX16::BYTES : Q6_KX16::BYTES, R = Q4_KX16::ROWS;
-  if ((!q4 && !q6) || rows % R != 0 || row_bytes % bytes != 0) return -1;
-  const int64_t nb = row_bytes / bytes;
-  for (int64_t g = 0; g < rows / R; ++g) {
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* out = dst + (g * nb + b) * R * bytes;
-      for (int64_t r = 0; r < R; ++r) {
-        const uint8_t* blk = src + (g * R + r) * row_bytes + b * bytes;
-        uint8_t v[256];  // the block's unsigned values in order
-        if (q4) {
-          std::memcpy(out + Q4_KX16::D_AT + 2 * r, blk, 2);
-          std::memcpy(out + Q4_KX16::DMIN_AT + 2 * r, blk + 2, 2);
-          for (int i = 0; i < 12; ++i) out[Q4_KX16::SCALES_AT + 16 * i + r] = blk[4 + i];
-          for (int c = 0; c < 4; ++c) {
-            for (int l = 0; l < 32; ++l) {
-              v[64 * c + l] = blk[16 + 32 * c + l] & 15;
-              v[64 * c + 32 + l] = blk[16 + 32 * c + l] >> 4;
-            }
-          }
-          for (int q = 0; q < 32; ++q) {  // q = 4 j + 2 h + p: values 8 q + t and 8 q + 4 + t
-            for (int t = 0; t < 4; ++t) {
-              out[Q4_KX16::VALUES_AT + 64 * q + 4 * r + t] = v[8 * q + t] | v[8 * q + 4 + t] << 4;
-            }
-          }
-        } else {
-          std::memcpy(out + Q6_KX16::D_AT + 2 * r, blk + 208, 2);
-          for (int s = 0; s < 16; ++s) out[Q6_KX16::SCALES_AT + 16 * s + r] = blk[192 + s];
-          for (int n = 0; n < 2; ++n) {  // value 128 n + 32 k + l
-            for (int k = 0; k < 4; ++k) {
-              for (int l = 0; l < 32; ++l) {
-                const uint8_t low = blk[64 * n + 32 * (k & 1) + l];
-                v[128 * n + 32 * k + l] = (k < 2 ? low & 15 : low >> 4) | ((blk[128 + 32 * n + l] >> (2 * k)) & 3) << 4;
-              }
-            }
-          }
-          for (int s = 0; s < 16; ++s) {
-            uint8_t* sub = out + Q6_KX16::VALUES_AT + Q6_KX16::SUB_BYTES * s;
-            for (int t = 0; t < 4; ++t) {
-              for (int p = 0; p < 2; ++p) {
-                sub[64 * p + 4 * r + t] = (v[16 * s + 8 * p + t] & 15) | (v[16 * s + 8 * p + 4 + t] & 15) << 4;
-              }
-              uint8_t high = 0;
-              for (int f = 0; f < 4; ++f) high |= (v[16 * s + 4 * f + t] >> 4) << (2 * f);
-              sub[128 + 4 * r + t] = high;
-            }
-          }
-        }
-      }
-    }
-  }
-  return 0;
+  return interleave_rows(src, dst, rows, row_bytes, ggml_type);
 }

@@ -1,6 +1,6 @@
 """The C++ CPU kernels (`cpu_matmul.cc`, `cpu_attention.cc`, `cpu_ggml_matmul.cc`, `cpu_decode_layer.cc`, sharing
 `cpu_pool.h` and the matmul's and attention's cores in `cpu_matmul.h` and `cpu_attention.h`; the GGML-block matmul's
-formats and kernels in `ggml_blocks.h`, `ggml_matmul.h` and `ggml_matmul_q8.h`): compiled
+formats and kernels in `ggml_blocks.h`, `ggml_matmul.h`, `ggml_matmul_q8.h` and `ggml_interleaved.h`): compiled
 on first use into one shared library for this machine's CPU and registered as XLA FFI targets; `available()` says
 whether they are ready.
 
@@ -56,6 +56,7 @@ HEADERS = (
     HERE / "ggml_blocks.h",
     HERE / "ggml_matmul.h",
     HERE / "ggml_matmul_q8.h",
+    HERE / "ggml_interleaved.h",
 )
 # FFI target name -> the handler symbol the library exports
 TARGETS = {

@@ -776,7 +776,7 @@ struct Q6_K {  // ql[128]; qh[64]; int8 scales[16]; half d. Two halves of 128 va
 //   [64, 256) their 12 packed scale bytes, byte i of row r at 64 + 16 i + r;
 //   [256, 2304) the values: for sub-block j, half h, pair p (64 bytes at 256 + 64 (4 j + 2 h + p)), int32 lane r holds
 //   row r's values 32 j + 16 h + 8 p + t (t < 4) in the low nibbles of its 4 bytes, and values + 4 in the high ones.
-// With int8 activations (ggml_matmul_q8.h) a dot product multiplies 4 values of each of the 16 rows by the same 4
+// With int8 activations (ggml_interleaved.h) a dot product multiplies 4 values of each of the 16 rows by the same 4
 // bytes of x (broadcast): no shuffles, the scales of 16 rows unpacked together, one vector of results per group.
 struct Q4_KX16 {
   static constexpr int QK = 256, BYTES = 144, GROUP = 1, STEP_BYTES = BYTES, U_BITS = 4;
